@@ -1,0 +1,290 @@
+"""The quantizer's inner loops, in two bit-identical implementations.
+
+`native`: a small C file (native/quant.c) compiled with the system C compiler on
+first use and called through ctypes, which releases the GIL, so chunks run on
+`torch.get_num_threads()` threads. One fused pass per step instead of the dozen
+tensor passes (and a slow `torch.rand`) the torch version needs: that is what
+brings the CPU round trip within reach of memory bandwidth.
+
+`torch`: the same arithmetic in tensor ops, for CUDA tensors and machines with
+no compiler. Both use the same counter-based dither (a hash of the element's
+index and a key drawn from the caller's torch.Generator) and the same float32
+operations in the same order, so codes and decoded values match bit for bit:
+tests/test_kernels.py holds them to it.
+
+Choose with the environment variable AQPIPE_KERNELS=auto|native|torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_SOURCE = Path(__file__).with_name("native") / "quant.c"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+_MIN_CHUNK = 1 << 16  # elements per thread below which splitting costs more than it saves
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_lib_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+# ----------------------------------------------------------------------------- native library
+def _cache_dir() -> Path:
+    root = os.environ.get("AQPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aqpipe")
+    return Path(root) / "native"
+
+
+def _cpu_signature() -> str:
+    """-march=native code only runs on the CPU that built it: key the cache on its flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build() -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"aqpipe_quant_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC", "cc")
+    # Build beside the target and rename: ranks starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+    lib.aq_quantize.argtypes = [p, i64, i64, i64, i64, i32, i32, u32, u32, p, p, p]
+    lib.aq_dequantize.argtypes = [p, i64, i64, i64, i32, p, p, p]
+    lib.aq_quantize.restype = lib.aq_dequantize.restype = None
+    lib.aq_little_endian.restype = ctypes.c_int
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when they cannot be built here (reason in `native_error()`)."""
+    global _lib, _lib_error
+    if _lib is not None or _lib_error is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is None and _lib_error is None:
+            try:
+                lib = ctypes.CDLL(str(_build()))
+                _declare(lib)
+                if not lib.aq_little_endian():
+                    raise OSError("the packed format is little-endian; this host is not")
+                _lib = lib
+            except (OSError, subprocess.CalledProcessError) as exc:
+                detail = getattr(exc, "stderr", "") or ""
+                _lib_error = f"{exc} {detail}".strip()
+    return _lib
+
+
+def native_error() -> str | None:
+    native_library()
+    return _lib_error
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """'native' or 'torch' for a tensor, honouring AQPIPE_KERNELS."""
+    choice = os.environ.get("AQPIPE_KERNELS", "auto")
+    if choice not in ("auto", "native", "torch"):
+        raise ValueError(f"AQPIPE_KERNELS={choice!r}: expected one of auto, native, torch")
+    if choice == "torch" or t.device.type != "cpu" or sys.byteorder != "little":
+        return "torch"
+    lib = native_library()
+    if lib is None:
+        if choice == "native":
+            raise RuntimeError(f"AQPIPE_KERNELS=native but the C kernels could not be built: {_lib_error}")
+        warnings.warn(f"aqpipe: C quantizer kernels unavailable, using torch ops ({_lib_error})", stacklevel=3)
+        os.environ["AQPIPE_KERNELS"] = "torch"  # warn once
+        return "torch"
+    return "native"
+
+
+def _parallel(total: int, cost_per_item: int, fn: Callable[[int, int], None]) -> None:
+    """Run fn(begin, end) over [0, total) in chunks on torch.get_num_threads() threads."""
+    global _pool
+    threads = max(1, torch.get_num_threads())
+    chunks = min(threads, max(1, (total * cost_per_item) // _MIN_CHUNK), max(total, 1))
+    if chunks <= 1:
+        fn(0, total)
+        return
+    if _pool is None or _pool._max_workers < chunks:  # noqa: SLF001 - resize on thread-count change
+        _pool = ThreadPoolExecutor(max_workers=chunks, thread_name_prefix="aqpipe-quant")
+    bounds = [total * k // chunks for k in range(chunks + 1)]
+    futures = [_pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(chunks)]
+    for f in futures:
+        f.result()
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+# ----------------------------------------------------------------------------- torch twins
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dither(n: int, key: tuple[int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The uniform [0, 1) dither of elements 0..n-1 under `key`, as the C kernel computes it."""
+    k0, k1 = key
+    i = torch.arange(n, dtype=torch.int64, device=device) & 0xFFFFFFFF
+    h = _mix32((_mul32(i, 0x9E3779B9) + k0) & 0xFFFFFFFF) ^ k1
+    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def _groups(flat: torch.Tensor, gs: int) -> list[torch.Tensor]:
+    """The full groups as one (G, gs) view, and the partial last group as (1, r) if any."""
+    full = flat.numel() // gs
+    parts = [flat[: full * gs].view(full, gs)] if full else []
+    if flat.numel() > full * gs:
+        parts.append(flat[full * gs :].view(1, -1))
+    return parts
+
+
+def _per_group(values: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Slice a per-group vector to match `_groups`' parts, as (rows, 1) columns."""
+    out, start = [], 0
+    for p in parts:
+        out.append(values[start : start + p.shape[0]].view(-1, 1))
+        start += p.shape[0]
+    return out
+
+
+# ----------------------------------------------------------------------------- the kernels
+def packed_nbytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def quantize_flat(
+    flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a contiguous float32 vector in groups of gs: (packed codes, mins, maxs).
+
+    A group holding NaN or inf gets min = NaN (the caller raises). `key` is the dither
+    key for stochastic rounding, None for round-to-nearest.
+    """
+    n = flat.numel()
+    groups = -(-n // gs) if n else 0
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
+    mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
+    maxs = torch.empty_like(mins)
+    if groups == 0:
+        return packed, mins, maxs
+    if backend_for(flat) == "native":
+        lib = native_library()
+        k0, k1 = key if key is not None else (0, 0)
+        align = 8 // math.gcd(gs, 8)  # chunks start on whole bytes of the stream
+
+        def run(a: int, b: int) -> None:
+            a, b = a * align, min(b * align, groups)
+            if a < b:
+                lib.aq_quantize(_ptr(flat), n, gs, a, b, bits, int(key is not None), k0, k1,
+                                _ptr(mins), _ptr(maxs), _ptr(packed))
+
+        _parallel(-(-groups // align), gs * align, run)
+        return packed, mins, maxs
+    parts = _groups(flat, gs)
+    start = 0
+    for p in parts:
+        lo, hi = torch.aminmax(p, dim=1)
+        mins[start : start + p.shape[0]] = torch.where(torch.isfinite(p).all(dim=1), lo, torch.nan)
+        maxs[start : start + p.shape[0]] = hi
+        start += p.shape[0]
+    levels = (1 << bits) - 1
+    span = maxs - mins
+    ratio = (torch.full_like(span, levels, dtype=torch.float64) / span.double()).clamp(max=_FLOAT32_MAX).float()
+    invs = torch.where(span > 0, ratio, torch.zeros_like(span))  # NaN span (bad group) -> 0
+    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    u_parts = _groups(dither(n, key, flat.device), gs) if key is not None else [0.5] * len(parts)
+    start = 0
+    for p, mn, inv, u in zip(parts, _per_group(mins, parts), _per_group(invs, parts), u_parts):
+        v = (p - mn) * inv
+        v = v + u
+        codes[start : start + p.numel()] = v.clamp_(0.0, float(levels)).to(torch.uint8).reshape(-1)
+        start += p.numel()
+    packed.copy_(_pack(codes, bits))
+    return packed, mins, maxs
+
+
+def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor,
+                    steps: torch.Tensor) -> torch.Tensor:
+    """Decode n elements: code * step + min per element, as float32 (no fused multiply-add)."""
+    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    if n == 0:
+        return out
+    if backend_for(packed) == "native":
+        lib = native_library()
+        blocks = -(-n // 8)
+        packed = packed.contiguous()
+        _parallel(blocks, 8, lambda a, b: lib.aq_dequantize(
+            _ptr(packed), gs, 8 * a, min(8 * b, n), bits, _ptr(mins), _ptr(steps), _ptr(out)))
+        return out
+    codes = _unpack(packed, bits, n)
+    start = 0
+    parts = _groups(codes, gs)
+    for p, mn, st in zip(parts, _per_group(mins, parts), _per_group(steps, parts)):
+        v = p.to(torch.float32) * st
+        out[start : start + p.numel()] = (v + mn).reshape(-1)
+        start += p.numel()
+    return out
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (each < 2**bits) into the little-endian bit stream, with tensor ops."""
+    n = codes.numel()
+    blocks = -(-n // 8)
+    padded = torch.zeros(blocks * 8, dtype=torch.int64, device=codes.device)
+    padded[:n] = codes
+    words = (padded.view(blocks, 8) << (torch.arange(8, device=codes.device) * bits)).sum(dim=1)  # disjoint bits
+    stream = (words.view(-1, 1) >> (torch.arange(bits, device=codes.device) * 8)) & 0xFF
+    return stream.to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `_pack`: n uint8 codes."""
+    blocks = -(-n // 8)
+    padded = torch.zeros(blocks * bits, dtype=torch.int64, device=packed.device)
+    padded[: packed.numel()] = packed
+    words = (padded.view(blocks, bits) << (torch.arange(bits, device=packed.device) * 8)).sum(dim=1)
+    codes = (words.view(-1, 1) >> (torch.arange(8, device=packed.device) * bits)) & ((1 << bits) - 1)
+    return codes.to(torch.uint8).reshape(-1)[:n]

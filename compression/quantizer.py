@@ -1,0 +1,149 @@
+"""k-bit min-max quantization with stochastic rounding, packed densely into bytes.
+
+Per group (a row of the last dimension, or `group_size` consecutive elements of the
+flattened tensor) the range [min, max] is cut into 2**bits - 1 steps; each element
+becomes the code of one of the two levels around it, chosen with probability
+proportional to closeness (unbiased), or the nearest one. What a transport sends is
+`QuantizedTensor.to_bytes()`: per-group float32 mins and steps, then the codes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_bits(bits: int) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits!r}: expected an integer from 1 to 8")
+    return bits
+
+
+def check_finite(x: torch.Tensor, what: str = "x") -> None:
+    """Raise ValueError naming how many elements of x are NaN/inf and where the first is."""
+    bad = ~torch.isfinite(x)
+    count = int(bad.sum())
+    if count == 0:
+        return
+    nans = int(torch.isnan(x).sum())
+    first = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), x.shape)) if x.dim() else ()
+    raise ValueError(
+        f"{what} has {count} non-finite value(s) of {x.numel()} ({nans} NaN, {count - nans} inf), "
+        f"the first at index {index}; refusing to encode it"
+    )
+
+
+def _group_size(shape: torch.Size, group_size: int | None) -> int:
+    if group_size is None:
+        return shape[-1] if len(shape) else 1
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r}: expected a positive integer or None (a row of the last dimension)")
+    return group_size
+
+
+def _num_groups(numel: int, gs: int) -> int:
+    return 0 if numel == 0 else -(-numel // gs)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized tensor: packed codes plus float32 min and step per group."""
+
+    codes: torch.Tensor  # uint8, packed_nbytes(numel, bits) bytes
+    mins: torch.Tensor  # float32, one per group
+    steps: torch.Tensor  # float32, one per group
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Exactly the bytes of `to_bytes()`: what a transport sends."""
+        return self.codes.numel() + 4 * (self.mins.numel() + self.steps.numel())
+
+    @staticmethod
+    def wire_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int | None = None) -> int:
+        """The size of `to_bytes()` for a tensor of `shape`, known before any data (for receive buffers)."""
+        shape = torch.Size(shape)
+        n = math.prod(shape)
+        groups = _num_groups(n, _group_size(shape, group_size))
+        return kernels.packed_nbytes(n, check_bits(bits)) + 8 * groups
+
+    def to_bytes(self) -> torch.Tensor:
+        """One flat uint8 tensor: mins, steps (float32, native byte order), then the codes."""
+        return torch.cat([self.mins.view(torch.uint8), self.steps.view(torch.uint8), self.codes])
+
+    @classmethod
+    def from_bytes(
+        cls, buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, bits: int,
+        group_size: int | None = None,
+    ) -> "QuantizedTensor":
+        """Rebuild from `to_bytes()` output; the metadata travels out of band (both sides know it)."""
+        shape = torch.Size(shape)
+        expected = cls.wire_nbytes(shape, bits, group_size)
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise ValueError(f"buf: expected a 1-D uint8 tensor, got {buf.dim()}-D {buf.dtype}")
+        if buf.numel() != expected:
+            raise ValueError(
+                f"buf has {buf.numel()} bytes; a {bits}-bit tensor of shape {tuple(shape)} "
+                f"(group_size={group_size}) needs {expected}"
+            )
+        groups = _num_groups(math.prod(shape), _group_size(shape, group_size))
+        scales = buf[: 8 * groups].clone()  # clone: float32 views need 4-byte alignment
+        return cls(
+            codes=buf[8 * groups :], mins=scales[: 4 * groups].view(torch.float32),
+            steps=scales[4 * groups :].view(torch.float32), shape=shape, dtype=dtype, bits=bits,
+            group_size=group_size,
+        )
+
+
+def quantize(
+    x: torch.Tensor, bits: int, *, stochastic: bool = True, group_size: int | None = None,
+    generator: torch.Generator | None = None,
+) -> QuantizedTensor:
+    """Quantize x to `bits` bits per element with min-max scaling per group.
+
+    Every element decodes within one step, (max - min) / (2**bits - 1), of its value;
+    stochastic rounding makes the decoded value unbiased. `generator` (or torch's
+    default one) supplies the dither key, so a seeded generator reproduces the codes.
+    """
+    check_bits(bits)
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+    gs = _group_size(x.shape, group_size)
+    flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+    key = _dither_key(generator, x.device) if stochastic else None
+    packed, mins, maxs = kernels.quantize_flat(flat, gs, bits, key)
+    if mins.numel() and not bool(torch.isfinite(mins).all() & torch.isfinite(maxs).all()):
+        check_finite(x)
+    span = maxs - mins
+    if mins.numel() and not bool(torch.isfinite(span).all()):
+        g = int((~torch.isfinite(span)).nonzero()[0, 0])
+        raise ValueError(f"group {g} spans [{mins[g].item()}, {maxs[g].item()}], wider than float32 can hold")
+    steps = span / ((1 << bits) - 1)
+    return QuantizedTensor(packed, mins, steps, x.shape, x.dtype, bits, group_size)
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """The decoded tensor, in q's shape and dtype."""
+    gs = _group_size(q.shape, q.group_size)
+    flat = kernels.dequantize_flat(q.codes, q.numel, gs, q.bits, q.mins, q.steps)
+    return flat.view(q.shape).to(q.dtype)
+
+
+def _dither_key(generator: torch.Generator | None, device: torch.device) -> tuple[int, int]:
+    """Two 32-bit words from the generator: the only randomness the quantizer consumes."""
+    gen_device = generator.device if generator is not None else "cpu"
+    k = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, generator=generator, device=gen_device)
+    return int(k[0]), int(k[1])
