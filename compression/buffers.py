@@ -1,0 +1,102 @@
+"""Per-sample activation buffers m[ξ] for AQ-SGD, in memory or backed by a file.
+
+One row per dataset sample plus a "seen" bit. Both sides of a boundary keep one
+and apply the same updates, so their rows stay bit-identical. A disk-backed
+buffer is a memory-mapped file (`torch.from_file`), created sparse, so a dataset
+whose activations exceed RAM only costs the pages it touches.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -> torch.Tensor:
+    """Validate dataset indices for one micro-batch; returns them as a CPU int64 vector."""
+    ids = torch.as_tensor(sample_ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"sample_ids.dtype={ids.dtype}: expected integer dataset indices")
+    if ids.dim() != 1:
+        raise ValueError(f"sample_ids has shape {tuple(ids.shape)}: expected a 1-D vector of dataset indices")
+    ids = ids.to(device="cpu", dtype=torch.int64)
+    if batch is not None and ids.numel() != batch:
+        raise ValueError(f"{ids.numel()} sample_ids for a micro-batch of {batch} samples: expected one per sample")
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_samples:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"sample id {bad} is out of range: expected 0 <= id < num_samples={num_samples}")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"sample_ids {ids.tolist()} repeat an index: each sample may appear once per micro-batch")
+    return ids
+
+
+class SampleBuffer:
+    """m[ξ] (one row of `sample_shape` per sample) and the seen bit of each sample."""
+
+    def __init__(
+        self, num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dtype = torch.float16,
+        path: str | os.PathLike | None = None,
+    ) -> None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples={num_samples!r}: expected a positive integer (the dataset size)")
+        shape = tuple(sample_shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+            raise ValueError(f"sample_shape={sample_shape!r}: expected a tuple of positive integers")
+        if not dtype.is_floating_point:
+            raise ValueError(f"buffer_dtype={dtype}: expected a floating dtype (float16, bfloat16, float32)")
+        self.num_samples, self.sample_shape, self.dtype = num_samples, shape, dtype
+        self.path = None if path is None else Path(path)
+        self.values = self._allocate()
+        self.seen = torch.zeros(num_samples, dtype=torch.bool)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
+    def _allocate(self) -> torch.Tensor:
+        full_shape = (self.num_samples, *self.sample_shape)
+        if self.path is None:
+            return torch.zeros(full_shape, dtype=self.dtype)
+        numel = math.prod(full_shape)
+        size = numel * torch.empty((), dtype=self.dtype).element_size()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size != size:
+            raise ValueError(
+                f"buffer_path {self.path} holds {self.path.stat().st_size} bytes; a buffer of "
+                f"{self.num_samples} x {self.sample_shape} {self.dtype} needs {size}: remove it or choose another path"
+            )
+        with open(self.path, "ab") as f:  # create if missing; sparse until rows are written
+            f.truncate(size)
+        return torch.from_file(str(self.path), shared=True, size=numel, dtype=self.dtype).view(full_shape)
+
+    def check_ids(self, sample_ids: Any, batch: int | None = None) -> torch.Tensor:
+        return as_sample_ids(sample_ids, self.num_samples, batch)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.values.index_select(0, ids)
+
+    def store(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        if ids.numel():
+            self.values.index_copy_(0, ids, rows.to(device="cpu", dtype=self.dtype))
+            self.seen[ids] = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """References to the rows and seen bits (as torch's state_dicts do: save, don't mutate)."""
+        return {"values": self.values, "seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        values, seen = state["values"], state["seen"]
+        if tuple(values.shape) != tuple(self.values.shape) or values.dtype != self.dtype:
+            raise ValueError(
+                f"buffer state holds {tuple(values.shape)} {values.dtype}; this buffer is "
+                f"{tuple(self.values.shape)} {self.dtype}"
+            )
+        if tuple(seen.shape) != (self.num_samples,):
+            raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
+        self.values.copy_(values)
+        self.seen.copy_(seen)

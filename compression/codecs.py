@@ -1,0 +1,273 @@
+"""Boundary codecs: what crosses a pipeline boundary, forward and backward.
+
+One codec instance lives on each side of a boundary; the sender calls `encode`,
+the receiver `decode`, and both sides' state (AQ-SGD's buffers) evolves the same.
+
+Forward modes:
+  none    the activation as is (the FP32 baseline);
+  direct  Q(a) (the DirectQ baseline);
+  aqsgd   AQ-SGD: a sample's first visit sends a at the buffer's precision and both
+          sides set m[ξ] = a; later visits send Q(a - m[ξ]) and both sides set
+          m[ξ] += deQ(Q(a - m[ξ])). The receiver computes with m[ξ].
+Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .buffers import SampleBuffer
+from .quantizer import FLOAT_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
+
+FORWARD_MODES = ("none", "direct", "aqsgd")
+BACKWARD_MODES = ("none", "direct")
+
+
+@dataclass(frozen=True)
+class Message:
+    """What one encode sends: `payload` (flat uint8) crosses the wire, nothing else does.
+
+    `shape` and `dtype` describe the tensor it encodes; a receiver knows them from the
+    schedule (or a small header) and rebuilds the Message around the bytes it received.
+    `decoded` is the sender's own copy of what the receiver will decode, never sent.
+    """
+
+    payload: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    decoded: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_raw(buf: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return buf.clone().view(dtype).view(shape)  # clone: the view needs the dtype's alignment
+
+
+def _check_payload(message: Message, expected: int, why: str) -> None:
+    if message.payload.dtype != torch.uint8 or message.payload.dim() != 1:
+        raise ValueError(f"payload: expected a 1-D uint8 tensor, got {message.payload.dim()}-D {message.payload.dtype}")
+    if message.nbytes != expected:
+        raise ValueError(f"payload has {message.nbytes} bytes, expected {expected} {why}")
+
+
+class _Codec:
+    """The `none` and `direct` modes shared by both directions."""
+
+    modes: tuple[str, ...] = ()
+
+    def __init__(self, mode: str, bits: int | None, stochastic: bool, seed: int, group_size: int | None) -> None:
+        if mode not in self.modes:
+            raise ValueError(f"mode={mode!r}: expected one of {', '.join(self.modes)}")
+        if mode != "none" and bits is None:
+            raise ValueError(f"mode={mode!r} needs bits (1 to 8)")
+        self.mode, self.bits = mode, None if bits is None else check_bits(bits)
+        self.stochastic, self.group_size = bool(stochastic), group_size
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        return quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator)
+
+    def _encode_dense(self, x: torch.Tensor) -> Message:
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+        if self.mode == "none":
+            if not bool(torch.isfinite(x).all()):
+                check_finite(x, type(self).__name__ + " input")
+            return Message(_raw_bytes(x), x.shape, x.dtype, decoded=x)
+        q = self._quantize(x)
+        return Message(q.to_bytes(), x.shape, x.dtype, decoded=dequantize(q))
+
+    def _dense_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        if self.mode == "none":
+            return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return QuantizedTensor.wire_nbytes(shape, self.bits, self.group_size)
+
+    def _decode_dense(self, message: Message) -> torch.Tensor:
+        shape = torch.Size(message.shape)
+        _check_payload(message, self._dense_nbytes(shape, message.dtype), f"for mode {self.mode!r} and shape {tuple(shape)}")
+        if self.mode == "none":
+            return _from_raw(message.payload, shape, message.dtype)
+        q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size)
+        return dequantize(q)
+
+    def _config(self) -> dict[str, Any]:
+        return {"mode": self.mode, "bits": self.bits, "stochastic": self.stochastic, "group_size": self.group_size}
+
+    def _check_config(self, state: dict[str, Any]) -> None:
+        mine, theirs = self._config(), state.get("config", {})
+        diff = [f"{k}: checkpoint {theirs.get(k)!r} vs codec {v!r}" for k, v in mine.items() if theirs.get(k) != v]
+        if diff:
+            raise ValueError(f"{type(self).__name__} state does not match this codec: " + "; ".join(diff))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self._config(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_config(state)
+        self.generator.set_state(state["generator"])
+
+
+class BackwardCodec(_Codec):
+    """Gradient w.r.t. a boundary activation: `none` (as is) or `direct` (Q(g))."""
+
+    modes = BACKWARD_MODES
+
+    def __init__(self, mode: str, bits: int | None = None, *, stochastic: bool = True, seed: int = 0,
+                 group_size: int | None = None) -> None:
+        super().__init__(mode, bits, stochastic, seed, group_size)
+
+    def encode(self, g: torch.Tensor, sample_ids: Any = None) -> Message:
+        """`sample_ids` is accepted for symmetry with ForwardCodec; gradients are not buffered."""
+        return self._encode_dense(g)
+
+    def decode(self, message: Message, sample_ids: Any = None) -> torch.Tensor:
+        return self._decode_dense(message)
+
+    def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None) -> int:
+        """The payload size `decode` expects: what a receiver allocates before it receives."""
+        return self._dense_nbytes(torch.Size(shape), dtype)
+
+
+class ForwardCodec(_Codec):
+    """Activation at a boundary: `none`, `direct` or `aqsgd` (see the module docstring).
+
+    With `aqsgd`, `num_samples` (dataset size) and `sample_shape` (one sample's activation,
+    e.g. (seq_len, hidden)) size the buffer; `buffer_path` puts it in a file instead of RAM
+    (each side needs its own file). `refresh=True` in encode/decode (both sides alike)
+    sends every sample of the micro-batch at buffer precision and resets its row: the
+    full-precision warm-up epochs.
+    """
+
+    modes = FORWARD_MODES
+
+    def __init__(
+        self, mode: str, bits: int | None = None, *, num_samples: int | None = None,
+        sample_shape: tuple[int, ...] | None = None, buffer_dtype: torch.dtype = torch.float16,
+        buffer_path: str | os.PathLike | None = None, stochastic: bool = True, seed: int = 0,
+        group_size: int | None = None,
+    ) -> None:
+        super().__init__(mode, bits, stochastic, seed, group_size)
+        self.buffer: SampleBuffer | None = None
+        if mode == "aqsgd":
+            if num_samples is None or sample_shape is None:
+                raise ValueError("mode='aqsgd' needs num_samples (dataset size) and sample_shape (one sample's activation)")
+            self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path)
+            if self.bits == 1:
+                warnings.warn(
+                    "aqsgd at 1 bit: min-max quantization then errs by more than the change it sends "
+                    "(c_Q > 1; AQ-SGD's convergence theorem needs c_Q < 0.71), so buffer errors compound. "
+                    "Use 2 bits with a small group_size, or more bits (benchmarks/RESULTS.md has c_Q by setting).",
+                    stacklevel=2,
+                )
+
+    # ------------------------------------------------------------------ aqsgd internals
+    def _split(self, sample_ids: Any, shape: torch.Size, refresh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Validated ids, and the masks of samples sent whole (first visit / refresh) and as deltas."""
+        buf = self.buffer
+        if len(shape) < 1 or tuple(shape[1:]) != buf.sample_shape:
+            raise ValueError(
+                f"activation of shape {tuple(shape)}: expected (batch, *sample_shape) with "
+                f"sample_shape={buf.sample_shape}"
+            )
+        ids = buf.check_ids(sample_ids, shape[0])
+        whole = torch.ones_like(ids, dtype=torch.bool) if refresh else ~buf.seen[ids]
+        return ids, whole, ~whole
+
+    def _delta_shape(self, n: int) -> torch.Size:
+        return torch.Size((n, *self.buffer.sample_shape))
+
+    def _row_nbytes(self, n: int) -> int:
+        return n * math.prod(self.buffer.sample_shape) * torch.empty((), dtype=self.buffer.dtype).element_size()
+
+    def _aqsgd_nbytes(self, n_whole: int, n_delta: int) -> int:
+        return self._row_nbytes(n_whole) + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
+
+    def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
+               m: torch.Tensor, change: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Both sides: store whole rows, set m += change for the others; returns m[ids] as `dtype`."""
+        buf, device = self.buffer, m.device
+        updated = (m + change).to(buf.dtype)
+        buf.store(ids[whole], rows)
+        buf.store(ids[delta], updated)
+        out = torch.empty((ids.numel(), *buf.sample_shape), dtype=dtype, device=device)
+        out[whole.to(device)] = rows.to(dtype)
+        out[delta.to(device)] = updated.to(dtype)
+        return out
+
+    # ------------------------------------------------------------------ public API
+    def encode(self, x: torch.Tensor, sample_ids: Any = None, *, refresh: bool = False) -> Message:
+        """Encode micro-batch x (B, *sample_shape) of samples `sample_ids` (B dataset indices)."""
+        if self.mode != "aqsgd":
+            return self._encode_dense(x)
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+        ids, whole, delta = self._split(sample_ids, x.shape, refresh)
+        x = x.detach()
+        if not bool(torch.isfinite(x).all()):
+            check_finite(x, "activation")
+        rows = x[whole.to(x.device)].to(self.buffer.dtype)
+        m = self.buffer.rows(ids[delta]).to(device=x.device, dtype=torch.float32)
+        q = self._quantize(x[delta.to(x.device)].float() - m)
+        decoded = self._apply(ids, whole, delta, rows, m, dequantize(q), x.dtype)
+        payload = torch.cat([_raw_bytes(rows), q.to_bytes().to(x.device)])
+        return Message(payload, x.shape, x.dtype, decoded=decoded)
+
+    def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
+                       *, refresh: bool = False) -> int:
+        """The payload size `decode` expects, from this side's own state: what a receiver allocates."""
+        shape = torch.Size(shape)
+        if self.mode != "aqsgd":
+            return self._dense_nbytes(shape, dtype)
+        _, whole, delta = self._split(sample_ids, shape, refresh)
+        return self._aqsgd_nbytes(int(whole.sum()), int(delta.sum()))
+
+    def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
+        """The tensor the receiving stage computes with (for aqsgd: m[ξ] after this update)."""
+        if self.mode != "aqsgd":
+            return self._decode_dense(message)
+        shape = torch.Size(message.shape)
+        ids, whole, delta = self._split(sample_ids, shape, refresh)
+        n_whole, n_delta = int(whole.sum()), int(delta.sum())
+        _check_payload(
+            message, self._aqsgd_nbytes(n_whole, n_delta),
+            f"for {n_whole} whole and {n_delta} delta samples: the two sides' buffers disagree "
+            "(a different sample order, a lost message, or refresh on one side only)",
+        )
+        payload, row_bytes = message.payload, self._row_nbytes(n_whole)
+        rows = _from_raw(payload[:row_bytes], self._delta_shape(n_whole), self.buffer.dtype)
+        q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
+                                       self.bits, self.group_size)
+        m = self.buffer.rows(ids[delta]).to(device=payload.device, dtype=torch.float32)
+        return self._apply(ids, whole, delta, rows, m, dequantize(q), message.dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _config(self) -> dict[str, Any]:
+        config = super()._config()
+        if self.buffer is not None:
+            config.update(num_samples=self.buffer.num_samples, sample_shape=self.buffer.sample_shape,
+                          buffer_dtype=str(self.buffer.dtype))
+        return config
+
+    def state_dict(self) -> dict[str, Any]:
+        """Config (checked on load), the dither generator, and for aqsgd the buffer rows and seen bits."""
+        state = super().state_dict()
+        if self.buffer is not None:
+            state["buffer"] = self.buffer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.buffer is not None:
+            self.buffer.load_state_dict(state["buffer"])

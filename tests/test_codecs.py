@@ -1,0 +1,242 @@
+"""Boundary codecs: the two sides agree bit for bit, AQ-SGD sends less and errs less over time."""
+import math
+
+import pytest
+import torch
+
+from compression import BackwardCodec, ForwardCodec, Message, QuantizedTensor
+
+N, SHAPE = 24, (4, 64)  # dataset size, one sample's activation (seq, hidden)
+
+
+def pair(mode="aqsgd", bits=2, sender_path=None, receiver_path=None):
+    """A sender and a receiver codec for one boundary (each with its own buffer file, if any)."""
+    kw = {"num_samples": N, "sample_shape": SHAPE} if mode == "aqsgd" else {}
+    return (ForwardCodec(mode, bits, seed=1, buffer_path=sender_path, **kw),
+            ForwardCodec(mode, bits, seed=1, buffer_path=receiver_path, **kw))
+
+
+def wire(message: Message) -> Message:
+    """What the receiver rebuilds: the payload bytes only, copied as a transport would."""
+    return Message(message.payload.clone(), message.shape, message.dtype)
+
+
+def activation(ids: torch.Tensor, epoch: int, drift: float) -> torch.Tensor:
+    """A deterministic per-sample activation that drifts by `drift` per epoch."""
+    base = torch.stack([torch.randn(SHAPE, generator=torch.Generator().manual_seed(int(i))) for i in ids])
+    moves = torch.stack([torch.randn(SHAPE, generator=torch.Generator().manual_seed(1000 + int(i))) for i in ids])
+    return base + drift * epoch * moves
+
+
+def run_epochs(sender, receiver, epochs=3, batch=5, drift=0.1, seed=0):
+    """Shuffled epochs of micro-batches through both sides; returns per-epoch (bytes, mean abs error)."""
+    g = torch.Generator().manual_seed(seed)
+    stats = []
+    for epoch in range(epochs):
+        order = torch.randperm(N, generator=g)
+        sent, err, count = 0, 0.0, 0
+        for start in range(0, N, batch):
+            ids = order[start : start + batch]
+            x = activation(ids, epoch, drift)
+            msg = sender.encode(x, ids)
+            y = receiver.decode(wire(msg), ids)
+            assert torch.equal(y, msg.decoded)  # the sender sees exactly what the receiver computes with
+            sent += msg.nbytes
+            err += float((y - x).abs().sum())
+            count += x.numel()
+        stats.append((sent, err / count))
+    return stats
+
+
+def test_buffers_stay_bit_identical_over_three_shuffled_epochs():
+    sender, receiver = pair()
+    run_epochs(sender, receiver, epochs=3, batch=5)  # batches of 5 over 24 samples: epochs mix new and seen
+    assert torch.equal(sender.buffer.values, receiver.buffer.values)
+    assert torch.equal(sender.buffer.seen, receiver.buffer.seen)
+    assert bool(sender.buffer.seen.all())
+
+
+def test_first_visit_is_whole_and_later_visits_are_quantized_deltas():
+    sender, receiver = pair(bits=2)
+    ids = torch.tensor([3, 7])
+    x = activation(ids, 0, 0.0)
+    first = sender.encode(x, ids)
+    assert first.nbytes == 2 * math.prod(SHAPE) * 2  # float16 buffer rows
+    assert torch.equal(receiver.decode(wire(first), ids), x.half().float())
+    second = sender.encode(x + 0.01, ids)
+    assert second.nbytes == QuantizedTensor.wire_nbytes((2, *SHAPE), 2)
+    assert second.nbytes < first.nbytes / 4
+    # a batch with one seen and one new sample carries one whole row and one delta row
+    mixed_ids = torch.tensor([3, 11])
+    mixed = sender.encode(activation(mixed_ids, 0, 0.0), mixed_ids)
+    assert mixed.nbytes == math.prod(SHAPE) * 2 + QuantizedTensor.wire_nbytes((1, *SHAPE), 2)
+    assert receiver.payload_nbytes((2, *SHAPE), torch.float32, ids) == second.nbytes
+
+
+def test_first_visit_is_per_sample_not_per_epoch():
+    sender, receiver = pair()
+    (bytes0, _), (bytes1, _) = run_epochs(sender, receiver, epochs=2)
+    assert bytes1 < bytes0 / 4  # epoch 2 sends no sample whole again
+
+
+def test_aqsgd_error_shrinks_as_activations_settle_but_directq_does_not():
+    def errors(mode, drift):
+        s, r = pair(mode, 2)
+        return [e for _, e in run_epochs(s, r, epochs=4, drift=drift)]
+
+    aq_fast, aq_slow = errors("aqsgd", 0.2), errors("aqsgd", 0.01)
+    dq_fast, dq_slow = errors("direct", 0.2), errors("direct", 0.01)
+    assert aq_slow[-1] < aq_fast[-1] / 5  # self-enforcing: smaller change, smaller error
+    assert aq_slow[-1] < dq_slow[-1] / 10
+    assert dq_slow[-1] > dq_fast[-1] * 0.8  # DirectQ's error does not care how much activations move
+
+
+def test_none_mode_is_exact_and_sends_raw_bytes():
+    s, r = ForwardCodec("none"), ForwardCodec("none")
+    x = torch.randn(3, 4, 5)
+    msg = s.encode(x, torch.arange(3))
+    assert msg.nbytes == x.numel() * 4
+    assert torch.equal(r.decode(wire(msg)), x)
+
+
+def test_direct_mode_round_trip_matches_the_senders_copy():
+    s, r = ForwardCodec("direct", 3, seed=2), ForwardCodec("direct", 3)
+    x = torch.randn(3, 4, 50).to(torch.bfloat16)
+    msg = s.encode(x)
+    y = r.decode(wire(msg))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, msg.decoded)
+    assert msg.nbytes == QuantizedTensor.wire_nbytes(x.shape, 3)
+
+
+def test_refresh_resends_whole_rows_on_both_sides():
+    sender, receiver = pair()
+    ids = torch.tensor([1, 2])
+    for _ in range(2):
+        x = activation(ids, 0, 0.0)
+        msg = sender.encode(x, ids, refresh=True)
+        assert msg.nbytes == 2 * math.prod(SHAPE) * 2
+        assert torch.equal(receiver.decode(wire(msg), ids, refresh=True), msg.decoded)
+    with pytest.raises(ValueError, match="buffers disagree"):
+        receiver.decode(wire(sender.encode(x, ids, refresh=True)), ids)  # refresh on one side only
+
+
+def test_state_dict_resume_does_not_resend_and_continues_identically(tmp_path):
+    sender, receiver = pair()
+    run_epochs(sender, receiver, epochs=1)
+    torch.save({"s": sender.state_dict(), "r": receiver.state_dict()}, tmp_path / "ckpt.pt")
+    reference = run_epochs(sender, receiver, epochs=1, seed=9)  # uninterrupted continuation
+
+    s2, r2 = pair()
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    s2.load_state_dict(state["s"])
+    r2.load_state_dict(state["r"])
+    resumed = run_epochs(s2, r2, epochs=1, seed=9)
+    assert resumed == reference  # same bytes (nothing resent whole) and the same errors
+    assert torch.equal(s2.buffer.values, sender.buffer.values)
+
+
+def test_state_from_another_config_is_refused():
+    s = ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE)
+    other = ForwardCodec("aqsgd", 4, num_samples=N, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match="bits: checkpoint 2 vs codec 4"):
+        other.load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="num_samples: checkpoint 24 vs codec 25"):
+        ForwardCodec("aqsgd", 2, num_samples=N + 1, sample_shape=SHAPE).load_state_dict(s.state_dict())
+
+
+def test_disk_backed_buffers_match_memory_and_live_in_the_file(tmp_path):
+    mem_s, mem_r = pair()
+    disk_s, disk_r = pair(sender_path=tmp_path / "send.buf", receiver_path=tmp_path / "recv.buf")
+    assert run_epochs(disk_s, disk_r, epochs=2) == run_epochs(mem_s, mem_r, epochs=2)
+    assert torch.equal(disk_s.buffer.values, mem_s.buffer.values)
+    size = N * math.prod(SHAPE) * 2
+    assert (tmp_path / "send.buf").stat().st_size == size
+    on_disk = torch.from_file(str(tmp_path / "recv.buf"), size=N * math.prod(SHAPE), dtype=torch.float16)
+    assert torch.equal(on_disk.view(N, *SHAPE), mem_r.buffer.values)
+
+
+def test_disk_buffer_of_the_wrong_size_is_refused(tmp_path):
+    path = tmp_path / "old.buf"
+    path.write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match="holds 10 bytes.*needs 12288"):
+        ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE, buffer_path=path)
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([0, 24, 3], r"sample id 24 is out of range: expected 0 <= id < num_samples=24"),
+    ([-1, 2, 3], r"sample id -1 is out of range"),
+    ([1, 1, 2], r"repeat an index"),
+    ([1, 2], r"2 sample_ids for a micro-batch of 3"),
+    ([[1, 2, 3]], r"expected a 1-D vector"),
+    ([1.0, 2.0, 3.0], r"expected integer dataset indices"),
+])
+def test_bad_sample_ids_are_refused(ids, match):
+    s = ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match=match):
+        s.encode(torch.randn(3, *SHAPE), torch.tensor(ids))
+
+
+def test_wrong_sample_shape_is_refused_with_the_numbers():
+    s = ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match=r"shape \(2, 4, 65\).*sample_shape=\(4, 64\)"):
+        s.encode(torch.randn(2, 4, 65), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("mode", ["none", "direct", "aqsgd"])
+def test_nan_is_never_encoded(mode):
+    s = pair(mode)[0]
+    x = torch.randn(2, *SHAPE)
+    x[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"1 non-finite value.*first at index \(1, 2, 3\)"):
+        s.encode(x, torch.tensor([0, 1]))
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="mode='int8': expected one of none, direct, aqsgd"):
+        ForwardCodec("int8", 8)
+    with pytest.raises(ValueError, match="needs bits"):
+        ForwardCodec("direct")
+    with pytest.raises(ValueError, match="bits=9"):
+        ForwardCodec("aqsgd", 9, num_samples=N, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match="needs num_samples"):
+        ForwardCodec("aqsgd", 2)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        ForwardCodec("aqsgd", 2, num_samples=0, sample_shape=SHAPE)
+    with pytest.raises(ValueError, match="mode='aqsgd': expected one of none, direct"):
+        BackwardCodec("aqsgd", 2)
+
+
+def test_truncated_payload_is_refused():
+    s, r = ForwardCodec("direct", 2), ForwardCodec("direct", 2)
+    msg = s.encode(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="payload has"):
+        r.decode(Message(msg.payload[:-3], msg.shape, msg.dtype))
+
+
+@pytest.mark.parametrize("mode,bits", [("none", None), ("direct", 4)])
+def test_backward_codec(mode, bits):
+    s, r = BackwardCodec(mode, bits, seed=3), BackwardCodec(mode, bits)
+    g = torch.randn(4, *SHAPE) * 1e-3
+    msg = s.encode(g)
+    y = r.decode(wire(msg))
+    assert torch.equal(y, msg.decoded)
+    assert msg.nbytes == r.payload_nbytes(g.shape, g.dtype)
+    if mode == "none":
+        assert torch.equal(y, g)
+    else:
+        assert msg.nbytes == g.numel() // 2 + 8 * g.numel() // SHAPE[-1]  # 4-bit codes + 8 bytes of scales a row
+        assert float((y - g).abs().max()) <= float((g.amax(-1) - g.amin(-1)).max()) / 15 * 1.0001
+
+
+def test_codec_state_restores_the_dither_stream():
+    s = ForwardCodec("direct", 2, seed=5)
+    x = torch.randn(3, 40)
+    state = s.state_dict()
+    a = s.encode(x)
+    s.load_state_dict(state)
+    assert torch.equal(s.encode(x).payload, a.payload)
+
+
+def test_one_bit_aqsgd_warns_that_it_is_outside_the_theorem():
+    with pytest.warns(UserWarning, match="c_Q > 1"):
+        ForwardCodec("aqsgd", 1, num_samples=N, sample_shape=SHAPE)
