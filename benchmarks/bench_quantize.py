@@ -1,0 +1,111 @@
+"""Quantizer throughput against memory bandwidth, and its error constant c_Q.
+
+GB/s of float32 input for quantize+pack and unpack+dequantize at each bit width,
+beside torch.clone of the same tensor (the memory-bandwidth reference), all
+timed interleaved in one run so the ratios survive a noisy machine. Also
+c_Q = E||x - Q(x)|| / ||x||: AQ-SGD's convergence theorem assumes c_Q < sqrt(1/2).
+
+    python benchmarks/bench_quantize.py [--shape 8,1024,1600] [--repeats 7] [--backends native,torch]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from compression import dequantize, kernels, quantize
+
+TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def c_q(bits: int, width: int, group_size: int | None = None, rows: int = 256) -> float:
+    """E||x - Q(x)|| / ||x|| over Gaussian rows of `width` (groups: a row, or `group_size`)."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(bits))
+    y = dequantize(quantize(x, bits, group_size=group_size, generator=torch.Generator().manual_seed(0)))
+    return float(((y - x).norm(dim=1) / x.norm(dim=1)).mean())
+
+
+def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: str) -> list[dict]:
+    os.environ["AQPIPE_KERNELS"] = backend
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    gb = x.numel() * 4 / 1e9
+    g = torch.Generator().manual_seed(1)
+    samples = {b: {"q": [], "d": []} for b in bit_widths}
+    clone = []
+    for _ in range(repeats + 1):  # the first round warms caches and builds the kernels
+        clone.append(timed(lambda: x.clone()))
+        for b in bit_widths:
+            holder = {}
+            samples[b]["q"].append(timed(lambda: holder.setdefault("q", quantize(x, b, generator=g))))
+            samples[b]["d"].append(timed(lambda: dequantize(holder["q"])))
+    t_clone = statistics.median(clone[1:])
+    rows = []
+    for b in bit_widths:
+        tq, td = statistics.median(samples[b]["q"][1:]), statistics.median(samples[b]["d"][1:])
+        q = quantize(x, b, generator=g)
+        rows.append({
+            "backend": backend, "bits": b, "quantize_GBps": gb / tq, "dequantize_GBps": gb / td,
+            "round_trip_GBps": gb / (tq + td), "clone_GBps": gb / t_clone,
+            "round_trip_vs_clone": t_clone / (tq + td), "compression": x.numel() * 4 / q.nbytes,
+            "c_Q": c_q(b, shape[-1]),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="8,1024,1600", help="comma-separated tensor shape")
+    p.add_argument("--bits", default="1,2,4,8", help="comma-separated bit widths")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--backends", default="native", help="comma-separated: native, torch")
+    p.add_argument("--group_sizes", default="16,32,128", help="group sizes for the c_Q table (beside a whole row)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = tuple(int(s) for s in args.shape.split(","))
+    bit_widths = [int(b) for b in args.bits.split(",")]
+    print(f"tensor {shape} float32 ({math.prod(shape) * 4 / 1e6:.1f} MB), {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}")
+    print(f"{'backend':<7} {'bits':>4} {'quant GB/s':>10} {'dequant GB/s':>12} {'round GB/s':>10} "
+          f"{'clone GB/s':>10} {'round/clone':>11} {'x smaller':>9} {'c_Q':>6}")
+    rows = []
+    for backend in args.backends.split(","):
+        for r in run(shape, bit_widths, args.repeats, backend):
+            rows.append(r)
+            print(f"{r['backend']:<7} {r['bits']:>4} {r['quantize_GBps']:>10.2f} {r['dequantize_GBps']:>12.2f} "
+                  f"{r['round_trip_GBps']:>10.2f} {r['clone_GBps']:>10.2f} {r['round_trip_vs_clone']:>11.2f} "
+                  f"{r['compression']:>9.1f} {r['c_Q']:>6.3f}")
+    native = [r for r in rows if r["backend"] == "native"]
+    if native:
+        worst = min(r["round_trip_vs_clone"] for r in native)
+        print(f"target: round trip >= {TARGET} x clone; worst native ratio {worst:.2f} "
+              f"({'met' if worst >= TARGET else 'NOT met'})")
+    group_sizes = [int(g) for g in args.group_sizes.split(",")]
+    print(f"\nc_Q by group size (AQ-SGD's theorem needs c_Q < {math.sqrt(0.5):.3f}); "
+          f"scales cost 64/group_size bits per element")
+    print(f"{'bits':>4} " + " ".join(f"{'g=' + str(g):>7}" for g in group_sizes) + f" {'row=' + str(shape[-1]):>9}")
+    for b in bit_widths:
+        cells = [c_q(b, shape[-1], g) for g in group_sizes] + [c_q(b, shape[-1])]
+        print(f"{b:>4} " + " ".join(f"{c:>7.3f}" for c in cells[:-1]) + f" {cells[-1]:>9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

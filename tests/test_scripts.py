@@ -1,0 +1,44 @@
+"""The demo, the benchmark and the package boundaries, run as a user would."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import bench_quantize  # noqa: E402
+from recipes import codec_demo  # noqa: E402
+
+
+def test_codec_demo_aqsgd_tracks_fp32_where_directq_falls_behind(tmp_path):
+    out = tmp_path / "demo.json"
+    assert codec_demo.main(["--json", str(out)]) == 0
+    r = {row["mode"]: row for row in json.loads(out.read_text())["results"]}
+    fp32, direct, aq = r["none"], r["direct"], r["aqsgd"]
+    assert aq["forward_bytes"] < fp32["forward_bytes"] / 5
+    assert direct["forward_bytes"] < aq["forward_bytes"]  # DirectQ never sends a first visit whole
+    gap_aq = aq["final_epoch_loss"] - fp32["final_epoch_loss"]
+    gap_direct = direct["final_epoch_loss"] - fp32["final_epoch_loss"]
+    assert gap_aq < gap_direct / 3
+
+
+def test_bench_quantize_prints_and_records_every_row(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench_quantize.main(["--shape", "2,8,64", "--repeats", "1", "--backends", "native,torch",
+                         "--group_sizes", "16", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["backend"], r["bits"]) for r in rows] == [(b, n) for b in ("native", "torch") for n in (1, 2, 4, 8)]
+    two = next(r for r in rows if r["bits"] == 2)
+    assert abs(two["compression"] - 2 * 8 * 64 * 4 / (2 * 8 * 16 + 2 * 8 * 8)) < 1e-9
+    c_q = [r["c_Q"] for r in rows[:4]]
+    assert c_q == sorted(c_q, reverse=True) and c_q[-1] < 0.05
+    assert "round/clone" in capsys.readouterr().out
+
+
+def test_compression_imports_nothing_of_the_pipeline_or_hf():
+    code = ("import sys, compression; "
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'pipeline', 'data_parallel', 'transformers', 'deepspeed', 'datasets'}); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
