@@ -17,6 +17,8 @@ import torch
 
 def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -> torch.Tensor:
     """Validate dataset indices for one micro-batch; returns them as a CPU int64 vector."""
+    if sample_ids is None:
+        raise ValueError("sample_ids is None: AQ-SGD buffers need each sample's dataset index")
     ids = torch.as_tensor(sample_ids)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"sample_ids.dtype={ids.dtype}: expected integer dataset indices")
@@ -63,7 +65,7 @@ class SampleBuffer:
         if self.path is None:
             return torch.zeros(full_shape, dtype=self.dtype)
         numel = math.prod(full_shape)
-        size = numel * torch.empty((), dtype=self.dtype).element_size()
+        size = numel * self.dtype.itemsize
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and self.path.stat().st_size != size:
             raise ValueError(

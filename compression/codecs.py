@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .buffers import SampleBuffer
-from .quantizer import FLOAT_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
+from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
 
 FORWARD_MODES = ("none", "direct", "aqsgd")
 BACKWARD_MODES = ("none", "direct")
@@ -80,18 +80,16 @@ class _Codec:
         return quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator)
 
     def _encode_dense(self, x: torch.Tensor) -> Message:
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+        check_float(x)
         if self.mode == "none":
-            if not bool(torch.isfinite(x).all()):
-                check_finite(x, type(self).__name__ + " input")
-            return Message(_raw_bytes(x), x.shape, x.dtype, decoded=x)
+            check_finite(x, type(self).__name__ + " input")
+            return Message(_raw_bytes(x), x.shape, x.dtype, decoded=x.detach())
         q = self._quantize(x)
         return Message(q.to_bytes(), x.shape, x.dtype, decoded=dequantize(q))
 
     def _dense_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         if self.mode == "none":
-            return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            return math.prod(shape) * dtype.itemsize
         return QuantizedTensor.wire_nbytes(shape, self.bits, self.group_size)
 
     def _decode_dense(self, message: Message) -> torch.Tensor:
@@ -189,7 +187,7 @@ class ForwardCodec(_Codec):
         return torch.Size((n, *self.buffer.sample_shape))
 
     def _row_nbytes(self, n: int) -> int:
-        return n * math.prod(self.buffer.sample_shape) * torch.empty((), dtype=self.buffer.dtype).element_size()
+        return n * math.prod(self.buffer.sample_shape) * self.buffer.dtype.itemsize
 
     def _aqsgd_nbytes(self, n_whole: int, n_delta: int) -> int:
         return self._row_nbytes(n_whole) + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
@@ -211,12 +209,10 @@ class ForwardCodec(_Codec):
         """Encode micro-batch x (B, *sample_shape) of samples `sample_ids` (B dataset indices)."""
         if self.mode != "aqsgd":
             return self._encode_dense(x)
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+        check_float(x)
         ids, whole, delta = self._split(sample_ids, x.shape, refresh)
         x = x.detach()
-        if not bool(torch.isfinite(x).all()):
-            check_finite(x, "activation")
+        check_finite(x, "activation")
         rows = x[whole.to(x.device)].to(self.buffer.dtype)
         m = self.buffer.rows(ids[delta]).to(device=x.device, dtype=torch.float32)
         q = self._quantize(x[delta.to(x.device)].float() - m)

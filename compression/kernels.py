@@ -41,6 +41,7 @@ _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 _lib_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 # ----------------------------------------------------------------------------- native library
@@ -131,14 +132,14 @@ def backend_for(t: torch.Tensor) -> str:
 
 def _parallel(total: int, cost_per_item: int, fn: Callable[[int, int], None]) -> None:
     """Run fn(begin, end) over [0, total) in chunks on torch.get_num_threads() threads."""
-    global _pool
+    global _pool, _pool_size
     threads = max(1, torch.get_num_threads())
     chunks = min(threads, max(1, (total * cost_per_item) // _MIN_CHUNK), max(total, 1))
     if chunks <= 1:
         fn(0, total)
         return
-    if _pool is None or _pool._max_workers < chunks:  # noqa: SLF001 - resize on thread-count change
-        _pool = ThreadPoolExecutor(max_workers=chunks, thread_name_prefix="aqpipe-quant")
+    if _pool_size < chunks:  # first use, or torch's thread count grew
+        _pool, _pool_size = ThreadPoolExecutor(max_workers=chunks, thread_name_prefix="aqpipe-quant"), chunks
     bounds = [total * k // chunks for k in range(chunks + 1)]
     futures = [_pool.submit(fn, bounds[k], bounds[k + 1]) for k in range(chunks)]
     for f in futures:

@@ -24,12 +24,17 @@ def check_bits(bits: int) -> int:
     return bits
 
 
+def check_float(x: torch.Tensor, what: str = "x") -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what}.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+
+
 def check_finite(x: torch.Tensor, what: str = "x") -> None:
     """Raise ValueError naming how many elements of x are NaN/inf and where the first is."""
+    if bool(torch.isfinite(x).all()):
+        return
     bad = ~torch.isfinite(x)
     count = int(bad.sum())
-    if count == 0:
-        return
     nans = int(torch.isnan(x).sum())
     first = int(bad.reshape(-1).nonzero()[0, 0])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), x.shape)) if x.dim() else ()
@@ -119,8 +124,7 @@ def quantize(
     default one) supplies the dither key, so a seeded generator reproduces the codes.
     """
     check_bits(bits)
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+    check_float(x)
     gs = _group_size(x.shape, group_size)
     flat = x.detach().reshape(-1).to(torch.float32).contiguous()
     key = _dither_key(generator, x.device) if stochastic else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quantizer import FLOAT_DTYPES, QuantizedTensor, check_finite, dequantize, quantize
+from .quantizer import QuantizedTensor, check_finite, check_float, dequantize, quantize
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,11 @@ class SparseTensor:
 
 
 def _check(x: torch.Tensor, k: int) -> torch.Tensor:
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x.dtype={x.dtype}: expected one of float32, float16, bfloat16")
+    check_float(x)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= x.numel():
         raise ValueError(f"k={k!r}: expected an integer from 0 to x.numel()={x.numel()}")
-    flat = x.detach().reshape(-1)
-    if not bool(torch.isfinite(flat).all()):
-        check_finite(x)
-    return flat
+    check_finite(x)
+    return x.detach().reshape(-1)
 
 
 def topk(x: torch.Tensor, k: int) -> SparseTensor:

@@ -240,3 +240,8 @@ def test_codec_state_restores_the_dither_stream():
 def test_one_bit_aqsgd_warns_that_it_is_outside_the_theorem():
     with pytest.warns(UserWarning, match="c_Q > 1"):
         ForwardCodec("aqsgd", 1, num_samples=N, sample_shape=SHAPE)
+
+
+def test_missing_sample_ids_are_refused():
+    with pytest.raises(ValueError, match="sample_ids is None"):
+        ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE).encode(torch.randn(2, *SHAPE))
