@@ -6,9 +6,10 @@ the receiver `decode`, and both sides' state (AQ-SGD's buffers) evolves the same
 Forward modes:
   none    the activation as is (the FP32 baseline);
   direct  Q(a) (the DirectQ baseline);
-  aqsgd   AQ-SGD: a sample's first visit sends a at the buffer's precision and both
-          sides set m[ξ] = a; later visits send Q(a - m[ξ]) and both sides set
-          m[ξ] += deQ(Q(a - m[ξ])). The receiver computes with m[ξ].
+  aqsgd   AQ-SGD: a sample's first visit sends a in full precision (its own dtype), the
+          receiver computes with it and both sides store m[ξ] = a (in the buffer dtype);
+          later visits send Q(a - m[ξ]), both sides set m[ξ] += deQ(Q(a - m[ξ])) and the
+          receiver computes with m[ξ].
 Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation).
 """
 from __future__ import annotations
@@ -144,7 +145,7 @@ class ForwardCodec(_Codec):
     With `aqsgd`, `num_samples` (dataset size) and `sample_shape` (one sample's activation,
     e.g. (seq_len, hidden)) size the buffer; `buffer_path` puts it in a file instead of RAM
     (each side needs its own file). `refresh=True` in encode/decode (both sides alike)
-    sends every sample of the micro-batch at buffer precision and resets its row: the
+    sends every sample of the micro-batch in full precision and resets its row: the
     full-precision warm-up epochs.
     """
 
@@ -186,15 +187,18 @@ class ForwardCodec(_Codec):
     def _delta_shape(self, n: int) -> torch.Size:
         return torch.Size((n, *self.buffer.sample_shape))
 
-    def _row_nbytes(self, n: int) -> int:
-        return n * math.prod(self.buffer.sample_shape) * self.buffer.dtype.itemsize
+    def _row_nbytes(self, n: int, dtype: torch.dtype) -> int:
+        return n * math.prod(self.buffer.sample_shape) * dtype.itemsize
 
-    def _aqsgd_nbytes(self, n_whole: int, n_delta: int) -> int:
-        return self._row_nbytes(n_whole) + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
+    def _aqsgd_nbytes(self, n_whole: int, n_delta: int, dtype: torch.dtype) -> int:
+        whole = self._row_nbytes(n_whole, dtype)
+        return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
 
     def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
                m: torch.Tensor, change: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Both sides: store whole rows, set m += change for the others; returns m[ids] as `dtype`."""
+        """Both sides: store whole rows, set m += change for the others.
+
+        Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`."""
         buf, device = self.buffer, m.device
         updated = (m + change).to(buf.dtype)
         buf.store(ids[whole], rows)
@@ -213,7 +217,7 @@ class ForwardCodec(_Codec):
         ids, whole, delta = self._split(sample_ids, x.shape, refresh)
         x = x.detach()
         check_finite(x, "activation")
-        rows = x[whole.to(x.device)].to(self.buffer.dtype)
+        rows = x[whole.to(x.device)]
         m = self.buffer.rows(ids[delta]).to(device=x.device, dtype=torch.float32)
         q = self._quantize(x[delta.to(x.device)].float() - m)
         decoded = self._apply(ids, whole, delta, rows, m, dequantize(q), x.dtype)
@@ -227,7 +231,7 @@ class ForwardCodec(_Codec):
         if self.mode != "aqsgd":
             return self._dense_nbytes(shape, dtype)
         _, whole, delta = self._split(sample_ids, shape, refresh)
-        return self._aqsgd_nbytes(int(whole.sum()), int(delta.sum()))
+        return self._aqsgd_nbytes(int(whole.sum()), int(delta.sum()), dtype)
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
         """The tensor the receiving stage computes with (for aqsgd: m[ξ] after this update)."""
@@ -237,12 +241,12 @@ class ForwardCodec(_Codec):
         ids, whole, delta = self._split(sample_ids, shape, refresh)
         n_whole, n_delta = int(whole.sum()), int(delta.sum())
         _check_payload(
-            message, self._aqsgd_nbytes(n_whole, n_delta),
+            message, self._aqsgd_nbytes(n_whole, n_delta, message.dtype),
             f"for {n_whole} whole and {n_delta} delta samples: the two sides' buffers disagree "
             "(a different sample order, a lost message, or refresh on one side only)",
         )
-        payload, row_bytes = message.payload, self._row_nbytes(n_whole)
-        rows = _from_raw(payload[:row_bytes], self._delta_shape(n_whole), self.buffer.dtype)
+        payload, row_bytes = message.payload, self._row_nbytes(n_whole, message.dtype)
+        rows = _from_raw(payload[:row_bytes], self._delta_shape(n_whole), message.dtype)
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta]).to(device=payload.device, dtype=torch.float32)
