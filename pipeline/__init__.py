@@ -1,2 +1,9 @@
-"""aqpipe.pipeline: the stage-partitioned engine (HF models split into stages, GPipe and 1F1B
-schedules, point-to-point transport). Not built yet: see the pipeline issue."""
+"""aqpipe.pipeline: HF models split into stages, schedules as data, codec-compressed transport, the engine."""
+from .engine import CompressionConfig, PipelineEngine, StepCounters
+from .schedule import SCHEDULES, Action, gpipe, in_flight, one_f_one_b, simulate, train_schedule
+from .topology import Grid, Groups, build_groups
+
+__all__ = [
+    "SCHEDULES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine", "StepCounters",
+    "build_groups", "gpipe", "in_flight", "one_f_one_b", "simulate", "train_schedule",
+]

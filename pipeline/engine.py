@@ -1,0 +1,277 @@
+"""The pipeline engine: one stage per process, a schedule of actions, codecs on every boundary.
+
+`train_batch` runs one optimizer step over M micro-batches: the schedule's actions
+(recv/forward/send, recv/backward/send), then the tied-weight gradient exchange, the
+data-parallel hook, global-norm clipping, the optimizer and LR-scheduler steps.
+Every stage loads the same micro-batches itself; only boundary activations and their
+gradients cross the pipeline, as codec messages. Bytes are counted per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from compression import BackwardCodec, ForwardCodec
+
+from . import schedule as sched
+from .topology import Groups
+from .transport import Boundary, Wire
+
+TIE_TAG = 7  # p2p tag of tied-gradient messages, apart from boundary traffic
+
+
+class Stage(Protocol):
+    """What the engine needs of a stage module (pipeline.partition builds them)."""
+
+    stage_index: int
+    num_stages: int
+    is_first: bool
+    is_last: bool
+    hidden_size: int
+
+    def __call__(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> Any: ...
+    def parameters(self) -> Any: ...
+    def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...
+
+
+@dataclass
+class CompressionConfig:
+    """Per boundary: forward none|direct|aqsgd, backward none|direct, warm-up epochs at full precision."""
+
+    forward: str = "none"
+    forward_bits: int | None = None
+    backward: str = "none"
+    backward_bits: int | None = None
+    warmup_epochs: int = 0
+    buffer_dtype: torch.dtype = torch.float16
+    buffer_dir: str | None = None  # disk-backed AQ-SGD buffers: one file per boundary side
+    group_size: int | None = None
+    stochastic: bool = True
+
+
+@dataclass
+class StepCounters:
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+    tie_bytes: int = 0
+    dp_bytes: int = 0
+
+
+@dataclass
+class _Flight:
+    """Tensors of the micro-batches in flight on this stage."""
+
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    correct: int = 0
+    counted: int = 0
+
+
+class PipelineEngine:
+    def __init__(
+        self, stage: Stage, groups: Groups, optimizer: torch.optim.Optimizer, *,
+        compression: CompressionConfig | None = None, num_samples: int, seq_len: int,
+        lr_scheduler: Any = None, gradient_clipping: float = 0.0, schedule: str = "1f1b",
+        ties: dict[str, list[int]] | None = None, device: torch.device | str = "cpu", bf16: bool = False,
+        seed: int = 0, data_parallel: Any = None,
+    ) -> None:
+        if schedule not in sched.SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(sched.SCHEDULES)}")
+        self.stage, self.groups, self.optimizer = stage, groups, optimizer
+        self.lr_scheduler, self.gradient_clipping, self.schedule = lr_scheduler, gradient_clipping, schedule
+        self.compression = compression or CompressionConfig()
+        self.device, self.bf16 = torch.device(device), bf16
+        self.wire_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v}
+        self.data_parallel = data_parallel
+        self.wire = Wire()
+        self.global_step = 0
+        self.prev = self._boundary(groups.stage - 1, num_samples, seq_len, seed) if not stage.is_first else None
+        self.next = self._boundary(groups.stage, num_samples, seq_len, seed) if not stage.is_last else None
+
+    # ------------------------------------------------------------------ construction
+    def _boundary(self, index: int, num_samples: int, seq_len: int, seed: int) -> Boundary:
+        """The codecs of boundary `index` (between stages index and index+1), on this side of it."""
+        c, here = self.compression, self.groups.stage
+        side = "send" if here == index else "recv"
+        peer = self.groups.pipeline_rank_of(index + 1 if side == "send" else index)
+        path = None
+        if c.buffer_dir and c.forward == "aqsgd":
+            path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
+        shape = (seq_len, self.stage.hidden_size)
+        kw = {"num_samples": num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
+              "buffer_path": path} if c.forward == "aqsgd" else {}
+        codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
+        forward = ForwardCodec(c.forward, c.forward_bits, stochastic=c.stochastic, seed=codec_seed,
+                               group_size=c.group_size, **kw)
+        backward = BackwardCodec(c.backward, c.backward_bits, stochastic=c.stochastic, seed=codec_seed + 1,
+                                 group_size=c.group_size)
+        return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"))
+
+    # ------------------------------------------------------------------ one batch
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def _shape(self, batch: dict[str, torch.Tensor]) -> torch.Size:
+        b, t = batch["input_ids"].shape[:2]
+        return torch.Size((b, t, self.stage.hidden_size))
+
+    def _run(self, actions: list[sched.Action], micro_batches: list[dict], phase: str, training: bool) -> _Flight:
+        flight, counters, m = _Flight(), self._counters, len(micro_batches)
+
+        def recv_act(mb: int) -> None:
+            batch = micro_batches[mb]
+            x = self.prev.recv_activation(self._shape(batch), self.wire_dtype, batch["sample_id"], phase, self.device)
+            flight.inputs[mb] = x.requires_grad_(training)
+
+        def forward(mb: int) -> None:
+            with self._autocast(), torch.set_grad_enabled(training):
+                out = self.stage(flight.inputs.get(mb), micro_batches[mb])
+            if self.stage.is_last:
+                loss = out.loss.float()
+                if not bool(torch.isfinite(loss)):
+                    raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}, micro-batch {mb}")
+                flight.losses[mb] = loss.item()
+                self._score(out.logits, micro_batches[mb], flight)
+                out = loss / m
+            flight.outputs[mb] = out
+
+        def send_act(mb: int) -> None:
+            out = flight.outputs[mb] if training else flight.outputs.pop(mb)
+            batch = micro_batches[mb]
+            counters.fwd_bytes += self.next.send_activation(out.detach().to(self.wire_dtype), batch["sample_id"], phase)
+
+        def recv_grad(mb: int) -> None:
+            flight.grads[mb] = self.next.recv_grad(self._shape(micro_batches[mb]), self.wire_dtype, phase, self.device)
+
+        def backward(mb: int) -> None:
+            out = flight.outputs.pop(mb)
+            if self.stage.is_last:
+                out.backward()
+            else:
+                out.backward(flight.grads.pop(mb).to(out.dtype))
+
+        def send_grad(mb: int) -> None:
+            grad = flight.inputs.pop(mb).grad
+            counters.bwd_bytes += self.prev.send_grad(grad.to(self.wire_dtype), phase)
+
+        handlers: dict[str, Callable[[int], None]] = {
+            sched.RECV_ACT: recv_act, sched.FORWARD: forward, sched.SEND_ACT: send_act,
+            sched.RECV_GRAD: recv_grad, sched.BACKWARD: backward, sched.SEND_GRAD: send_grad,
+        }
+        for op, mb in actions:
+            handlers[op](mb)
+        self.wire.flush()
+        return flight
+
+    @staticmethod
+    def _score(logits: torch.Tensor, batch: dict[str, torch.Tensor], flight: _Flight) -> None:
+        """Accuracy for sequence classification (logits (B, C) against labels (B,))."""
+        labels = batch.get("labels")
+        if logits is not None and labels is not None and logits.dim() == 2 and labels.dim() == 1:
+            flight.correct += int((logits.argmax(dim=-1) == labels.to(logits.device)).sum())
+            flight.counted += labels.numel()
+
+    def train_batch(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int = 0) -> float:
+        """One optimizer step over the micro-batches; returns the mean micro-batch loss (on every stage)."""
+        if not micro_batches:
+            raise ValueError("train_batch needs at least one micro-batch")
+        start = time.perf_counter()
+        self._counters = StepCounters()
+        phase = "warmup" if epoch < self.compression.warmup_epochs else "train"
+        self.stage.train()
+        actions = sched.train_schedule(self.schedule, self.groups.stage, self.groups.grid.stages, len(micro_batches))
+        flight = self._run(actions, micro_batches, phase, training=True)
+        self._sum_tied_grads()
+        if self.data_parallel is not None:
+            self._counters.dp_bytes += int(self.data_parallel.after_backward(self.stage) or 0)
+        grad_norm = self._clip()
+        self.optimizer.step()
+        if self.data_parallel is not None and hasattr(self.data_parallel, "after_step"):
+            self._counters.dp_bytes += int(self.data_parallel.after_step(self.stage) or 0)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_step += 1
+        loss, totals = self._reduce(flight, len(micro_batches))
+        self.last_metrics = {
+            "step": self.global_step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "fwd_bytes": totals[0], "bwd_bytes": totals[1], "tie_bytes": totals[2], "dp_bytes": totals[3],
+            "phase": phase, "seconds": time.perf_counter() - start,
+        }
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Forward only at full precision (AQ-SGD buffers untouched); loss and, for classification, accuracy."""
+        self._counters = StepCounters()
+        self.stage.eval()
+        actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
+        flight = self._run(actions, micro_batches, "eval", training=False)
+        loss, totals = self._reduce(flight, len(micro_batches))
+        result = {"loss": loss}
+        if totals[5]:
+            result["accuracy"] = totals[4] / totals[5]
+        return result
+
+    # ------------------------------------------------------------------ after backward
+    def _sum_tied_grads(self) -> None:
+        """Sum each tied parameter's gradient over the stages holding a copy, in stage order on all of them."""
+        mine = self.stage.tied_parameters()
+        for key, holders in self.ties.items():
+            param = mine[key]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            payload = grad.detach().contiguous().view(-1).view(torch.uint8)
+            peers = [s for s in holders if s != self.groups.stage]
+            for s in peers:
+                self.wire.send(payload, self.groups.pipeline_rank_of(s), tag=TIE_TAG)
+                self._counters.tie_bytes += payload.numel()
+            parts = {self.groups.stage: grad.detach()}
+            for s in peers:
+                buf = self.wire.recv(payload.numel(), self.groups.pipeline_rank_of(s), grad.device, tag=TIE_TAG)
+                parts[s] = buf.view(grad.dtype).view(grad.shape)
+            self.wire.flush()
+            total = parts[holders[0]].clone()
+            for s in holders[1:]:
+                total += parts[s]
+            param.grad = total
+
+    def _clip(self) -> float:
+        """Global gradient norm over the whole pipeline (each tied weight counted once); clips if configured."""
+        tied = {id(p) for k, p in self.stage.tied_parameters().items() if self.ties.get(k, [self.groups.stage])[0] != self.groups.stage}
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if id(p) not in tied:
+                sq += p.grad.detach().double().pow(2).sum().cpu()
+        if self.groups.pipeline is not None:
+            dist.all_reduce(sq, group=self.groups.pipeline)
+        norm = float(sq.sqrt())
+        if not torch.isfinite(torch.tensor(norm)):
+            raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step}")
+        if self.gradient_clipping and norm > self.gradient_clipping:
+            scale = self.gradient_clipping / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        return norm
+
+    def _reduce(self, flight: _Flight, m: int) -> tuple[float, list[int]]:
+        """Loss from the last stage and byte counts from all stages, summed over the pipeline."""
+        c = self._counters
+        loss_sum = sum(flight.losses.values())
+        t = torch.tensor([loss_sum, c.fwd_bytes, c.bwd_bytes, c.tie_bytes, c.dp_bytes, flight.correct, flight.counted],
+                         dtype=torch.float64)
+        if self.groups.pipeline is not None:
+            dist.all_reduce(t, group=self.groups.pipeline)
+        return float(t[0]) / m, [int(v) for v in t[1:].tolist()]

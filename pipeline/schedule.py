@@ -1,0 +1,117 @@
+"""Pipeline schedules as data: the list of actions each stage performs for one batch.
+
+An action is (op, micro_batch). Communication is explicit, so a schedule can be
+checked without processes (`simulate`): sends are buffered (the engine uses
+isend), receives block and must find the micro-batch they expect.
+
+  gpipe  all forwards, then all backwards (activations of every micro-batch live at once)
+  1f1b   stage s runs min(stages - s - 1, M) warm-up forwards, then alternates one
+         forward and one backward, then drains: at most stages - s micro-batches in flight
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+RECV_ACT, FORWARD, SEND_ACT = "recv_act", "forward", "send_act"
+RECV_GRAD, BACKWARD, SEND_GRAD = "recv_grad", "backward", "send_grad"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class Action(NamedTuple):
+    op: str
+    micro_batch: int
+
+
+def _forward(stage: int, stages: int, mb: int) -> list[Action]:
+    ops = ([RECV_ACT] if stage > 0 else []) + [FORWARD] + ([SEND_ACT] if stage < stages - 1 else [])
+    return [Action(op, mb) for op in ops]
+
+
+def _backward(stage: int, stages: int, mb: int) -> list[Action]:
+    ops = ([RECV_GRAD] if stage < stages - 1 else []) + [BACKWARD] + ([SEND_GRAD] if stage > 0 else [])
+    return [Action(op, mb) for op in ops]
+
+
+def _check(stage: int, stages: int, micro_batches: int) -> None:
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside a pipeline of {stages} stages")
+    if micro_batches < 1:
+        raise ValueError(f"num_micro_batches={micro_batches}: expected at least 1")
+
+
+def gpipe(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    _check(stage, stages, micro_batches)
+    actions = [a for mb in range(micro_batches) for a in _forward(stage, stages, mb)]
+    return actions + [a for mb in range(micro_batches) for a in _backward(stage, stages, mb)]
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    _check(stage, stages, micro_batches)
+    warmup = min(stages - stage - 1, micro_batches)
+    actions = [a for mb in range(warmup) for a in _forward(stage, stages, mb)]
+    for i in range(micro_batches - warmup):
+        actions += _forward(stage, stages, warmup + i) + _backward(stage, stages, i)
+    for mb in range(micro_batches - warmup, micro_batches):
+        actions += _backward(stage, stages, mb)
+    return actions
+
+
+def forward_only(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    """Evaluation: forwards only."""
+    _check(stage, stages, micro_batches)
+    return [a for mb in range(micro_batches) for a in _forward(stage, stages, mb)]
+
+
+_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def train_schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[Action]:
+    if name not in _BUILDERS:
+        raise ValueError(f"schedule={name!r}: expected one of {', '.join(SCHEDULES)}")
+    return _BUILDERS[name](stage, stages, micro_batches)
+
+
+def in_flight(actions: list[Action]) -> int:
+    """The most micro-batches forwarded but not yet backwarded at any point."""
+    live = peak = 0
+    for op, _ in actions:
+        live += (op == FORWARD) - (op == BACKWARD)
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(schedules: list[list[Action]]) -> list[tuple[int, Action]]:
+    """Run all stages' action lists together; returns the global order, or raises on deadlock.
+
+    Sends go into per-link FIFO queues; a receive blocks until its queue is non-empty and
+    raises if the head is not the micro-batch it expects (the engine would decode garbage).
+    """
+    stages = len(schedules)
+    queues = {(src, dst): deque() for src in range(stages) for dst in (src - 1, src + 1) if 0 <= dst < stages}
+    pos, order = [0] * stages, []
+    progress = True
+    while progress:
+        progress = False
+        for s in range(stages):
+            while pos[s] < len(schedules[s]):
+                action = schedules[s][pos[s]]
+                if action.op in (RECV_ACT, RECV_GRAD):
+                    src = s - 1 if action.op == RECV_ACT else s + 1
+                    queue = queues[(src, s)]
+                    if not queue:
+                        break
+                    kind, mb = queue.popleft()
+                    if (kind, mb) != (action.op, action.micro_batch):
+                        raise RuntimeError(f"stage {s} expected {action} but stage {src} sent {kind} {mb}")
+                elif action.op == SEND_ACT:
+                    queues[(s, s + 1)].append((RECV_ACT, action.micro_batch))
+                elif action.op == SEND_GRAD:
+                    queues[(s, s - 1)].append((RECV_GRAD, action.micro_batch))
+                order.append((s, action))
+                pos[s] += 1
+                progress = True
+    stuck = [s for s in range(stages) if pos[s] < len(schedules[s])]
+    if stuck:
+        raise RuntimeError(f"deadlock: stages {stuck} wait at {[schedules[s][pos[s]] for s in stuck]}")
+    return order

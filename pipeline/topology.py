@@ -1,0 +1,91 @@
+"""The process grid: world = stages x replicas, and the groups each rank talks in.
+
+Rank r sits at stage r % stages of replica r // stages, so one pipeline's stages
+are consecutive ranks (one launcher node per stage, or all on one machine) and a
+stage's replicas are `stages` apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Grid:
+    stages: int
+    replicas: int
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+
+    @classmethod
+    def for_world(cls, world_size: int, stages: int) -> "Grid":
+        """The grid for `world_size` processes in pipelines of `stages` stages."""
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"pipeline_stages={stages!r}: expected a positive integer")
+        if world_size % stages:
+            raise ValueError(
+                f"pipeline_stages={stages} does not divide the world size {world_size}: "
+                f"expected world_size = pipeline_stages x replicas"
+            )
+        return cls(stages, world_size // stages)
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.replicas
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of a rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        return rank % self.stages, rank // self.stages
+
+    def rank(self, stage: int, replica: int) -> int:
+        return replica * self.stages + stage
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [self.rank(s, replica) for s in range(self.stages)]
+
+    def data_parallel_ranks(self, stage: int) -> list[int]:
+        return [self.rank(stage, r) for r in range(self.replicas)]
+
+
+@dataclass
+class Groups:
+    """This rank's place and process groups (None where torch.distributed is not initialized)."""
+
+    grid: Grid
+    rank: int
+    stage: int
+    replica: int
+    pipeline: object | None  # this replica's stages
+    data_parallel: object | None  # this stage's replicas
+    ties: dict[str, object]  # tie key -> group of the stages (of this replica) holding a copy
+
+    def pipeline_rank_of(self, stage: int) -> int:
+        return self.grid.rank(stage, self.replica)
+
+
+def build_groups(grid: Grid, rank: int, tie_groups: dict[str, list[int]] | None = None) -> Groups:
+    """Create every group on every rank (torch requires all ranks to call new_group alike)."""
+    stage, replica = grid.coords(rank)
+    pipeline = data_parallel = None
+    ties: dict[str, object] = {}
+    if dist.is_available() and dist.is_initialized():
+        for r in range(grid.replicas):
+            g = dist.new_group(grid.pipeline_ranks(r))
+            pipeline = g if r == replica else pipeline
+        for s in range(grid.stages):
+            g = dist.new_group(grid.data_parallel_ranks(s))
+            data_parallel = g if s == stage else data_parallel
+        for key in sorted(tie_groups or {}):
+            holders = tie_groups[key]
+            for r in range(grid.replicas):
+                g = dist.new_group([grid.rank(s, r) for s in holders])
+                if r == replica and stage in holders:
+                    ties[key] = g
+    return Groups(grid, rank, stage, replica, pipeline, data_parallel, ties)

@@ -1,0 +1,104 @@
+"""Codec messages between neighbouring stages over torch.distributed point-to-point.
+
+One message per transfer, so a slow, high-latency link pays one round of latency:
+the receiver computes the size from its own state (every stage loads the same
+micro-batch locally, so it knows the shape and the sample ids, and its codec knows
+which samples it has seen). The sample ids travel appended to each activation and
+are checked on arrival: a data-order mismatch between stages fails loudly instead
+of decoding garbage into the AQ-SGD buffers.
+
+Sends are isend (compute continues while bytes drain); `flush` waits for them.
+
+A boundary runs in one of three phases: "train" (the configured codecs), "warmup"
+(full precision; aqsgd refreshes its buffer rows so compression starts from them)
+and "eval" (full precision, buffers untouched: eval samples have their own ids).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from compression import BackwardCodec, ForwardCodec, Message
+
+
+class Wire:
+    """Non-blocking sends, blocking receives, with the bytes counted."""
+
+    def __init__(self, group: object | None = None) -> None:
+        self.group = group
+        self._pending: list[tuple[object, torch.Tensor]] = []
+        self.sent_bytes = 0
+
+    def send(self, payload: torch.Tensor, dst: int, tag: int = 0) -> None:
+        work = dist.isend(payload, dst, group=self.group, tag=tag)
+        self._pending.append((work, payload))  # keep the buffer alive until the send completes
+        self.sent_bytes += payload.numel() * payload.element_size()
+
+    def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dist.recv(buf, src, group=self.group, tag=tag)
+        return buf
+
+    def flush(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def _ids_bytes(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return ids.to(device=device, dtype=torch.int64).contiguous().view(torch.uint8)
+
+
+class Boundary:
+    """One side of the boundary between stage s and s+1: the codecs and the peer's rank.
+
+    On stage s (`side="sender"`): sends activations, receives gradients.
+    On stage s+1 (`side="receiver"`): receives activations, sends gradients.
+    """
+
+    def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,
+                 fallback_forward: ForwardCodec, fallback_backward: BackwardCodec) -> None:
+        self.wire, self.peer = wire, peer
+        self.forward, self.backward = forward, backward
+        # full precision during warm-up epochs (aqsgd uses refresh instead, which also fills its buffer)
+        self.fallback_forward, self.fallback_backward = fallback_forward, fallback_backward
+
+    def _forward_codec(self, phase: str) -> tuple[ForwardCodec, dict]:
+        if phase == "train":
+            return self.forward, {}
+        if phase == "warmup" and self.forward.mode == "aqsgd":
+            return self.forward, {"refresh": True}
+        return self.fallback_forward, {}
+
+    def _backward_codec(self, phase: str) -> BackwardCodec:
+        return self.backward if phase == "train" else self.fallback_backward
+
+    def send_activation(self, x: torch.Tensor, sample_ids: torch.Tensor, phase: str) -> int:
+        codec, kw = self._forward_codec(phase)
+        msg = codec.encode(x, sample_ids, **kw)
+        payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)])
+        self.wire.send(payload, self.peer)
+        return payload.numel()
+
+    def recv_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
+                        device: torch.device) -> torch.Tensor:
+        codec, kw = self._forward_codec(phase)
+        nbytes = codec.payload_nbytes(shape, dtype, sample_ids, **kw)
+        buf = self.wire.recv(nbytes + 8 * sample_ids.numel(), self.peer, device)
+        sent_ids = buf[nbytes:].clone().view(torch.int64).cpu()
+        if not torch.equal(sent_ids, sample_ids.cpu().to(torch.int64)):
+            raise RuntimeError(
+                f"received sample ids {sent_ids.tolist()} but this stage loaded {sample_ids.tolist()}: "
+                "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
+            )
+        return codec.decode(Message(buf[:nbytes], shape, dtype), sample_ids, **kw)
+
+    def send_grad(self, g: torch.Tensor, phase: str) -> int:
+        msg = self._backward_codec(phase).encode(g)
+        self.wire.send(msg.payload, self.peer)
+        return msg.nbytes
+
+    def recv_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> torch.Tensor:
+        codec = self._backward_codec(phase)
+        buf = self.wire.recv(codec.payload_nbytes(shape, dtype), self.peer, device)
+        return codec.decode(Message(buf, shape, dtype))

@@ -1,0 +1,74 @@
+"""The engine across processes (gloo): same losses as one process, AQ-SGD bytes, tied weights, desync."""
+import pytest
+import torch
+
+from distributed_helpers import spawn
+from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from toy_stages import toy_batches, toy_stages, toy_ties
+
+SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
+
+
+def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16):
+    stages = toy_stages(world, hidden=hidden)
+    grid = Grid.for_world(world, world)
+    groups = build_groups(grid, rank, toy_ties(world))
+    stage = stages[groups.stage]
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
+                            num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), schedule=schedule,
+                            gradient_clipping=1.0)
+    log = []
+    for epoch in range(epochs):
+        for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
+            loss = engine.train_batch(mbs, epoch)
+            log.append({**engine.last_metrics, "loss": loss})
+    tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}
+    return {"log": log, "tied": tied, "eval": engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))}
+
+
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+def test_uncompressed_pipeline_matches_one_process(world, schedule):
+    single = spawn(train, 1, CompressionConfig(), 1)[0]
+    multi = spawn(train, world, CompressionConfig(), 1, schedule)
+    ref = [s["loss"] for s in single["log"]]
+    for rank in range(world):  # every stage reports the same loss
+        got = [s["loss"] for s in multi[rank]["log"]]
+        assert got == pytest.approx(ref, rel=1e-5)
+    assert ref[-1] < ref[0]
+    # tied copies on the first and last stage are bit-identical after training
+    assert torch.equal(multi[0]["tied"]["embed"], multi[-1]["tied"]["embed"])
+    assert multi[0]["eval"]["loss"] == pytest.approx(single["eval"]["loss"], rel=1e-5)
+    # fp32 activations: B*T*H*4 bytes (+ 8 per sample id) per micro-batch and boundary
+    per_mb = MBS * SEQ * 16 * 4
+    step = multi[0]["log"][0]
+    assert step["fwd_bytes"] == (world - 1) * MICRO * (per_mb + 8 * MBS)
+    assert step["bwd_bytes"] == (world - 1) * MICRO * per_mb
+    assert step["tie_bytes"] == 2 * 40 * 16 * 4
+
+
+def test_aqsgd_sends_a_twelfth_after_the_first_epoch_and_learns():
+    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+    log = spawn(train, 2, cfg, 3, "1f1b", None, 128)[0]["log"]  # hidden 128: rows of 512 fp32 bytes
+    per_epoch = {}
+    for s in log:
+        per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["fwd_bytes"]
+    assert per_epoch[1] <= per_epoch[0] / 12 and per_epoch[2] <= per_epoch[0] / 12
+    losses = [s["loss"] for s in log]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 * 0.8
+
+
+def test_warmup_epochs_send_full_precision_then_compress():
+    cfg = CompressionConfig(forward="direct", forward_bits=2, backward="direct", backward_bits=4, warmup_epochs=1)
+    log = spawn(train, 2, cfg, 2)[0]["log"]
+    first = [s for s in log if s["epoch"] == 0]
+    later = [s for s in log if s["epoch"] == 1]
+    assert all(s["phase"] == "warmup" for s in first) and all(s["phase"] == "train" for s in later)
+    rows, ids = MICRO * MBS * SEQ, MICRO * MBS * 8  # activation rows of 16 per step, sample-id bytes
+    assert (first[0]["fwd_bytes"], first[0]["bwd_bytes"]) == (rows * 64 + ids, rows * 64)  # fp32
+    assert later[0]["fwd_bytes"] == rows * (16 * 2 // 8 + 8) + ids  # 2-bit codes + min/step per row
+    assert later[0]["bwd_bytes"] == rows * (16 * 4 // 8 + 8)
+
+
+def test_stages_with_different_data_orders_fail_loudly():
+    with pytest.raises(RuntimeError, match="data orders differ"):
+        spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=60)
