@@ -1,0 +1,179 @@
+"""DeBERTa (v1) and DeBERTa-v2/v3 sequence-classification stages.
+
+Per stage, as ``DebertaModel.forward`` / ``DebertaEncoder.forward`` (and the v2 ones) do it:
+
+- the attention mask: ``batch["attention_mask"]`` (all ones, as HF, when absent), expanded to the pairwise
+  ``(B, 1, T, T)`` mask ``m[:, None, None, :] * m[:, None, :, None]`` (HF's ``get_attention_mask``);
+- the relative positions: HF's own ``build_relative_position(hidden, hidden)`` (v2: with the encoder's
+  ``position_buckets`` and ``max_relative_positions``, i.e. log buckets);
+- the relative embeddings: the stage's copy of ``encoder.rel_embeddings`` (v2: passed through its copy of the encoder
+  ``LayerNorm`` when ``norm_rel_ebd`` contains ``layer_norm``). Every stage holds copies: tied across stages;
+- v2's ``ConvLayer`` (``conv_kernel_size > 0``) runs after layer 0 on the embedding output, so it lives on stage 0.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import DebertaForSequenceClassification, DebertaV2ForSequenceClassification
+from transformers.models.deberta import modeling_deberta as hf_v1
+from transformers.models.deberta_v2 import modeling_deberta_v2 as hf_v2
+
+from .base import FamilyAdapter, PipelineStage, StageOutput, container, deep_copier, numel
+
+
+def pairwise_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """HF DeBERTa's ``Encoder.get_attention_mask`` (identical in v1 and v2)."""
+    if attention_mask.dim() <= 2:
+        extended_attention_mask = attention_mask.unsqueeze(1).unsqueeze(2)
+        attention_mask = extended_attention_mask * extended_attention_mask.squeeze(-2).unsqueeze(-1)
+    elif attention_mask.dim() == 3:
+        attention_mask = attention_mask.unsqueeze(1)
+    return attention_mask
+
+
+class DebertaStage(PipelineStage):
+    """A slice of DebertaForSequenceClassification or DebertaV2ForSequenceClassification (HF names: ``deberta.*``,
+    ``pooler.*``, ``classifier.*``)."""
+
+    def __init__(self, model: nn.Module, stage_index: int, num_stages: int, block_indices: list[int],
+                 activation_checkpointing: bool = False) -> None:
+        memo, dc = deep_copier(model)
+        super().__init__(memo[id(model.config)], stage_index, num_stages, block_indices, activation_checkpointing)
+        self.v2 = isinstance(model, DebertaV2ForSequenceClassification)
+        enc = model.deberta.encoder
+        first, last = self.is_first, self.is_last
+        self.relative_attention = bool(enc.relative_attention)
+        if self.relative_attention and self.v2:
+            self.position_buckets = enc.position_buckets
+            self.max_relative_positions = enc.max_relative_positions
+        self.norm_rel_ebd = list(getattr(enc, "norm_rel_ebd", []))
+        self.has_conv = self.v2 and first and getattr(enc, "conv", None) is not None
+        self.deberta = container(
+            embeddings=dc(model.deberta.embeddings) if first else None,
+            encoder=container(
+                layer=nn.ModuleDict({str(i): dc(enc.layer[i]) for i in block_indices}),
+                rel_embeddings=dc(enc.rel_embeddings) if self.relative_attention else None,
+                LayerNorm=dc(enc.LayerNorm) if (self.v2 and "layer_norm" in self.norm_rel_ebd) else None,
+                conv=dc(enc.conv) if self.has_conv else None,
+            ),
+        )
+        if last:
+            self.pooler = dc(model.pooler)
+            self.dropout = dc(model.dropout)
+            self.classifier = dc(model.classifier)
+            self.num_labels = model.num_labels
+        self._finish(model, memo)
+
+    def _rel_embeddings(self) -> torch.Tensor | None:
+        if not self.relative_attention:
+            return None
+        enc = self.deberta.encoder
+        rel = enc.rel_embeddings.weight
+        if self.v2 and "layer_norm" in self.norm_rel_ebd:
+            rel = enc.LayerNorm(rel)
+        return rel
+
+    def _relative_pos(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if not self.relative_attention:
+            return None
+        if self.v2:
+            return hf_v2.build_relative_position(hidden, hidden, bucket_size=self.position_buckets,
+                                                 max_position=self.max_relative_positions)
+        return hf_v1.build_relative_position(hidden, hidden)
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor | StageOutput:
+        input_ids = batch["input_ids"]
+        input_shape = input_ids.size()
+        device = input_ids.device if hidden is None else hidden.device
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones(input_shape, device=device)
+        attention_mask = attention_mask.to(device)
+
+        embedding_output = None
+        if self.is_first:
+            if hidden is not None:
+                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
+            token_type_ids = batch.get("token_type_ids")
+            if token_type_ids is None:
+                token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=device)
+            hidden = embedding_output = self.deberta.embeddings(
+                input_ids=input_ids, token_type_ids=token_type_ids, position_ids=None, mask=attention_mask,
+                inputs_embeds=None,
+            )
+        elif hidden is None:
+            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
+
+        if self.has_conv:
+            input_mask = attention_mask if attention_mask.dim() <= 2 else attention_mask.sum(-2) > 0
+        pair_mask = pairwise_attention_mask(attention_mask)
+        relative_pos = self._relative_pos(hidden)
+        rel_embeddings = self._rel_embeddings()
+        layers = self.deberta.encoder.layer
+        for i in self.block_indices:
+            hidden, _ = self._call_block(layers[str(i)], hidden, pair_mask, None, relative_pos, rel_embeddings, False)
+            if i == 0 and self.has_conv:
+                hidden = self.deberta.encoder.conv(embedding_output, hidden, input_mask)
+        if not self.is_last:
+            return hidden
+        return self._classify(hidden, batch.get("labels"))
+
+    def _classify(self, encoder_layer: torch.Tensor, labels: torch.Tensor | None) -> StageOutput:
+        """Deberta(V2)ForSequenceClassification's head and loss, line for line (identical in v1 and v2)."""
+        pooled_output = self.pooler(encoder_layer)
+        pooled_output = self.dropout(pooled_output)
+        logits = self.classifier(pooled_output)
+
+        loss = None
+        if labels is not None:
+            labels = labels.to(logits.device)
+            problem_type = self.config.problem_type
+            if problem_type is None:
+                if self.num_labels == 1:
+                    logits = logits.view(-1).to(labels.dtype)
+                    loss = nn.MSELoss()(logits, labels.view(-1))
+                elif labels.dim() == 1 or labels.size(-1) == 1:
+                    label_index = (labels >= 0).nonzero()
+                    labels = labels.long()
+                    if label_index.size(0) > 0:
+                        labeled_logits = torch.gather(
+                            logits, 0, label_index.expand(label_index.size(0), logits.size(1))
+                        )
+                        labels = torch.gather(labels, 0, label_index.view(-1))
+                        loss = CrossEntropyLoss()(labeled_logits.view(-1, self.num_labels).float(), labels.view(-1))
+                    else:
+                        loss = torch.tensor(0).to(logits)
+                else:
+                    loss = -((nn.LogSoftmax(-1)(logits) * labels).sum(-1)).mean()
+            elif problem_type == "regression":
+                if self.num_labels == 1:
+                    loss = MSELoss()(logits.squeeze(), labels.squeeze())
+                else:
+                    loss = MSELoss()(logits, labels)
+            elif problem_type == "single_label_classification":
+                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            elif problem_type == "multi_label_classification":
+                loss = BCEWithLogitsLoss()(logits, labels)
+        return StageOutput(loss=loss, logits=logits)
+
+
+class DebertaAdapter(FamilyAdapter):
+    supported = (DebertaForSequenceClassification, DebertaV2ForSequenceClassification)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.deberta.encoder.layer)
+
+    def first_extra_numel(self, model: nn.Module) -> int:
+        return numel(model.deberta.embeddings, getattr(model.deberta.encoder, "conv", None))
+
+    def last_extra_numel(self, model: nn.Module) -> int:
+        return numel(model.pooler, model.classifier)
+
+    def check(self, model: nn.Module) -> None:
+        if getattr(model.deberta, "z_steps", 0) > 1:
+            raise ValueError(f"DeBERTa with z_steps={model.deberta.z_steps} (> 1) is not supported by the partitioner")
+
+    def build(self, model: nn.Module, stage_index: int, num_stages: int, block_indices: list[int],
+              activation_checkpointing: bool) -> PipelineStage:
+        return DebertaStage(model, stage_index, num_stages, block_indices, activation_checkpointing)
