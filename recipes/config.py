@@ -1,0 +1,251 @@
+"""Run configuration: DeepSpeed's JSON plus aqpipe's blocks, overridden by flags, validated up front.
+
+Precedence: built-in defaults < `--deepspeed_config` file < command-line flags. The file
+uses DeepSpeed's keys (train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+optimizer, scheduler, gradient_clipping, bf16, pipeline) and aqpipe's own blocks:
+"compression", "data_parallel" and "run" (model, dataset, seq_len, epochs, ...).
+Every value is checked before any process group starts; a bad one exits with status 2
+and one line naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from compression import BACKWARD_MODES, FORWARD_MODES
+from pipeline.schedule import SCHEDULES
+
+OPTIMIZERS = ("Adam", "AdamW", "SGD")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+BUFFER_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass
+class RunConfig:
+    task: str  # "causal_lm" or "classification"
+    model: str | None = None  # None: the built-in tiny shape
+    dataset: str | None = None  # None: the built-in corpus / task
+    seq_len: int = 128
+    pipeline_stages: int | str = "auto"  # "auto": world size / replicas
+    schedule: str = "1f1b"
+    partition: str | list[int] = "parameters"
+    activation_checkpointing: bool = False
+    replicas: int = 1
+    micro_batch_size: int = 4
+    num_micro_batches: int = 4
+    epochs: int = 3
+    max_steps: int | None = None
+    max_train_samples: int | None = 2048
+    max_eval_samples: int | None = 256
+    eval_every: int = 0
+    lr: float = 5e-4
+    seed: int = 42
+    output_dir: str = "runs/latest"
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"type": "AdamW", "params": {"weight_decay": 0.01}})
+    scheduler: dict[str, Any] | None = None
+    gradient_clipping: float = 1.0
+    bf16: bool = False
+    forward_compress: str = "aqsgd"
+    forward_bits: int = 2
+    backward_compress: str = "direct"
+    backward_bits: int = 4
+    warmup_epochs: int = 0
+    buffer_dtype: str = "float16"
+    buffer_dir: str | None = None
+    dist_timeout: float = 300.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# flag name -> (type, help); every flag defaults to None so the file's value survives unless given
+FLAGS: dict[str, tuple[Any, str]] = {
+    "model": (str, "HF hub name, local model directory, or a config.json (random init); default: a tiny shape"),
+    "dataset": (str, "HF dataset name, local text/json/csv/parquet file, or a built-in name; default: built-in"),
+    "seq_len": (int, "tokens per sample"),
+    "pipeline_stages": (str, "stages per pipeline, or auto = world size / replicas (world = stages x replicas)"),
+    "schedule": (str, f"one of {', '.join(SCHEDULES)}"),
+    "partition": (str, "parameters, uniform, or comma-separated block counts per stage"),
+    "replicas": (int, "data-parallel replicas of the pipeline"),
+    "micro_batch_size": (int, "samples per micro-batch"),
+    "num_micro_batches": (int, "micro-batches per optimizer step (gradient accumulation)"),
+    "epochs": (int, "passes over the training samples"),
+    "max_steps": (int, "stop after this many optimizer steps"),
+    "max_train_samples": (int, "use the first N training samples (0: all)"),
+    "max_eval_samples": (int, "use the first N evaluation samples (0: all)"),
+    "eval_every": (int, "evaluate every N steps (0: at the end only)"),
+    "lr": (float, "peak learning rate"),
+    "seed": (int, "seed of model init, data order and codecs"),
+    "output_dir": (str, "where metrics, summary and the fine-tuned model go"),
+    "forward_compress": (str, f"activations: one of {', '.join(FORWARD_MODES)}"),
+    "forward_bits": (int, "bits of forward compression (1-8)"),
+    "backward_compress": (str, f"gradients: one of {', '.join(BACKWARD_MODES)}"),
+    "backward_bits": (int, "bits of backward compression (1-8)"),
+    "warmup_epochs": (int, "epochs at full precision before compression starts"),
+    "buffer_dtype": (str, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}"),
+    "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM"),
+    "gradient_clipping": (float, "clip the global gradient norm to this (0: off)"),
+    "dist_timeout": (float, "seconds a collective or receive may wait for a peer"),
+}
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    for name, (kind, text) in FLAGS.items():
+        p.add_argument(f"--{name}", type=kind, default=None, help=text)
+    p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast and bf16 boundary activations")
+    p.add_argument("--activation_checkpointing", action="store_true", default=None, help="recompute blocks in backward")
+    return p
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    """Translate a DeepSpeed-style JSON file into RunConfig fields."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed_config {path}: no such file")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({exc})") from None
+    out: dict[str, Any] = {}
+    simple = {"train_micro_batch_size_per_gpu": "micro_batch_size", "gradient_accumulation_steps": "num_micro_batches",
+              "gradient_clipping": "gradient_clipping"}
+    out.update({ours: raw[theirs] for theirs, ours in simple.items() if theirs in raw})
+    if "bf16" in raw:
+        out["bf16"] = bool(raw["bf16"].get("enabled", False)) if isinstance(raw["bf16"], dict) else bool(raw["bf16"])
+    if "optimizer" in raw:
+        out["optimizer"] = raw["optimizer"]
+        if "lr" in raw["optimizer"].get("params", {}):
+            out["lr"] = raw["optimizer"]["params"]["lr"]
+    if "scheduler" in raw:
+        out["scheduler"] = raw["scheduler"]
+    pipe = raw.get("pipeline", {})
+    for theirs, ours in (("stages", "pipeline_stages"), ("schedule", "schedule"), ("partition", "partition")):
+        if theirs in pipe:
+            out[ours] = pipe[theirs]
+    if pipe.get("activation_checkpoint_interval", 0):
+        out["activation_checkpointing"] = True
+    comp = raw.get("compression", {})
+    for key in ("forward", "backward"):
+        if key in comp:
+            out[f"{key}_compress"] = comp[key]
+        if f"{key}_bits" in comp:
+            out[f"{key}_bits"] = comp[f"{key}_bits"]
+    for key in ("warmup_epochs", "buffer_dtype", "buffer_dir"):
+        if key in comp:
+            out[key] = comp[key]
+    if "replicas" in raw.get("data_parallel", {}):
+        out["replicas"] = raw["data_parallel"]["replicas"]
+    out.update(raw.get("run", {}))
+    if "train_batch_size" in raw:
+        out["_train_batch_size"] = raw["train_batch_size"]
+    return out
+
+
+def _positive(cfg: RunConfig, name: str, allow_zero: bool = False) -> None:
+    value = getattr(cfg, name)
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
+
+
+def _resolve_stages(cfg: RunConfig, world_size: int) -> None:
+    """'auto' stages fill the launcher's world: every process is one stage of one of the replicas."""
+    if cfg.pipeline_stages == "auto":
+        if world_size % cfg.replicas:
+            raise ValueError(f"replicas={cfg.replicas} does not divide the world size {world_size}")
+        cfg.pipeline_stages = world_size // cfg.replicas
+        return
+    try:
+        cfg.pipeline_stages = int(cfg.pipeline_stages)
+    except (TypeError, ValueError):
+        raise ValueError(f"pipeline_stages={cfg.pipeline_stages!r}: expected a positive integer or auto") from None
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
+    """Check every value; raises ValueError naming the first bad one and what is expected."""
+    _positive(cfg, "replicas")
+    _resolve_stages(cfg, world_size)
+    for name in ("seq_len", "pipeline_stages", "micro_batch_size", "num_micro_batches", "epochs"):
+        _positive(cfg, name)
+    for name in ("eval_every", "warmup_epochs"):
+        _positive(cfg, name, allow_zero=True)
+    for name in ("max_steps", "max_train_samples", "max_eval_samples"):
+        if getattr(cfg, name) is not None:
+            _positive(cfg, name, allow_zero=name != "max_steps")
+    if cfg.seq_len < 2:
+        raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if cfg.forward_compress not in FORWARD_MODES:
+        raise ValueError(f"forward_compress={cfg.forward_compress!r}: expected one of {', '.join(FORWARD_MODES)}")
+    if cfg.backward_compress not in BACKWARD_MODES:
+        raise ValueError(f"backward_compress={cfg.backward_compress!r}: expected one of {', '.join(BACKWARD_MODES)}")
+    for name in ("forward_bits", "backward_bits"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+            raise ValueError(f"{name}={value!r}: expected an integer from 1 to 8")
+    if cfg.buffer_dtype not in BUFFER_DTYPES:
+        raise ValueError(f"buffer_dtype={cfg.buffer_dtype!r}: expected one of {', '.join(BUFFER_DTYPES)}")
+    if isinstance(cfg.partition, str) and cfg.partition not in ("parameters", "uniform"):
+        try:
+            cfg.partition = [int(v) for v in cfg.partition.split(",")]
+        except ValueError:
+            raise ValueError(f"partition={cfg.partition!r}: expected parameters, uniform, or block counts like 2,2") from None
+    if isinstance(cfg.partition, list) and len(cfg.partition) != cfg.pipeline_stages:
+        raise ValueError(f"partition={cfg.partition}: expected {cfg.pipeline_stages} block counts, one per stage")
+    if not cfg.lr > 0:
+        raise ValueError(f"lr={cfg.lr}: expected a positive learning rate")
+    if cfg.gradient_clipping < 0:
+        raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
+    if not cfg.dist_timeout > 0:
+        raise ValueError(f"dist_timeout={cfg.dist_timeout}: expected a positive number of seconds")
+    opt_type = cfg.optimizer.get("type")
+    if opt_type not in OPTIMIZERS:
+        raise ValueError(f"optimizer type {opt_type!r}: expected one of {', '.join(OPTIMIZERS)}")
+    if cfg.scheduler is not None and cfg.scheduler.get("type") not in SCHEDULERS:
+        raise ValueError(f"scheduler type {cfg.scheduler.get('type')!r}: expected one of {', '.join(SCHEDULERS)}")
+    if cfg.model is not None and not _is_hub_name(cfg.model) and not os.path.exists(cfg.model):
+        raise ValueError(f"model={cfg.model!r}: no such file or directory (expected an HF name, a model directory or a config.json)")
+    return cfg
+
+
+def _is_hub_name(name: str) -> bool:
+    """'gpt2', 'microsoft/deberta-v2-xxlarge': no path separators beyond one org/name slash, nothing local."""
+    return not os.path.exists(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1 \
+        and not name.endswith((".json", ".txt", ".csv", ".parquet", ".jsonl"))
+
+
+def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults < config file < flags, validated. Exits with status 2 and one line on bad input."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    try:
+        values: dict[str, Any] = dict(defaults or {})
+        if args.deepspeed_config:
+            values.update(_from_file(args.deepspeed_config))
+        values.update({k: v for k, v in vars(args).items() if v is not None and k in RunConfig.__dataclass_fields__})
+        batch = values.pop("_train_batch_size", None)
+        unknown = sorted(set(values) - set(RunConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block")
+        cfg = validate(RunConfig(task=task, **values), int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.pipeline_stages * cfg.replicas != int(os.environ.get("WORLD_SIZE", "1")):
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            raise ValueError(
+                f"pipeline_stages={cfg.pipeline_stages} x replicas={cfg.replicas} needs "
+                f"{cfg.pipeline_stages * cfg.replicas} processes; the launcher started {world}"
+            )
+        if batch is not None and batch != cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas:
+            raise ValueError(
+                f"train_batch_size={batch}: expected micro_batch_size x num_micro_batches x replicas = "
+                f"{cfg.micro_batch_size} x {cfg.num_micro_batches} x {cfg.replicas}"
+            )
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return cfg

@@ -1,0 +1,76 @@
+"""The recipes as users launch them: python, torchrun and deepspeed, on the built-in data."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
+
+from distributed_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--seq_len", "32", "--max_train_samples", "32", "--max_eval_samples", "8", "--micro_batch_size", "2",
+         "--num_micro_batches", "2"]
+STEP_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "fwd_bytes", "bwd_bytes", "dp_bytes", "time"}
+
+
+def launch(prefix: list[str], recipe: str, out: Path, *flags: str, timeout: int = 300) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [*prefix, str(ROOT / "recipes" / recipe), *QUICK, "--output_dir", str(out), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def no_dropout_config(tmp_path: Path) -> str:
+    path = tmp_path / "gpt2-tiny" / "config.json"
+    path.parent.mkdir(parents=True)
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0).to_json_file(path)
+    return str(path)
+
+
+def test_python_and_torchrun_give_the_same_losses_and_a_loadable_model(tmp_path):
+    model = no_dropout_config(tmp_path)
+    common = ["--model", model, "--max_steps", "3", "--forward_compress", "none", "--backward_compress", "none"]
+    one = launch([sys.executable], "finetune_gpt2.py", tmp_path / "one", *common)
+    two = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
+                 tmp_path / "two", *common)
+    steps_one, steps_two = [r for r in one if "loss" in r], [r for r in two if "loss" in r]
+    assert len(steps_one) == len(steps_two) == 3
+    assert all(STEP_KEYS <= set(r) for r in steps_two)
+    assert [r["loss"] for r in steps_two] == pytest.approx([r["loss"] for r in steps_one], rel=1e-5)
+    assert steps_one[0]["fwd_bytes"] == 0 and steps_two[0]["fwd_bytes"] == 2 * (2 * 32 * 64 * 4 + 2 * 8)
+    assert "eval_perplexity" in one[-1] and "eval_loss" in two[-1]
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["world_size"] == 2
+    # the stages merged back into one HF model that transformers loads and runs
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "model")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "two" / "model")
+    ids = torch.tensor([tok("To be, or not to be").input_ids])
+    assert lm(ids).logits.shape == (1, ids.shape[1], len(tok))
+
+
+def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
+    rows = launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], "finetune_deberta.py",
+                  tmp_path / "ds", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2",
+                  "--backward_compress", "direct", "--backward_bits", "4")
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2 * 32 // 4  # two epochs of 32 samples, 4 per step
+    first, later = steps[0]["fwd_bytes"], steps[-1]["fwd_bytes"]
+    assert later * 12 <= first  # every sample seen: deltas at 2 bits against full precision
+    assert 0.0 <= rows[-1]["eval_accuracy"] <= 1.0
+    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model")
+    assert clf.num_labels == 2
+
+
+def test_bad_input_exits_2_before_starting_anything(tmp_path):
+    out = tmp_path / "never"
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune_gpt2.py"), "--forward_bits", "12",
+                           "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "forward_bits=12: expected an integer from 1 to 8" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
