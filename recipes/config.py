@@ -178,6 +178,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     for name in ("max_steps", "max_train_samples", "max_eval_samples"):
         if getattr(cfg, name) is not None:
             _positive(cfg, name, allow_zero=name != "max_steps")
+    if cfg.replicas > 1:
+        raise ValueError(f"replicas={cfg.replicas}: data-parallel replicas are not available yet (expected 1); "
+                         "they arrive with the data_parallel package")
     if cfg.seq_len < 2:
         raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
     if cfg.schedule not in SCHEDULES:

@@ -775,6 +775,25 @@ def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: 
     return len(dataset) // size if drop_last else math.ceil(len(dataset) / size)
 
 
+def sequential_batches(dataset: Dataset, micro_batch_size: int,
+                       num_micro_batches: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Every sample once, in index order, for evaluation: the last step and micro-batch may be short."""
+    for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    n, per_step = len(dataset), micro_batch_size * num_micro_batches
+    for start in range(0, n, per_step):
+        chunk = range(start, min(start + per_step, n))
+        yield [_gather(dataset, chunk[i:i + micro_batch_size]) for i in range(0, len(chunk), micro_batch_size)]
+
+
+def _gather(dataset: Dataset, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    if isinstance(dataset, TensorDictDataset):
+        return dataset.batch(list(indices))
+    rows = [dataset[i] for i in indices]
+    return {name: torch.stack([row[name] for row in rows]) for name in rows[0]}
+
+
 def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, epoch: int, seed: int,
                   shard: tuple[int, int] = (0, 1), drop_last: bool = True, *,
                   shuffle: bool = True) -> Iterator[list[dict[str, Any]]]:

@@ -54,6 +54,9 @@ def init_world(cfg: RunConfig) -> World:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     if size > 1:
         if cuda:
             torch.cuda.set_device(device)
@@ -80,7 +83,8 @@ def _datasets(cfg: RunConfig, task: Task, world: World) -> tuple[Any, Any, Any]:
         else:
             train = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="train", seed=cfg.seed)
             evaluation = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="eval", seed=cfg.seed)
-        return tokenizer, datalib.limit(train, cfg.max_train_samples), datalib.limit(evaluation, cfg.max_eval_samples)
+        return tokenizer, datalib.limit(train, cfg.max_train_samples or None), \
+            datalib.limit(evaluation, cfg.max_eval_samples or None)  # 0: all
 
     if world.local_rank != 0:
         _barrier(world)
@@ -207,10 +211,9 @@ def run(task: Task, cfg: RunConfig) -> dict[str, Any]:
         lr_scheduler=_scheduler(cfg, optimizer, total_steps), gradient_clipping=cfg.gradient_clipping,
         schedule=cfg.schedule, ties=ties, device=world.device, bf16=cfg.bf16, seed=cfg.seed,
     )
-    eval_batches = list(datalib.micro_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch=0,
-                                              seed=cfg.seed, shuffle=False))
     to_device = _mover(world.device)
-    eval_batches = [[to_device(mb) for mb in step] for step in eval_batches]
+    eval_batches = [[to_device(mb) for mb in step]
+                    for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
 
     writer = MetricsWriter(cfg, world, total_steps)
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * grid.replicas

@@ -48,6 +48,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--model", "/no/such/model"], "model='/no/such/model': no such file or directory"),
     (["--deepspeed_config", "/no/such.json"], "--deepspeed_config /no/such.json: no such file"),
     (["--buffer_dtype", "int8"], "buffer_dtype='int8': expected one of float16, bfloat16, float32"),
+    (["--replicas", "2", "--pipeline_stages", "1"], "replicas=2: data-parallel replicas are not available yet"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, message, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -533,3 +533,14 @@ def test_batch_arguments_are_checked_at_the_call():
             data.micro_batches(ds, mbs, nmb, **kw)
     with pytest.raises(ValueError, match="shard_count=0"):
         data.steps_per_epoch(ds, 1, 1, 0)
+
+
+def test_sequential_batches_cover_every_sample_once_in_order_with_short_tails():
+    ds = data.TensorDictDataset({"sample_id": torch.arange(11), "input_ids": torch.arange(22).view(11, 2)},
+                                seq_len=2, split="eval")
+    steps = list(data.sequential_batches(ds, 3, 2))
+    sizes = [[len(mb["sample_id"]) for mb in step] for step in steps]
+    assert sizes == [[3, 3], [3, 2]]
+    assert torch.cat([mb["sample_id"] for step in steps for mb in step]).tolist() == list(range(11))
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        list(data.sequential_batches(ds, 0, 2))

@@ -9,14 +9,14 @@ from toy_stages import toy_batches, toy_stages, toy_ties
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
 
-def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16):
+def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16, bf16=False):
     stages = toy_stages(world, hidden=hidden)
     grid = Grid.for_world(world, world)
     groups = build_groups(grid, rank, toy_ties(world))
     stage = stages[groups.stage]
     engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
                             num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), schedule=schedule,
-                            gradient_clipping=1.0)
+                            gradient_clipping=1.0, bf16=bf16)
     log = []
     for epoch in range(epochs):
         for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
@@ -72,3 +72,11 @@ def test_warmup_epochs_send_full_precision_then_compress():
 def test_stages_with_different_data_orders_fail_loudly():
     with pytest.raises(RuntimeError, match="data orders differ"):
         spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=60)
+
+
+def test_bf16_halves_the_boundary_bytes_and_tracks_fp32():
+    fp32 = spawn(train, 2, CompressionConfig(), 1)[0]["log"]
+    bf16 = spawn(train, 2, CompressionConfig(), 1, "1f1b", None, 16, True)[0]["log"]
+    per_mb = MBS * SEQ * 16
+    assert bf16[0]["fwd_bytes"] == MICRO * (per_mb * 2 + 8 * MBS) and bf16[0]["bwd_bytes"] == MICRO * per_mb * 2
+    assert [s["loss"] for s in bf16] == pytest.approx([s["loss"] for s in fp32], rel=3e-2)
