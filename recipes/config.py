@@ -28,6 +28,7 @@ class RunConfig:
     task: str  # "causal_lm" or "classification"
     model: str | None = None  # None: the built-in tiny shape
     dataset: str | None = None  # None: the built-in corpus / task
+    dataset_config: str | None = None  # an HF dataset's configuration (wikitext: wikitext-2-raw-v1)
     seq_len: int = 128
     pipeline_stages: int | str = "auto"  # "auto": world size / replicas
     schedule: str = "1f1b"
@@ -65,6 +66,7 @@ class RunConfig:
 FLAGS: dict[str, tuple[Any, str]] = {
     "model": (str, "HF hub name, local model directory, or a config.json (random init); default: a tiny shape"),
     "dataset": (str, "HF dataset name, local text/json/csv/parquet file, or a built-in name; default: built-in"),
+    "dataset_config": (str, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1"),
     "seq_len": (int, "tokens per sample"),
     "pipeline_stages": (str, "stages per pipeline, or auto = world size / replicas (world = stages x replicas)"),
     "schedule": (str, f"one of {', '.join(SCHEDULES)}"),

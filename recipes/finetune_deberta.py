@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus 2 recipes/finetune_deberta.py [--deepspeed_config recipes/configs/deberta.json]
     torchrun --nproc_per_node 2 recipes/finetune_deberta.py --dataset next_line
-    python recipes/finetune_deberta.py --pipeline_stages 1
+    python recipes/finetune_deberta.py
 
 Defaults need no hub: a tiny DeBERTa-v2 shape on the built-in acceptability task (real Shakespeare
 lines against the same lines with their words shuffled); `--dataset next_line` is the pair task.
@@ -12,19 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for any launcher
 
-from recipes.config import resolve  # noqa: E402
-from recipes.runner import Task, run  # noqa: E402
+from recipes.runner import Task, main  # noqa: E402
 
 TASK = Task(kind="classification", family="deberta", default_dataset="acceptability")
-DEFAULT_CONFIG = Path(__file__).with_name("configs") / "deberta.json"
-
-
-def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.split("=")[0] in ("--deepspeed_config", "--config") for a in argv):
-        argv = ["--deepspeed_config", str(DEFAULT_CONFIG), *argv]
-    return run(TASK, resolve(TASK.kind, argv, __doc__))
-
 
 if __name__ == "__main__":
-    main()
+    main(TASK, Path(__file__).with_name("configs") / "deberta.json", __doc__)

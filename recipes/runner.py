@@ -23,7 +23,7 @@ from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from pipeline.partition import merge_into, partition, tie_groups
 
 from . import data as datalib
-from .config import RunConfig
+from .config import RunConfig, resolve
 from .models import build_model, model_positions
 
 
@@ -78,8 +78,9 @@ def _datasets(cfg: RunConfig, task: Task, world: World) -> tuple[Any, Any, Any]:
         corpus = None if own is not None and os.path.isdir(own) else datalib.fetch_shakespeare()
         tokenizer = datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification")
         if task.kind == "causal_lm":
-            train = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="train")
-            evaluation = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="eval")
+            kw = {"dataset_config": cfg.dataset_config}
+            train = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="train", **kw)
+            evaluation = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="eval", **kw)
         else:
             train = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="train", seed=cfg.seed)
             evaluation = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="eval", seed=cfg.seed)
@@ -265,3 +266,22 @@ def _mover(device: torch.device) -> Callable[[dict], dict]:
     if device.type == "cpu":
         return lambda mb: mb
     return lambda mb: {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def main(task: Task, default_config: Path, description: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """A recipe's entry point: its default config file unless the user names one, then run."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.split("=")[0] in ("--deepspeed_config", "--config") for a in argv):
+        argv = ["--deepspeed_config", str(default_config), *argv]
+    cfg = resolve(task.kind, argv, description)
+    try:
+        return run(task, cfg)
+    except (ValueError, FileNotFoundError) as exc:  # bad input found late (data, model): one line, status 2
+        if os.environ.get("AQPIPE_TRACEBACK"):
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(2) from None

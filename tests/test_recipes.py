@@ -67,10 +67,14 @@ def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
     assert clf.num_labels == 2
 
 
-def test_bad_input_exits_2_before_starting_anything(tmp_path):
+@pytest.mark.parametrize("flags,message", [
+    (["--forward_bits", "12"], "forward_bits=12: expected an integer from 1 to 8"),
+    (["--dataset", "/no/such/corpus.txt"], "'/no/such/corpus.txt': no such file"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, flags, message):
     out = tmp_path / "never"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune_gpt2.py"), "--forward_bits", "12",
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune_gpt2.py"), *flags,
                            "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "forward_bits=12: expected an integer from 1 to 8" in proc.stderr and "Traceback" not in proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
