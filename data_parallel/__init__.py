@@ -1,2 +1,11 @@
-"""aqpipe.data_parallel: replica synchronization (allreduce, decentralized, low-precision
-decentralized, QAdam, Qsparse-local-SGD). Not built yet: see the data-parallel issue."""
+"""aqpipe.data_parallel: replicas of a pipeline stage kept in step over slow links.
+
+`create(name, params, comm, **options)` builds an algorithm from the registry; the engine calls
+its `after_backward` and `after_step` around each optimizer step. Compression goes through the
+`compression` package; nothing here knows about pipelines.
+"""
+from . import allreduce  # noqa: F401  (registers the algorithm)
+from .base import REGISTRY, Algorithm, create, register
+from .comm import Comm
+
+__all__ = ["REGISTRY", "Algorithm", "Comm", "create", "register"]

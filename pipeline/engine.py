@@ -2,7 +2,8 @@
 
 `train_batch` runs one optimizer step over M micro-batches: the schedule's actions
 (recv/forward/send, recv/backward/send), then the tied-weight gradient exchange, the
-data-parallel hook, global-norm clipping, the optimizer and LR-scheduler steps.
+data-parallel algorithm's after_backward, global-norm clipping, the optimizer step,
+the algorithm's after_step, and the LR-scheduler step.
 Every stage loads the same micro-batches itself; only boundary activations and their
 gradients cross the pipeline, as codec messages. Bytes are counted per step.
 """
@@ -85,13 +86,14 @@ class PipelineEngine:
     ) -> None:
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(sched.SCHEDULES)}")
-        self.stage, self.groups, self.optimizer = stage, groups, optimizer
+        self.stage, self.groups = stage, groups
+        self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
+        self.optimizer = data_parallel.wrap_optimizer(optimizer) if data_parallel is not None else optimizer
         self.lr_scheduler, self.gradient_clipping, self.schedule = lr_scheduler, gradient_clipping, schedule
         self.compression = compression or CompressionConfig()
         self.device, self.bf16 = torch.device(device), bf16
         self.wire_dtype = torch.bfloat16 if bf16 else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v}
-        self.data_parallel = data_parallel
         self.wire = Wire()
         self.global_step = 0
         self.prev = self._boundary(groups.stage - 1, num_samples, seq_len, seed) if not stage.is_first else None
@@ -194,11 +196,12 @@ class PipelineEngine:
         flight = self._run(actions, micro_batches, phase, training=True)
         self._sum_tied_grads()
         if self.data_parallel is not None:
-            self._counters.dp_bytes += int(self.data_parallel.after_backward(self.stage) or 0)
+            self.data_parallel.after_backward()
         grad_norm = self._clip()
         self.optimizer.step()
-        if self.data_parallel is not None and hasattr(self.data_parallel, "after_step"):
-            self._counters.dp_bytes += int(self.data_parallel.after_step(self.stage) or 0)
+        if self.data_parallel is not None:
+            self.data_parallel.after_step()
+            self._counters.dp_bytes += self.data_parallel.comm.take_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
@@ -267,11 +270,12 @@ class PipelineEngine:
         return norm
 
     def _reduce(self, flight: _Flight, m: int) -> tuple[float, list[int]]:
-        """Loss from the last stage and byte counts from all stages, summed over the pipeline."""
+        """The mean loss over the last stages of all replicas, and byte counts summed over the whole job."""
         c = self._counters
         loss_sum = sum(flight.losses.values())
         t = torch.tensor([loss_sum, c.fwd_bytes, c.bwd_bytes, c.tie_bytes, c.dp_bytes, flight.correct, flight.counted],
                          dtype=torch.float64)
-        if self.groups.pipeline is not None:
-            dist.all_reduce(t, group=self.groups.pipeline)
-        return float(t[0]) / m, [int(v) for v in t[1:].tolist()]
+        for group in (self.groups.pipeline, self.groups.data_parallel):
+            if group is not None and self.groups.grid.world_size > 1:
+                dist.all_reduce(t, group=group)
+        return float(t[0]) / (m * self.groups.grid.replicas), [int(v) for v in t[1:].tolist()]

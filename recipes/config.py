@@ -57,6 +57,13 @@ class RunConfig:
     buffer_dtype: str = "float16"
     buffer_dir: str | None = None
     dist_timeout: float = 300.0
+    dp_algorithm: str = "allreduce"
+    dp_bits: int = 8
+    dp_warmup_steps: int = 100
+    dp_local_steps: int = 4
+    dp_topk_ratio: float = 0.01
+    dp_peer_selection: str = "shift_one"
+    dp_interval: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +98,13 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM"),
     "gradient_clipping": (float, "clip the global gradient norm to this (0: off)"),
     "dist_timeout": (float, "seconds a collective or receive may wait for a peer"),
+    "dp_algorithm": (str, "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, qsparse_local_sgd"),
+    "dp_bits": (int, "bits of compressed data-parallel traffic (1-8)"),
+    "dp_warmup_steps": (int, "qadam: full-precision Adam steps before compressed momentum"),
+    "dp_local_steps": (int, "qsparse_local_sgd: local steps between synchronizations"),
+    "dp_topk_ratio": (float, "qsparse_local_sgd: fraction of entries kept (0, 1]"),
+    "dp_peer_selection": (str, "decentralized: shift_one or all"),
+    "dp_interval": (int, "decentralized: communicate every N steps"),
 }
 
 
@@ -141,8 +155,8 @@ def _from_file(path: str) -> dict[str, Any]:
     for key in ("warmup_epochs", "buffer_dtype", "buffer_dir"):
         if key in comp:
             out[key] = comp[key]
-    if "replicas" in raw.get("data_parallel", {}):
-        out["replicas"] = raw["data_parallel"]["replicas"]
+    for key, value in raw.get("data_parallel", {}).items():
+        out[key if key == "replicas" else f"dp_{key}"] = value
     out.update(raw.get("run", {}))
     if "train_batch_size" in raw:
         out["_train_batch_size"] = raw["train_batch_size"]
@@ -180,9 +194,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     for name in ("max_steps", "max_train_samples", "max_eval_samples"):
         if getattr(cfg, name) is not None:
             _positive(cfg, name, allow_zero=name != "max_steps")
-    if cfg.replicas > 1:
-        raise ValueError(f"replicas={cfg.replicas}: data-parallel replicas are not available yet (expected 1); "
-                         "they arrive with the data_parallel package")
+    _check_data_parallel(cfg)
     if cfg.seq_len < 2:
         raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
     if cfg.schedule not in SCHEDULES:
@@ -218,6 +230,38 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.model is not None and not _is_hub_name(cfg.model) and not os.path.exists(cfg.model):
         raise ValueError(f"model={cfg.model!r}: no such file or directory (expected an HF name, a model directory or a config.json)")
     return cfg
+
+
+def _check_data_parallel(cfg: RunConfig) -> None:
+    """The data-parallel options, checked before any process starts (the algorithms check them again)."""
+    import data_parallel
+
+    if cfg.dp_algorithm not in data_parallel.REGISTRY:
+        raise ValueError(f"dp_algorithm={cfg.dp_algorithm!r}: expected one of {', '.join(sorted(data_parallel.REGISTRY))}")
+    if isinstance(cfg.dp_bits, bool) or not isinstance(cfg.dp_bits, int) or not 1 <= cfg.dp_bits <= 8:
+        raise ValueError(f"dp_bits={cfg.dp_bits!r}: expected an integer from 1 to 8")
+    for name in ("dp_local_steps", "dp_interval"):
+        _positive(cfg, name)
+    _positive(cfg, "dp_warmup_steps", allow_zero=True)
+    if not 0 < cfg.dp_topk_ratio <= 1:
+        raise ValueError(f"dp_topk_ratio={cfg.dp_topk_ratio}: expected a fraction in (0, 1]")
+    if cfg.dp_peer_selection not in ("shift_one", "all"):
+        raise ValueError(f"dp_peer_selection={cfg.dp_peer_selection!r}: expected shift_one or all")
+    uses_pairs = cfg.dp_algorithm == "decentralized" and cfg.dp_peer_selection == "shift_one"
+    if uses_pairs and cfg.replicas > 1 and cfg.replicas % 2:
+        raise ValueError(f"replicas={cfg.replicas}: decentralized with shift_one pairs replicas, expected an even count")
+
+
+def dp_options(cfg: RunConfig) -> dict[str, Any]:
+    """The chosen algorithm's own options, from the dp_* settings."""
+    return {
+        "allreduce": {},
+        "decentralized": {"peer_selection": cfg.dp_peer_selection, "interval": cfg.dp_interval},
+        "low_precision_decentralized": {"bits": cfg.dp_bits, "seed": cfg.seed},
+        "qadam": {"warmup_steps": cfg.dp_warmup_steps, "bits": cfg.dp_bits, "seed": cfg.seed},
+        "qsparse_local_sgd": {"local_steps": cfg.dp_local_steps, "topk_ratio": cfg.dp_topk_ratio,
+                              "bits": cfg.dp_bits, "seed": cfg.seed},
+    }[cfg.dp_algorithm]
 
 
 def _is_hub_name(name: str) -> bool:

@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import data_parallel
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from pipeline.partition import merge_into, partition, tie_groups
 
 from . import data as datalib
-from .config import RunConfig, resolve
+from .config import RunConfig, dp_options, resolve
 from .models import build_model, model_positions
 
 
@@ -207,11 +208,16 @@ def run(task: Task, cfg: RunConfig) -> dict[str, Any]:
         backward_bits=cfg.backward_bits, warmup_epochs=cfg.warmup_epochs,
         buffer_dtype=getattr(torch, cfg.buffer_dtype), buffer_dir=cfg.buffer_dir,
     )
+    algorithm = None
+    if grid.replicas > 1:
+        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
+        algorithm = data_parallel.create(cfg.dp_algorithm, list(stage.parameters()), comm, **dp_options(cfg))
     engine = PipelineEngine(
         stage, groups, optimizer, compression=compression, num_samples=len(train_set), seq_len=cfg.seq_len,
-        lr_scheduler=_scheduler(cfg, optimizer, total_steps), gradient_clipping=cfg.gradient_clipping,
-        schedule=cfg.schedule, ties=ties, device=world.device, bf16=cfg.bf16, seed=cfg.seed,
+        lr_scheduler=None, gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule, ties=ties,
+        device=world.device, bf16=cfg.bf16, seed=cfg.seed, data_parallel=algorithm,
     )
+    engine.lr_scheduler = _scheduler(cfg, engine.optimizer, total_steps)  # on the optimizer actually stepped
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]

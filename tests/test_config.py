@@ -48,7 +48,11 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--model", "/no/such/model"], "model='/no/such/model': no such file or directory"),
     (["--deepspeed_config", "/no/such.json"], "--deepspeed_config /no/such.json: no such file"),
     (["--buffer_dtype", "int8"], "buffer_dtype='int8': expected one of float16, bfloat16, float32"),
-    (["--replicas", "2", "--pipeline_stages", "1"], "replicas=2: data-parallel replicas are not available yet"),
+    (["--dp_algorithm", "gossip"], "dp_algorithm='gossip': expected one of allreduce"),
+    (["--dp_bits", "9"], "dp_bits=9: expected an integer from 1 to 8"),
+    (["--dp_topk_ratio", "1.5"], "dp_topk_ratio=1.5: expected a fraction in (0, 1]"),
+    (["--dp_peer_selection", "ring"], "dp_peer_selection='ring': expected shift_one or all"),
+    (["--dp_local_steps", "0"], "dp_local_steps=0: expected an integer >= 1"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, message, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -77,3 +81,19 @@ def test_unknown_run_setting_and_bad_json_are_refused(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit):
         run(["--deepspeed_config", str(path)], monkeypatch)
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_odd_replicas_for_shift_one_are_refused_before_starting(monkeypatch, capsys):
+    import data_parallel
+
+    monkeypatch.setitem(data_parallel.REGISTRY, "decentralized", object)  # registered by its own module
+    with pytest.raises(SystemExit):
+        run(["--replicas", "3", "--pipeline_stages", "1", "--dp_algorithm", "decentralized"], monkeypatch, world=3)
+    assert "replicas=3: decentralized with shift_one pairs replicas, expected an even count" in capsys.readouterr().err
+
+
+def test_data_parallel_block_of_the_config_file(tmp_path, monkeypatch):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"data_parallel": {"replicas": 2, "algorithm": "allreduce", "bits": 4}}))
+    cfg = run(["--deepspeed_config", str(path), "--pipeline_stages", "2"], monkeypatch, world=4)
+    assert (cfg.replicas, cfg.dp_algorithm, cfg.dp_bits, cfg.pipeline_stages) == (2, "allreduce", 4, 2)
