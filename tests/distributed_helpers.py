@@ -1,6 +1,7 @@
 """Run a function on N gloo processes on localhost and collect what each returns."""
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -22,7 +23,9 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tup
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        queue.put((rank, fn(rank, world, *args), None))
+        buf = io.BytesIO()  # bytes, not shared-memory tensors: those vanish when this process exits
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, buf.getvalue(), None))
         dist.barrier()
     except BaseException:  # report, so the parent sees why
         queue.put((rank, None, traceback.format_exc()))
@@ -45,7 +48,7 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[An
             rank, value, error = queue.get(timeout=timeout)
             if error:
                 raise RuntimeError(f"rank {rank} failed:\n{error}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own workers' results
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -46,3 +46,61 @@ def test_allreduce_two_replicas_match_one_replica_at_the_same_global_batch():
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match="dp_algorithm='gossip': expected one of"):
         data_parallel.create("gossip", [], data_parallel.Comm())
+
+
+OPTIONS = {
+    "allreduce": {},
+    "decentralized": {"peer_selection": "shift_one"},
+    "low_precision_decentralized": {"bits": 8},
+    "qadam": {"warmup_steps": 3, "bits": 8},
+    "qsparse_local_sgd": {"local_steps": 2, "topk_ratio": 0.25, "bits": 8},
+}
+
+
+def every_algorithm(rank, world, steps=10):
+    """2 stages x 2 replicas, each algorithm in turn (one process start for all: the suite's time budget)."""
+    grid = Grid.for_world(world, 2)
+    groups = build_groups(grid, rank, toy_ties(2))
+    out = {}
+    for name, options in OPTIONS.items():
+        stage = toy_stages(2)[groups.stage]
+        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
+        algo = data_parallel.create(name, list(stage.parameters()), comm, **options)
+        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.02),
+                                compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ,
+                                ties=toy_ties(2), data_parallel=algo)
+        log = []
+        for epoch in range(steps):
+            for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, epoch):
+                if len(log) < steps:
+                    engine.train_batch(mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO], epoch)
+                    log.append(engine.last_metrics)
+        out[name] = {"loss": [s["loss"] for s in log], "dp": [s["dp_bytes"] for s in log],
+                     "params": torch.cat([p.detach().reshape(-1) for p in stage.parameters()])}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return spawn(every_algorithm, 4)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_every_algorithm_learns_on_two_stages_by_two_replicas(runs, name):
+    loss = runs[0][name]["loss"]
+    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 * 0.9, loss
+    assert all(b > 0 for b in runs[0][name]["dp"]) or name == "qsparse_local_sgd"
+
+
+@pytest.mark.parametrize("name", ["allreduce", "qadam", "qsparse_local_sgd"])
+def test_synchronous_algorithms_keep_replicas_identical(runs, name):
+    for stage in (0, 1):  # ranks stage and stage + 2 are the two replicas of a stage (10 steps: qsparse just synced)
+        assert torch.equal(runs[stage][name]["params"], runs[stage + 2][name]["params"])
+
+
+def test_byte_savings_of_the_compressed_algorithms(runs):
+    dp = {name: runs[0][name]["dp"] for name in OPTIONS}
+    assert dp["low_precision_decentralized"][-1] <= 0.3 * dp["decentralized"][-1]
+    assert dp["qadam"][-1] <= 0.3 * dp["qadam"][0]  # after warm-up vs during it
+    assert dp["qsparse_local_sgd"][0] == 0 and dp["qsparse_local_sgd"][1] > 0  # syncs every 2nd step only
+    assert dp["qsparse_local_sgd"][1] < 0.5 * dp["allreduce"][1]

@@ -1,0 +1,347 @@
+"""QAdam: Adam alone, the seed's update rule on R workers against a one-process reference, bytes, resume."""
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compression import dequantize, quantize
+from data_parallel import qadam  # noqa: F401  (registers "qadam")
+from data_parallel.base import create
+from data_parallel.comm import Comm
+from data_parallel.qadam import QAdam, QAdamOptimizer
+from distributed_helpers import spawn
+
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+GROUP = 1024  # the default quantization group size
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))  # 420 parameters
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step + 17)
+    x = torch.randn(16, 8, generator=g)
+    return x, torch.randn(16, 4, generator=g) + rank  # replicas see different targets: their gradients differ
+
+
+def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def portable(obj):
+    """Tensors as numpy arrays: torch's queue pickling shares tensor memory, gone once the worker exits."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v) for v in obj)
+    return obj
+
+
+def run_spawned(fn, world, *args):
+    def back(obj):
+        if isinstance(obj, np.ndarray):
+            return torch.from_numpy(obj)
+        if isinstance(obj, dict):
+            return {k: back(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(back(v) for v in obj)
+        return obj
+    return [back(r) for r in spawn(fn, world, *args)]
+
+
+# ----------------------------------------------------------------------------- the reference
+def reference(world: int, steps: int, warmup: int, bits: int, seed: int = 0, wd: float = 0.0,
+              error_feedback: bool = True) -> dict:
+    """The seed's QAdam on `world` workers in one process, written from the formula, not from the code."""
+    model = make_model()
+    params = list(model.parameters())
+    x = flat(model)
+    n = x.numel()
+    m, v = torch.zeros(n), torch.zeros(n)
+    errors = [torch.zeros(n) for _ in range(world)]
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + r) for r in range(world)]
+    b1, b2 = BETAS
+    history = []
+    for t in range(1, steps + 1):
+        grads = []
+        for r in range(world):
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(x, params)
+            model.zero_grad()
+            loss_of(model, r, t - 1).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in params]).clone())
+        if t <= warmup:  # full-precision average, then Adam
+            g = sum(grads) / world
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+        elif world == 1:  # alone: Adam with the variance frozen, nothing quantized
+            m = b1 * m + (1 - b1) * grads[0]
+        else:  # local momenta, compressed average with error feedback; v frozen
+            decoded = []
+            for r in range(world):
+                z = b1 * m + (1 - b1) * grads[r] + errors[r]
+                d = dequantize(quantize(z, bits, group_size=GROUP, generator=gens[r]))
+                if error_feedback:
+                    errors[r] = z - d
+                decoded.append(d)
+            m = sum(decoded) / world
+        bc1 = 1 - b1 ** t
+        bc2 = 1 - b2 ** min(t, warmup)
+        x = x * (1 - LR * wd)
+        x = x - LR / bc1 * m / (v.sqrt() / math.sqrt(bc2) + EPS)
+        history.append(x.clone())
+    return {"history": history, "errors": errors, "v": v}
+
+
+# ----------------------------------------------------------------------------- the workers
+def train(rank: int, world: int, steps: int, warmup: int, bits: int, wd: float = 0.0) -> dict:
+    comm = Comm(None, list(range(world)))
+    model = make_model()
+    algo = create("qadam", list(model.parameters()), comm, warmup_steps=warmup, bits=bits)
+    base = torch.optim.AdamW if wd else torch.optim.Adam
+    opt = algo.wrap_optimizer(base(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=wd))
+    history, sent = [], []
+    for t in range(steps):
+        opt.zero_grad()
+        loss_of(model, rank, t).backward()
+        algo.after_backward()
+        opt.step()
+        algo.after_step()
+        history.append(flat(model))
+        sent.append(comm.take_bytes())
+    errors = torch.cat([opt.state[p]["error"].reshape(-1) for p in model.parameters()])
+    return {"history": history, "sent": sent, "errors": errors, "step_count": algo.step_count}
+
+
+def scenario(rank: int, world: int, bits: int, wd: float) -> dict:
+    """Everything a test needs from one set of processes (starting them is the slow part)."""
+    out = {"train": train(rank, world, 7, 3, bits, wd)}
+    if world == 2:
+        out["resume"] = resume(rank, world, 7, 4)
+    return portable(out)
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_spawned(scenario, 2, 8, 0.05)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_spawned(scenario, 4, 2, 0.0)
+
+
+def check_against_reference(results: list[dict], bits: int, wd: float = 0.0) -> list[dict]:
+    world, steps, warmup = len(results), 7, 3
+    results = [r["train"] for r in results]
+    ref = reference(world, steps, warmup, bits, wd=wd)
+    for res in results:
+        assert res["step_count"] == steps
+        for t in range(steps):
+            assert torch.equal(res["history"][t], results[0]["history"][t]), f"replicas differ after step {t + 1}"
+            assert torch.allclose(res["history"][t], ref["history"][t], atol=1e-6, rtol=0), f"step {t + 1}"
+    for r, res in enumerate(results):
+        assert torch.allclose(res["errors"], ref["errors"][r], atol=1e-6)
+    return results
+
+
+def test_two_replicas_follow_the_reference(two):
+    check_against_reference(two, 8, wd=0.05)
+
+
+def test_two_replicas_send_a_quarter_after_warmup(two):
+    n, warmup = 420, 3
+    for res in two:
+        warm, compressed = res["train"]["sent"][:warmup], res["train"]["sent"][warmup:]
+        assert warm == [2 * 1 * 4 * n // 2] * warmup  # ring allreduce of float32 gradients
+        assert compressed == [1 * (n + 8)] * len(compressed)  # 8-bit codes + one group's min and step
+        ratio = compressed[0] / warm[0]
+        assert ratio <= 0.3, ratio
+
+
+def test_four_replicas_follow_the_reference_with_error_feedback(four):
+    results = check_against_reference(four, 2)
+    n = 420
+    for res in results:
+        assert res["sent"][:3] == [2 * 3 * 4 * n // 4] * 3
+        assert res["sent"][3:] == [3 * (math.ceil(n * 2 / 8) + 8)] * 4
+        assert float(res["errors"].abs().max()) > 0  # the memory holds what 2 bits could not say
+    # the memory matters: the same run without error feedback ends elsewhere
+    without = reference(4, 7, 3, 2, error_feedback=False)["history"][-1]
+    assert not torch.allclose(results[0]["history"][-1], without, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- alone, as an optimizer
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_alone_is_adam_during_warmup_then_freezes_the_variance(wd):
+    warmup, steps = 4, 8
+    ours, theirs = make_model(), make_model()
+    opt = QAdamOptimizer(ours.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=wd, warmup_steps=warmup)
+    base = torch.optim.AdamW if wd else torch.optim.Adam
+    adam = base(theirs.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=wd)
+    for t in range(steps):
+        for model, o in ((ours, opt), (theirs, adam)):
+            o.zero_grad()
+            loss_of(model, 0, t).backward()
+        v_before = [opt.state[p]["exp_avg_sq"].clone() for p in ours.parameters()] if t >= warmup else None
+        opt.step()
+        adam.step()
+        if t < warmup:
+            assert torch.allclose(flat(ours), flat(theirs), atol=1e-6, rtol=0), f"step {t + 1}"
+        else:
+            for p, before in zip(ours.parameters(), v_before):
+                assert torch.equal(opt.state[p]["exp_avg_sq"], before)  # frozen
+    assert not torch.allclose(flat(ours), flat(theirs), atol=1e-6)  # Adam kept moving its variance
+    ref = reference(1, steps, warmup, 8, wd=wd)["history"][-1]  # one worker: no compression at all
+    assert torch.allclose(flat(ours), ref, atol=1e-6, rtol=0)
+    assert opt.state_dict()["qadam"]["step_id"] == steps
+
+
+def test_one_member_comm_sends_nothing_and_matches_alone():
+    comm = Comm(None, None)
+    a, b = make_model(), make_model()
+    algo = QAdam(list(a.parameters()), comm, warmup_steps=2)
+    opt_a = algo.wrap_optimizer(torch.optim.Adam(a.parameters(), lr=LR))
+    opt_b = QAdamOptimizer(b.parameters(), lr=LR, warmup_steps=2)
+    for t in range(5):
+        for model, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            loss_of(model, 0, t).backward()
+        algo.after_backward()
+        opt_a.step()
+        algo.after_step()
+        opt_b.step()
+    assert comm.sent_bytes == 0
+    assert torch.equal(flat(a), flat(b))
+
+
+def test_wrap_optimizer_keeps_every_param_group_and_its_hyperparameters():
+    model = make_model()
+    algo = QAdam(list(model.parameters()), Comm(None, None), warmup_steps=1)
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    opt = algo.wrap_optimizer(torch.optim.AdamW(
+        [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": 3e-3}],
+        lr=2e-3, betas=(0.8, 0.99), eps=1e-6))
+    assert isinstance(opt, QAdamOptimizer)
+    g0, g1 = opt.param_groups
+    assert (g0["lr"], g0["betas"], g0["eps"], g0["weight_decay"]) == (2e-3, (0.8, 0.99), 1e-6, 0.1)
+    assert (g1["lr"], g1["weight_decay"]) == (3e-3, 0.0)
+    assert g0["params"] == weights and g1["params"] == biases
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("options, message", [
+    ({"bits": 0}, "bits=0"), ({"bits": 9}, "bits=9"), ({"bits": True}, "bits=True"), ({"bits": 4.0}, "bits=4.0"),
+    ({"warmup_steps": -1}, "warmup_steps=-1"), ({"warmup_steps": 2.5}, "warmup_steps=2.5"),
+    ({"seed": -3}, "seed=-3"), ({"group_size": 0}, "group_size=0"), ({"colour": "red"}, "unknown option"),
+])
+def test_bad_options_are_named(options, message):
+    model = make_model()
+    with pytest.raises(ValueError, match=message):
+        QAdam(list(model.parameters()), Comm(None, None), **options)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "Adam-like.*SGD|SGD.*Adam-like"),
+    (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), "AdamW"),
+    (lambda ps: torch.optim.Adam(ps, amsgrad=True), "amsgrad"),
+])
+def test_wrap_optimizer_refuses_what_it_cannot_honour(make, message):
+    model = make_model()
+    algo = QAdam(list(model.parameters()), Comm(None, None))
+    with pytest.raises(ValueError, match=message):
+        algo.wrap_optimizer(make(model.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bits": 0}, "bits=0"), ({"warmup_steps": -2}, "warmup_steps=-2"), ({"lr": -1.0}, "lr=-1.0"),
+    ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+])
+def test_optimizer_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QAdamOptimizer(make_model().parameters(), **kwargs)
+
+
+def test_zero_warmup_warns_and_is_registered():
+    with pytest.warns(UserWarning, match="warmup_steps=0"):
+        QAdamOptimizer(make_model().parameters(), warmup_steps=0)
+    model = make_model()
+    assert isinstance(create("qadam", list(model.parameters()), Comm(None, None)), QAdam)
+
+
+def test_after_backward_before_wrap_optimizer_is_an_error():
+    model = make_model()
+    algo = QAdam(list(model.parameters()), Comm(None, None))
+    with pytest.raises(RuntimeError, match="wrap_optimizer"):
+        algo.after_backward()
+
+
+# ----------------------------------------------------------------------------- resume
+def resume(rank: int, world: int, total: int, cut: int) -> dict:
+    comm = Comm(None, list(range(world)))
+
+    def build():
+        model = make_model()
+        algo = QAdam(list(model.parameters()), comm, warmup_steps=2, bits=3, seed=5)
+        return model, algo, algo.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01))
+
+    def run(model, algo, opt, steps):
+        for t in steps:
+            opt.zero_grad()
+            loss_of(model, rank, t).backward()
+            algo.after_backward()
+            opt.step()
+            algo.after_step()
+
+    straight = build()
+    run(*straight, range(total))
+    first = build()
+    run(*first, range(cut))
+    buf = io.BytesIO()
+    torch.save({"model": first[0].state_dict(), "algo": first[1].state_dict(), "opt": first[2].state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    fresh = build()
+    fresh[0].load_state_dict(saved["model"])
+    fresh[1].load_state_dict(saved["algo"])
+    fresh[2].load_state_dict(saved["opt"])
+    run(*fresh, range(cut, total))
+    # control: momenta, variance and step restored, but not the error memory or the dither generator
+    control = build()
+    control[0].load_state_dict(saved["model"])
+    control[1].load_state_dict(saved["algo"])
+    control[2].load_state_dict(saved["opt"])
+    for p in control[0].parameters():
+        control[2].state[p]["error"].zero_()
+    run(*control, range(cut, total))
+    return {"straight": flat(straight[0]), "resumed": flat(fresh[0]), "control": flat(control[0]),
+            "step": (fresh[1].step_count, fresh[2].step_id)}
+
+
+def test_state_dict_round_trip_resumes_exactly(two):
+    for res in two:
+        res = res["resume"]
+        assert torch.equal(res["resumed"], res["straight"])
+        assert res["step"] == (7, 7)
+        assert not torch.equal(res["control"], res["straight"])  # the memory is part of the state
+
+
+def test_load_state_dict_refuses_another_configuration():
+    a = QAdamOptimizer(make_model().parameters(), bits=8)
+    b = QAdamOptimizer(make_model().parameters(), bits=4)
+    with pytest.raises(ValueError, match="bits=8"):
+        b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="not saved by QAdamOptimizer"):
+        b.load_state_dict(torch.optim.Adam(make_model().parameters()).state_dict())
