@@ -202,6 +202,7 @@ class PipelineEngine:
         if self.data_parallel is not None:
             self.data_parallel.after_step()
             self._counters.dp_bytes += self.data_parallel.comm.take_bytes()
+            self._resync_tied_weights()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
@@ -249,6 +250,28 @@ class PipelineEngine:
             for s in holders[1:]:
                 total += parts[s]
             param.grad = total
+
+    def _resync_tied_weights(self) -> None:
+        """After a data-parallel step, the owner (lowest stage) of each tied weight sends it to the others.
+
+        Summed gradients keep tied copies equal through the optimizer, but a compressed data-parallel
+        algorithm changes each stage's parameters in that stage's own quantization groups and dither,
+        so the copies would drift apart; one copy is the truth and the others follow it.
+        """
+        mine = self.stage.tied_parameters()
+        for key, holders in self.ties.items():
+            param, owner = mine[key], holders[0]
+            if self.groups.stage == owner:
+                payload = param.detach().contiguous().view(-1).view(torch.uint8)
+                for s in holders[1:]:
+                    self.wire.send(payload, self.groups.pipeline_rank_of(s), tag=TIE_TAG + 1)
+                    self._counters.tie_bytes += payload.numel()
+                self.wire.flush()
+            else:
+                nbytes = param.numel() * param.element_size()
+                buf = self.wire.recv(nbytes, self.groups.pipeline_rank_of(owner), param.device, tag=TIE_TAG + 1)
+                with torch.no_grad():
+                    param.copy_(buf.view(param.dtype).view(param.shape))
 
     def _clip(self) -> float:
         """Global gradient norm over the whole pipeline (each tied weight counted once); clips if configured."""

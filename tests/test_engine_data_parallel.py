@@ -76,7 +76,8 @@ def every_algorithm(rank, world, steps=10):
                     engine.train_batch(mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO], epoch)
                     log.append(engine.last_metrics)
         out[name] = {"loss": [s["loss"] for s in log], "dp": [s["dp_bytes"] for s in log],
-                     "params": torch.cat([p.detach().reshape(-1) for p in stage.parameters()])}
+                     "params": torch.cat([p.detach().reshape(-1) for p in stage.parameters()]),
+                     "tied": stage.tied_parameters()["embed"].detach().clone()}
     return out
 
 
@@ -104,3 +105,10 @@ def test_byte_savings_of_the_compressed_algorithms(runs):
     assert dp["qadam"][-1] <= 0.3 * dp["qadam"][0]  # after warm-up vs during it
     assert dp["qsparse_local_sgd"][0] == 0 and dp["qsparse_local_sgd"][1] > 0  # syncs every 2nd step only
     assert dp["qsparse_local_sgd"][1] < 0.5 * dp["allreduce"][1]
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_tied_copies_stay_identical_under_every_algorithm(runs, name):
+    # the embedding lives on stage 0 and (as the head) on stage 1 of each replica: ranks 0/1 and 2/3
+    for first, last in ((0, 1), (2, 3)):
+        assert torch.equal(runs[first][name]["tied"], runs[last][name]["tied"])

@@ -78,3 +78,14 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, flags, mes
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_deepspeed_launch_of_two_stages_by_two_replicas_with_qadam(tmp_path):
+    rows = launch(["deepspeed", "--num_gpus", "4", "--master_port", str(free_port())], "finetune_gpt2.py",
+                  tmp_path / "dp", "--pipeline_stages", "2", "--replicas", "2", "--dp_algorithm", "qadam",
+                  "--dp_warmup_steps", "2", "--max_steps", "4")
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 4
+    assert steps[-1]["dp_bytes"] <= 0.3 * steps[0]["dp_bytes"]  # compressed momentum after the 2 warm-up steps
+    summary = json.loads((tmp_path / "dp" / "summary.json").read_text())
+    assert summary["world_size"] == 4
