@@ -76,6 +76,18 @@ class _Flight:
     counted: int = 0
 
 
+def owned_parameters(stage: Stage, ties: dict[str, list[int]] | None) -> list[torch.nn.Parameter]:
+    """The parameters a data-parallel algorithm should synchronize on this stage.
+
+    A tied copy belongs to the lowest stage holding it; the other copies follow the owner's
+    (PipelineEngine resends it after each data-parallel step), so an algorithm keeping state
+    about its parameters (replicas, drift, error memory) never sees them change behind its back.
+    """
+    followers = {id(p) for key, p in stage.tied_parameters().items()
+                 if (ties or {}).get(key, [stage.stage_index])[0] != stage.stage_index}
+    return [p for p in stage.parameters() if id(p) not in followers]
+
+
 class PipelineEngine:
     def __init__(
         self, stage: Stage, groups: Groups, optimizer: torch.optim.Optimizer, *,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data_parallel
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.partition import merge_into, partition, tie_groups
 
 from . import data as datalib
@@ -202,7 +202,8 @@ def run(task: Task, cfg: RunConfig) -> dict[str, Any]:
     shard = (groups.replica, grid.replicas)
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, grid.replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
-    optimizer = _optimizer(cfg, stage.parameters())
+    # with replicas, tied copies that follow their owner take its values each step instead of an update
+    optimizer = _optimizer(cfg, owned_parameters(stage, ties) if grid.replicas > 1 else stage.parameters())
     compression = CompressionConfig(
         forward=cfg.forward_compress, forward_bits=cfg.forward_bits, backward=cfg.backward_compress,
         backward_bits=cfg.backward_bits, warmup_epochs=cfg.warmup_epochs,
@@ -211,7 +212,7 @@ def run(task: Task, cfg: RunConfig) -> dict[str, Any]:
     algorithm = None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        algorithm = data_parallel.create(cfg.dp_algorithm, list(stage.parameters()), comm, **dp_options(cfg))
+        algorithm = data_parallel.create(cfg.dp_algorithm, owned_parameters(stage, ties), comm, **dp_options(cfg))
     engine = PipelineEngine(
         stage, groups, optimizer, compression=compression, num_samples=len(train_set), seq_len=cfg.seq_len,
         lr_scheduler=None, gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule, ties=ties,

@@ -4,7 +4,7 @@ import torch
 
 import data_parallel
 from distributed_helpers import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from toy_stages import toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
@@ -17,7 +17,7 @@ def train(rank, world, stages, algorithm, options, steps=4):
     algo = None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        algo = data_parallel.create(algorithm, list(stage.parameters()), comm, **options)
+        algo = data_parallel.create(algorithm, owned_parameters(stage, toy_ties(stages)), comm, **options)
     engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=CompressionConfig(),
                             num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(stages), data_parallel=algo)
     per_replica = MICRO * 2 // grid.replicas  # the global batch is always 2 x MICRO micro-batches
@@ -39,7 +39,8 @@ def test_allreduce_two_replicas_match_one_replica_at_the_same_global_batch():
     for stage in (0, 1):
         a, b = grid[stage]["params"], grid[stage + 2]["params"]
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    numel = sum(p.numel() for s in toy_stages(2) for p in s.parameters())
+    stages = toy_stages(2)
+    numel = sum(p.numel() for s in stages for p in owned_parameters(s, toy_ties(2)))  # the head copy follows
     assert grid[0]["log"][0]["dp_bytes"] == 2 * numel * 4 * 2 * (2 - 1) // 2  # 2 replicas, each sends (R-1)/R x 2
 
 
@@ -65,8 +66,8 @@ def every_algorithm(rank, world, steps=10):
     for name, options in OPTIONS.items():
         stage = toy_stages(2)[groups.stage]
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        algo = data_parallel.create(name, list(stage.parameters()), comm, **options)
-        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.02),
+        algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **options)
+        engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
                                 compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ,
                                 ties=toy_ties(2), data_parallel=algo)
         log = []
