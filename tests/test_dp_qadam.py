@@ -2,7 +2,6 @@
 import io
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qadam import QAdam, QAdamOptimizer
 from distributed_helpers import spawn
+from dp_toy import flat, loss_of
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 GROUP = 1024  # the default quantization group size
@@ -20,44 +20,6 @@ GROUP = 1024  # the default quantization group size
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))  # 420 parameters
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step + 17)
-    x = torch.randn(16, 8, generator=g)
-    return x, torch.randn(16, 4, generator=g) + rank  # replicas see different targets: their gradients differ
-
-
-def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def portable(obj):
-    """Tensors as numpy arrays: torch's queue pickling shares tensor memory, gone once the worker exits."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numpy()
-    if isinstance(obj, dict):
-        return {k: portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(portable(v) for v in obj)
-    return obj
-
-
-def run_spawned(fn, world, *args):
-    def back(obj):
-        if isinstance(obj, np.ndarray):
-            return torch.from_numpy(obj)
-        if isinstance(obj, dict):
-            return {k: back(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(back(v) for v in obj)
-        return obj
-    return [back(r) for r in spawn(fn, world, *args)]
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -129,17 +91,17 @@ def scenario(rank: int, world: int, bits: int, wd: float) -> dict:
     out = {"train": train(rank, world, 7, 3, bits, wd)}
     if world == 2:
         out["resume"] = resume(rank, world, 7, 4)
-    return portable(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def two():
-    return run_spawned(scenario, 2, 8, 0.05)
+    return spawn(scenario, 2, 8, 0.05)
 
 
 @pytest.fixture(scope="module")
 def four():
-    return run_spawned(scenario, 4, 2, 0.0)
+    return spawn(scenario, 4, 2, 0.0)
 
 
 def check_against_reference(results: list[dict], bits: int, wd: float = 0.0) -> list[dict]:

@@ -2,7 +2,6 @@
 import io
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
 from distributed_helpers import spawn
+from dp_toy import flat, loss_of
 
 LR, H, STEPS, RATIO = 0.1, 3, 9, 0.1
 N = 420  # parameters of make_model()
@@ -21,44 +21,6 @@ K = math.ceil(RATIO * N - 1e-9)  # 42
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step + 17)
-    x = torch.randn(16, 8, generator=g)
-    return x, torch.randn(16, 4, generator=g) + rank
-
-
-def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
-def portable(obj):
-    """Tensors as numpy arrays: torch's queue pickling shares tensor memory, gone once the worker exits."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numpy()
-    if isinstance(obj, dict):
-        return {k: portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(portable(v) for v in obj)
-    return obj
-
-
-def run_spawned(fn, world, *args):
-    def back(obj):
-        if isinstance(obj, np.ndarray):
-            return torch.from_numpy(obj)
-        if isinstance(obj, dict):
-            return {k: back(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(back(v) for v in obj)
-        return obj
-    return [back(r) for r in spawn(fn, world, *args)]
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -159,17 +121,17 @@ def scenario(rank: int, world: int) -> dict:
                "resume": resume(rank, world, 8, 4)}
     else:
         out = {"topk8": train(rank, world, "topk", 8)}
-    return portable(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def two():
-    return run_spawned(scenario, 2)
+    return spawn(scenario, 2)
 
 
 @pytest.fixture(scope="module")
 def four():
-    return run_spawned(scenario, 4)
+    return spawn(scenario, 4)
 
 
 def check(results: list[dict], sparsifier: str, bits: int | None) -> None:
