@@ -1,4 +1,6 @@
 """Tiny regression data and helpers shared by the data-parallel algorithm tests."""
+import io
+
 import torch
 
 
@@ -15,3 +17,21 @@ def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def train_steps(model: torch.nn.Module, algo, opt: torch.optim.Optimizer, rank: int, steps) -> None:
+    """The engine's order around one step: backward, after_backward, optimizer step, after_step."""
+    for t in steps:
+        opt.zero_grad()
+        loss_of(model, rank, t).backward()
+        algo.after_backward()
+        opt.step()
+        algo.after_step()
+
+
+def saved_states(model: torch.nn.Module, algo, opt: torch.optim.Optimizer) -> dict:
+    """Model, algorithm and optimizer state through a torch.save/torch.load round trip, as a checkpoint."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "algo": algo.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

@@ -1,5 +1,4 @@
 """QAdam: Adam alone, the seed's update rule on R workers against a one-process reference, bytes, resume."""
-import io
 import math
 
 import pytest
@@ -11,7 +10,7 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qadam import QAdam, QAdamOptimizer
 from distributed_helpers import spawn
-from dp_toy import flat, loss_of
+from dp_toy import flat, loss_of, saved_states, train_steps
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 GROUP = 1024  # the default quantization group size
@@ -260,21 +259,13 @@ def resume(rank: int, world: int, total: int, cut: int) -> dict:
         return model, algo, algo.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01))
 
     def run(model, algo, opt, steps):
-        for t in steps:
-            opt.zero_grad()
-            loss_of(model, rank, t).backward()
-            algo.after_backward()
-            opt.step()
-            algo.after_step()
+        train_steps(model, algo, opt, rank, steps)
 
     straight = build()
     run(*straight, range(total))
     first = build()
     run(*first, range(cut))
-    buf = io.BytesIO()
-    torch.save({"model": first[0].state_dict(), "algo": first[1].state_dict(), "opt": first[2].state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = saved_states(*first)
     fresh = build()
     fresh[0].load_state_dict(saved["model"])
     fresh[1].load_state_dict(saved["algo"])

@@ -1,5 +1,4 @@
 """Qsparse-local-SGD: the paper's update on R workers against a one-process reference, bytes, memory, resume."""
-import io
 import math
 
 import pytest
@@ -11,7 +10,7 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
 from distributed_helpers import spawn
-from dp_toy import flat, loss_of
+from dp_toy import flat, loss_of, saved_states, train_steps
 
 LR, H, STEPS, RATIO = 0.1, 3, 9, 0.1
 N = 420  # parameters of make_model()
@@ -86,21 +85,13 @@ def resume(rank: int, world: int, total: int, cut: int) -> dict:
         return model, algo, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
     def run(model, algo, opt, steps):
-        for t in steps:
-            opt.zero_grad()
-            loss_of(model, rank, t).backward()
-            algo.after_backward()
-            opt.step()
-            algo.after_step()
+        train_steps(model, algo, opt, rank, steps)
 
     straight = build()
     run(*straight, range(total))
     first = build()
     run(*first, range(cut))
-    buf = io.BytesIO()
-    torch.save({"model": first[0].state_dict(), "algo": first[1].state_dict(), "opt": first[2].state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = saved_states(*first)
     out = {"straight": flat(straight[0])}
     for label in ("resumed", "no_memory"):
         fresh = build()
