@@ -287,11 +287,10 @@ class PipelineEngine:
 
     def _clip(self) -> float:
         """Global gradient norm over the whole pipeline (each tied weight counted once); clips if configured."""
-        tied = {id(p) for k, p in self.stage.tied_parameters().items() if self.ties.get(k, [self.groups.stage])[0] != self.groups.stage}
         params = [p for p in self.stage.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            if id(p) not in tied:
+        for p in owned_parameters(self.stage, self.ties):  # a tied weight counts once, at its owner
+            if p.grad is not None:
                 sq += p.grad.detach().double().pow(2).sum().cpu()
         if self.groups.pipeline is not None:
             dist.all_reduce(sq, group=self.groups.pipeline)

@@ -19,14 +19,16 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train_steps(model: torch.nn.Module, algo, opt: torch.optim.Optimizer, rank: int, steps) -> None:
-    """The engine's order around one step: backward, after_backward, optimizer step, after_step."""
+def train_steps(model: torch.nn.Module, algo, opt: torch.optim.Optimizer, rank: int, steps, on_step=None) -> None:
+    """The engine's order around one step: backward, after_backward, optimizer step, after_step, on_step()."""
     for t in steps:
         opt.zero_grad()
         loss_of(model, rank, t).backward()
         algo.after_backward()
         opt.step()
         algo.after_step()
+        if on_step is not None:
+            on_step()
 
 
 def saved_states(model: torch.nn.Module, algo, opt: torch.optim.Optimizer) -> dict:

@@ -73,14 +73,8 @@ def train(rank: int, world: int, steps: int, warmup: int, bits: int, wd: float =
     base = torch.optim.AdamW if wd else torch.optim.Adam
     opt = algo.wrap_optimizer(base(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=wd))
     history, sent = [], []
-    for t in range(steps):
-        opt.zero_grad()
-        loss_of(model, rank, t).backward()
-        algo.after_backward()
-        opt.step()
-        algo.after_step()
-        history.append(flat(model))
-        sent.append(comm.take_bytes())
+    train_steps(model, algo, opt, rank, range(steps),
+                on_step=lambda: (history.append(flat(model)), sent.append(comm.take_bytes())))
     errors = torch.cat([opt.state[p]["error"].reshape(-1) for p in model.parameters()])
     return {"history": history, "sent": sent, "errors": errors, "step_count": algo.step_count}
 

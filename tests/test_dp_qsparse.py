@@ -64,14 +64,8 @@ def train(rank: int, world: int, sparsifier: str, bits: int | None) -> dict:
                   sparsifier=sparsifier, bits=bits)
     opt = algo.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
     history, sent = [], []
-    for t in range(STEPS):
-        opt.zero_grad()
-        loss_of(model, rank, t).backward()
-        algo.after_backward()
-        opt.step()
-        algo.after_step()
-        history.append(flat(model))
-        sent.append(comm.take_bytes())
+    train_steps(model, algo, opt, rank, range(STEPS),
+                on_step=lambda: (history.append(flat(model)), sent.append(comm.take_bytes())))
     return {"history": history, "sent": sent, "memory": algo.memory.clone(), "k": algo.k, "syncs": algo.syncs}
 
 
