@@ -9,11 +9,19 @@ of decoding garbage into the AQ-SGD buffers.
 
 Sends are isend (compute continues while bytes drain); `flush` waits for them.
 
+Emulated link latency (`AQPIPE_LINK_LATENCY_MS`, default 0): the kernel here has no netem, so a
+one-way delay is added in user space: every receive completes that much later than its bytes
+arrive. It is an upper bound on a real link's cost (a message that was already buffered when
+its receive was posted pays the delay too); data-parallel collectives are not delayed.
+
 A boundary runs in one of three phases: "train" (the configured codecs), "warmup"
 (full precision; aqsgd refreshes its buffer rows so compression starts from them)
 and "eval" (full precision, buffers untouched: eval samples have their own ids).
 """
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,10 +32,11 @@ from compression import BackwardCodec, ForwardCodec, Message
 class Wire:
     """Non-blocking sends, blocking receives, with the bytes counted."""
 
-    def __init__(self, group: object | None = None) -> None:
+    def __init__(self, group: object | None = None, latency_s: float | None = None) -> None:
         self.group = group
         self._pending: list[tuple[object, torch.Tensor]] = []
         self.sent_bytes = 0
+        self.latency_s = link_latency_s() if latency_s is None else latency_s
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0) -> None:
         work = dist.isend(payload, dst, group=self.group, tag=tag)
@@ -37,12 +46,26 @@ class Wire:
     def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dist.recv(buf, src, group=self.group, tag=tag)
+        if self.latency_s:
+            time.sleep(self.latency_s)
         return buf
 
     def flush(self) -> None:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+def link_latency_s() -> float:
+    """The emulated one-way link delay from AQPIPE_LINK_LATENCY_MS, in seconds (0: none)."""
+    raw = os.environ.get("AQPIPE_LINK_LATENCY_MS", "0")
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"AQPIPE_LINK_LATENCY_MS={raw!r}: expected a number of milliseconds >= 0") from None
+    if not ms >= 0:
+        raise ValueError(f"AQPIPE_LINK_LATENCY_MS={raw!r}: expected a number of milliseconds >= 0")
+    return ms / 1000.0
 
 
 def _ids_bytes(ids: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,295 @@
+"""Training speed on emulated slow links: FP32 vs DirectQ vs AQ-SGD, and DeepSpeed's own pipeline.
+
+One network namespace per pipeline stage, every uplink shaped by a token-bucket qdisc
+(benchmarks/netns.py), one stage launched per namespace with `torchrun --nnodes N --node_rank I`.
+For each link rate it runs our GPT2 recipe with each compression method and DeepSpeed's
+PipelineModule engine (benchmarks/deepspeed_pipeline.py) at FP32 on the same model and data, then
+reports seconds per step and samples/s in the steady state (epochs after the first: AQ-SGD sends
+a sample's first visit at full precision), and the ratios the issue asks for.
+
+    sudo python benchmarks/slow_link.py                   # the full table (~20 min on 2 cores)
+    sudo python benchmarks/slow_link.py --quick           # tiny shape, 2 rates, < 2 minutes
+    python benchmarks/slow_link.py --quick --no_netns     # not root: loopback, no shaping
+
+The benchmark model unties GPT2's LM head from its token embedding: tied, the last and first stage
+exchange the full embedding gradient every step (dense, uncompressed: see RESULTS.md), which would
+measure that exchange instead of the boundary codecs. Writes results.json and throughput.png under
+--output_dir.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.netns import Network, can_build, rate_bits  # noqa: E402
+
+SCRIPTS = {"aqpipe": ROOT / "recipes" / "finetune_gpt2.py", "deepspeed": ROOT / "benchmarks" / "deepspeed_pipeline.py"}
+METHODS: dict[str, list[str]] = {
+    "fp32": ["--forward_compress", "none", "--backward_compress", "none"],
+    "directq_2_4": ["--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
+                    "--backward_bits", "4"],
+    "aqsgd_2_4": ["--forward_compress", "aqsgd", "--forward_bits", "2", "--backward_compress", "direct",
+                  "--backward_bits", "4"],
+    "directq_4_8": ["--forward_compress", "direct", "--forward_bits", "4", "--backward_compress", "direct",
+                    "--backward_bits", "8"],
+    "aqsgd_4_8": ["--forward_compress", "aqsgd", "--forward_bits", "4", "--backward_compress", "direct",
+                  "--backward_bits", "8"],
+}
+UNSHAPED = "unshaped"
+
+
+@dataclass
+class Shape:
+    """The benchmark model and batch; width and depth set how compute-bound a stage is."""
+
+    width: int = 128
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 128
+    micro_batch_size: int = 4
+    num_micro_batches: int = 4
+    samples: int = 64
+    epochs: int = 3
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.samples // self.samples_per_step
+
+    def flags(self, model_config: Path) -> list[str]:
+        return ["--model", str(model_config), "--seq_len", str(self.seq_len), "--micro_batch_size",
+                str(self.micro_batch_size), "--num_micro_batches", str(self.num_micro_batches),
+                "--max_train_samples", str(self.samples), "--max_eval_samples", str(self.samples_per_step),
+                "--epochs", str(self.epochs)]
+
+
+QUICK = Shape(width=64, layers=2, heads=2, seq_len=32, micro_batch_size=2, num_micro_batches=2, samples=16, epochs=2)
+
+
+def write_model_config(shape: Shape, path: Path, vocab: int = 4096) -> Path:
+    """A GPT2 config.json (seeded random init) with the LM head untied from the embedding."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=vocab, n_positions=max(shape.seq_len, 128), n_embd=shape.width,
+                        n_layer=shape.layers, n_head=shape.heads, tie_word_embeddings=False,
+                        bos_token_id=None, eos_token_id=None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.to_json_string())
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: Path, args: list[str], hosts: int, net: Network | None, log: Path, timeout: float,
+           latency_ms: float = 0.0) -> None:
+    """One torchrun agent per host (namespace), one stage each; raises with the log tail on failure."""
+    port = _free_port()
+    procs: list[subprocess.Popen] = []
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        try:
+            for i in range(hosts):
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "AQPIPE_LINK_LATENCY_MS": str(latency_ms),
+                       "PYTHONUNBUFFERED": "1"}
+                prefix, master = [], "127.0.0.1"
+                if net is not None:
+                    env["GLOO_SOCKET_IFNAME"] = net.interface(i)
+                    prefix, master = net.exec_prefix(i), net.address(0)
+                cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
+                       "--nproc_per_node", "1", "--node_rank", str(i), "--master_addr", master,
+                       "--master_port", str(port), str(script), *args]
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs):
+                failed = [p for p in procs if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:  # on failure, timeout or Ctrl-C, leave nothing behind
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{script.name} {' '.join(args[-6:])}: exit codes {codes} (log {log}):\n{tail}")
+
+
+def steady_figures(out_dir: Path, shape: Shape) -> dict[str, Any]:
+    """Median seconds per step over the epochs after the first, from the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r]
+    steady = [r for r in steps if r["step"] > shape.steps_per_epoch] or steps
+    seconds = [r["seconds"] if "seconds" in r else shape.samples_per_step / r["samples_per_s"] for r in steady]
+    per_step = statistics.median(seconds)
+    wire = [sum(r.get(k, 0) for k in ("fwd_bytes", "bwd_bytes", "tie_bytes")) for r in steady]
+    return {"seconds_per_step": per_step, "samples_per_s": shape.samples_per_step / per_step,
+            "steady_steps": len(steady), "wire_bytes_per_step": statistics.mean(wire) if any(wire) else None,
+            "final_loss": steps[-1]["loss"] if steps else None}
+
+
+def ratios(rows: list[dict[str, Any]], rates: list[str]) -> dict[str, Any]:
+    """The issue's three comparisons, from seconds per step measured in this run."""
+    table = {(r["engine"], r["method"], r["rate"]): r["seconds_per_step"] for r in rows}
+    slowest = min((r for r in rates if r != UNSHAPED), key=rate_bits, default=None)
+    out: dict[str, Any] = {"slowest_rate": slowest, "speedup_vs_fp32": {}, "ours_vs_deepspeed_fp32": {}}
+    for rate in rates:
+        fp32 = table.get(("aqpipe", "fp32", rate))
+        for method in METHODS:
+            mine = table.get(("aqpipe", method, rate))
+            if fp32 and mine and method != "fp32":
+                out["speedup_vs_fp32"].setdefault(method, {})[rate] = fp32 / mine
+        ds = table.get(("deepspeed", "fp32", rate))
+        if fp32 and ds:
+            out["ours_vs_deepspeed_fp32"][rate] = ds / fp32  # > 1: ours is faster
+    base = table.get(("aqpipe", "fp32", UNSHAPED))
+    if slowest and base:
+        out["slowest_vs_fp32_unshaped"] = {m: table[("aqpipe", m, slowest)] / base
+                                           for m in METHODS if ("aqpipe", m, slowest) in table}
+    return out
+
+
+def plot(rows: list[dict[str, Any]], measured: dict[str, float], path: Path) -> None:
+    """Throughput vs link rate, one line per engine and method (x: the measured rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["engine"], r["method"]) for r in rows}):
+        pts = sorted((measured[r["rate"]], r["samples_per_s"]) for r in rows if (r["engine"], r["method"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if key[0] == "deepspeed" else "-",
+                label=f"{key[0]} {key[1]}")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate, measured (Mbit/s; rightmost: unshaped)")
+    ax.set_ylabel("samples/s (steady state)")
+    ax.set_title("GPT2 pipeline training throughput vs link rate")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], measured: dict[str, float]) -> None:
+    print(f"\n{'rate':>9} {'Mbit/s':>7} {'engine':>9} {'method':>12} {'s/step':>7} {'samples/s':>9} "
+          f"{'MB/step':>8} {'vs fp32':>7}")
+    for r in rows:
+        speed = summary["speedup_vs_fp32"].get(r["method"], {}).get(r["rate"]) if r["engine"] == "aqpipe" else None
+        mb = f"{r['wire_bytes_per_step'] / 1e6:8.3f}" if r.get("wire_bytes_per_step") else f"{'-':>8}"
+        print(f"{r['rate']:>9} {measured[r['rate']]:7.1f} {r['engine']:>9} {r['method']:>12} "
+              f"{r['seconds_per_step']:7.3f} {r['samples_per_s']:9.2f} {mb} {f'{speed:.2f}x' if speed else '-':>7}")
+    if "slowest_vs_fp32_unshaped" in summary:
+        for m, v in summary["slowest_vs_fp32_unshaped"].items():
+            print(f"{m} at {summary['slowest_rate']} vs fp32 unshaped: {v:.3f}x the time per step")
+    for rate, v in summary["ours_vs_deepspeed_fp32"].items():
+        print(f"deepspeed fp32 / aqpipe fp32 time per step at {rate}: {v:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="unshaped,1gbit,500mbit,100mbit,10mbit",
+                   help="comma-separated link rates (tc units: kbit, mbit, gbit) or 'unshaped'")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    p.add_argument("--engines", default="aqpipe,deepspeed", help="aqpipe and/or deepspeed (FP32 only)")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--width", type=int, help="model width (default 128; quick 64)")
+    p.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
+    p.add_argument("--latency_ms", type=float, default=0.0, help="one-way delay added per message in our transport")
+    p.add_argument("--no_netns", action="store_true", help="no namespaces or shaping: every stage on loopback")
+    p.add_argument("--quick", action="store_true", help="tiny shape, rates unshaped and 20mbit (under 2 minutes)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--output_dir", default="runs/slow_link")
+    args = p.parse_args(argv)
+
+    shape = QUICK if args.quick else Shape()
+    shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
+    rates = ["unshaped", "20mbit"] if args.quick and args.rates == p.get_default("rates") else args.rates.split(",")
+    methods = [m for m in args.methods.split(",") if m]
+    engines = [e for e in args.engines.split(",") if e]
+    for m in methods:
+        if m not in METHODS:
+            p.error(f"method {m!r}: expected one of {', '.join(METHODS)}")
+    for e in engines:
+        if e not in SCRIPTS:
+            p.error(f"engine {e!r}: expected aqpipe or deepspeed")
+    for r in rates:
+        if r != UNSHAPED:
+            try:
+                rate_bits(r)
+            except ValueError as exc:
+                p.error(str(exc))
+    if args.latency_ms < 0:
+        p.error(f"--latency_ms {args.latency_ms}: expected >= 0")
+    if args.no_netns and any(r != UNSHAPED for r in rates):
+        p.error("--no_netns cannot shape links: use --rates unshaped, or run as root without --no_netns")
+    if not args.no_netns and (why := can_build()):
+        p.error(why)
+
+    out = Path(args.output_dir)
+    config = write_model_config(shape, out / "model_config.json")
+    runs = [(e, m) for e in engines for m in (methods if e == "aqpipe" else ["fp32"])]
+    rows: list[dict[str, Any]] = []
+    measured: dict[str, float] = {}
+    net = None if args.no_netns else Network(args.stages)
+    with net if net is not None else contextlib.nullcontext():
+        for rate in rates:
+            if net is not None:
+                net.shape(None if rate == UNSHAPED else rate)
+                measured[rate] = net.throughput_mbit(nbytes=(1 << 20) * (8 if rate == UNSHAPED else 2))
+            else:
+                measured[rate] = float("nan")
+            print(f"link {rate}: {measured[rate]:.1f} Mbit/s measured", flush=True)
+            for engine, method in runs:
+                run_dir = out / rate / f"{engine}_{method}"
+                flags = [*shape.flags(config), "--output_dir", str(run_dir), "--pipeline_stages", str(args.stages)]
+                if engine == "aqpipe":
+                    flags += METHODS[method]
+                launch(SCRIPTS[engine], flags, args.stages, net, run_dir / "launch.log", args.timeout,
+                       args.latency_ms if engine == "aqpipe" else 0.0)
+                row = {"engine": engine, "method": method, "rate": rate, **steady_figures(run_dir, shape)}
+                rows.append(row)
+                print(f"  {engine:>9} {method:>12}: {row['seconds_per_step']:.3f} s/step", flush=True)
+    summary = ratios(rows, rates)
+    result = {"shape": asdict(shape), "stages": args.stages, "latency_ms": args.latency_ms, "netns": net is not None,
+              "namespace_tag": net.tag if net is not None else None,
+              "measured_mbit": measured, "rows": rows, "ratios": summary}
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    plot(rows, measured if net is not None else {r: 1.0 for r in rates}, out / "throughput.png")
+    print_table(rows, summary, measured)
+    print(f"\nwrote {out / 'results.json'} and {out / 'throughput.png'}")
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through Network.__exit__: namespaces removed
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)
+    sys.exit(main())
