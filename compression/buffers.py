@@ -102,3 +102,15 @@ class SampleBuffer:
             raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
         self.values.copy_(values)
         self.seen.copy_(seen)
+
+    def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the rows and seen bits of `ids`, to undo a step that must leave no trace."""
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        return ids, self.values.index_select(0, ids).clone(), self.seen[ids].clone()
+
+    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Put back what `snapshot` copied (undo in reverse order when ids repeat across snapshots)."""
+        ids, rows, seen = snapshot
+        if ids.numel():
+            self.values.index_copy_(0, ids, rows)
+            self.seen[ids] = seen

@@ -6,6 +6,13 @@ data-parallel algorithm's after_backward, global-norm clipping, the optimizer st
 the algorithm's after_step, and the LR-scheduler step.
 Every stage loads the same micro-batches itself; only boundary activations and their
 gradients cross the pipeline, as codec messages. Bytes are counted per step.
+
+Non-finite values never cross a boundary: a NaN/inf activation or gradient about to be sent
+is replaced by zeros (the peer is waiting for a message of a known size, so the schedule
+runs to its end and no stage blocks), and after the schedule every rank learns which stages
+saw what (one small allreduce). The step then leaves no trace (weights, optimizer, codec
+buffers and generators as before it) and either raises FloatingPointError on every rank
+alike, naming step, stage and micro-batch, or, with skip_nonfinite, is skipped everywhere.
 """
 from __future__ import annotations
 
@@ -25,6 +32,10 @@ from .topology import Groups
 from .transport import Boundary, Wire
 
 TIE_TAG = 7  # p2p tag of tied-gradient messages, apart from boundary traffic
+# what a stage found non-finite in a step (a bit mask, agreed on by every rank)
+LOSS, ACTIVATION, GRADIENT, PARAM_GRAD = 1, 2, 4, 8
+_KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gradient to send",
+          PARAM_GRAD: "parameter gradients"}
 
 
 class Stage(Protocol):
@@ -74,6 +85,9 @@ class _Flight:
     losses: dict[int, float] = field(default_factory=dict)
     correct: int = 0
     counted: int = 0
+    bad: int = 0  # bit mask of the non-finite kinds found on this stage
+    bad_mb: int = -1  # the first micro-batch where one was found
+    undo: list[tuple[Any, Any]] = field(default_factory=list)  # (buffer, snapshot) before each aqsgd update
 
 
 def owned_parameters(stage: Stage, ties: dict[str, list[int]] | None) -> list[torch.nn.Parameter]:
@@ -94,7 +108,7 @@ class PipelineEngine:
         compression: CompressionConfig | None = None, num_samples: int, seq_len: int,
         lr_scheduler: Any = None, gradient_clipping: float = 0.0, schedule: str = "1f1b",
         ties: dict[str, list[int]] | None = None, device: torch.device | str = "cpu", bf16: bool = False,
-        seed: int = 0, data_parallel: Any = None,
+        seed: int = 0, data_parallel: Any = None, skip_nonfinite: bool = False,
     ) -> None:
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(sched.SCHEDULES)}")
@@ -108,6 +122,8 @@ class PipelineEngine:
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v}
         self.wire = Wire()
         self.global_step = 0
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
         self.prev = self._boundary(groups.stage - 1, num_samples, seq_len, seed) if not stage.is_first else None
         self.next = self._boundary(groups.stage, num_samples, seq_len, seed) if not stage.is_last else None
 
@@ -140,11 +156,27 @@ class PipelineEngine:
         b, t = batch["input_ids"].shape[:2]
         return torch.Size((b, t, self.stage.hidden_size))
 
+    @staticmethod
+    def _finite(x: torch.Tensor, kind: int, mb: int, flight: _Flight) -> bool:
+        """Whether x is all finite; if not, note what and where on the flight."""
+        if bool(torch.isfinite(x).all()):
+            return True
+        flight.bad |= kind
+        flight.bad_mb = mb if flight.bad_mb < 0 else flight.bad_mb
+        return False
+
+    def _remember(self, boundary: Boundary, sample_ids: Any, phase: str, flight: _Flight) -> None:
+        """Before an AQ-SGD update of a buffer, keep its rows so a rejected step can be undone."""
+        buffer = boundary.forward.buffer
+        if buffer is not None and phase != "eval":
+            flight.undo.append((buffer, buffer.snapshot(buffer.check_ids(sample_ids))))
+
     def _run(self, actions: list[sched.Action], micro_batches: list[dict], phase: str, training: bool) -> _Flight:
         flight, counters, m = _Flight(), self._counters, len(micro_batches)
 
         def recv_act(mb: int) -> None:
             batch = micro_batches[mb]
+            self._remember(self.prev, batch["sample_id"], phase, flight)
             x = self.prev.recv_activation(self._shape(batch), self.wire_dtype, batch["sample_id"], phase, self.device)
             flight.inputs[mb] = x.requires_grad_(training)
 
@@ -153,31 +185,39 @@ class PipelineEngine:
                 out = self.stage(flight.inputs.get(mb), micro_batches[mb])
             if self.stage.is_last:
                 loss = out.loss.float()
-                if not bool(torch.isfinite(loss)):
-                    raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}, micro-batch {mb}")
                 flight.losses[mb] = loss.item()
                 self._score(out.logits, micro_batches[mb], flight)
-                out = loss / m
+                out = loss / m if self._finite(loss, LOSS, mb, flight) else None  # None: no backward through it
             flight.outputs[mb] = out
 
         def send_act(mb: int) -> None:
             out = flight.outputs[mb] if training else flight.outputs.pop(mb)
             batch = micro_batches[mb]
-            counters.fwd_bytes += self.next.send_activation(out.detach().to(self.wire_dtype), batch["sample_id"], phase)
+            x = out.detach().to(self.wire_dtype)
+            if not self._finite(x, ACTIVATION, mb, flight):
+                x = torch.zeros_like(x)  # never send NaN/inf; the step is rejected after the schedule
+            self._remember(self.next, batch["sample_id"], phase, flight)
+            counters.fwd_bytes += self.next.send_activation(x, batch["sample_id"], phase)
 
         def recv_grad(mb: int) -> None:
             flight.grads[mb] = self.next.recv_grad(self._shape(micro_batches[mb]), self.wire_dtype, phase, self.device)
 
         def backward(mb: int) -> None:
             out = flight.outputs.pop(mb)
+            if out is None:
+                return
             if self.stage.is_last:
                 out.backward()
             else:
                 out.backward(flight.grads.pop(mb).to(out.dtype))
 
         def send_grad(mb: int) -> None:
-            grad = flight.inputs.pop(mb).grad
-            counters.bwd_bytes += self.prev.send_grad(grad.to(self.wire_dtype), phase)
+            x = flight.inputs.pop(mb)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            grad = grad.to(self.wire_dtype)
+            if not self._finite(grad, GRADIENT, mb, flight):
+                grad = torch.zeros_like(grad)
+            counters.bwd_bytes += self.prev.send_grad(grad, phase)
 
         handlers: dict[str, Callable[[int], None]] = {
             sched.RECV_ACT: recv_act, sched.FORWARD: forward, sched.SEND_ACT: send_act,
@@ -205,7 +245,11 @@ class PipelineEngine:
         phase = "warmup" if epoch < self.compression.warmup_epochs else "train"
         self.stage.train()
         actions = sched.train_schedule(self.schedule, self.groups.stage, self.groups.grid.stages, len(micro_batches))
+        generators = self._generator_states()
         flight = self._run(actions, micro_batches, phase, training=True)
+        verdict = self._agree_finite(flight)
+        if verdict is not None:
+            return self._reject(flight, generators, verdict, epoch, phase, start, len(micro_batches))
         self._sum_tied_grads()
         if self.data_parallel is not None:
             self.data_parallel.after_backward()
@@ -228,6 +272,105 @@ class PipelineEngine:
         }
         return loss
 
+    # ------------------------------------------------------------------ non-finite steps
+    def _codecs(self) -> dict[str, Any]:
+        """This rank's stateful codecs by name (the full-precision fallbacks keep no state)."""
+        out = {}
+        for name, boundary in (("prev", self.prev), ("next", self.next)):
+            if boundary is not None:
+                out[f"{name}.forward"], out[f"{name}.backward"] = boundary.forward, boundary.backward
+        return out
+
+    def _generator_states(self) -> dict[str, torch.Tensor]:
+        return {name: codec.generator.get_state() for name, codec in self._codecs().items()}
+
+    def _agree_finite(self, flight: _Flight) -> str | None:
+        """Every rank learns which ranks found non-finite values this step; None when none did."""
+        if not flight.bad:
+            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+            if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+                flight.bad |= PARAM_GRAD
+        grid = self.groups.grid
+        table = torch.zeros(grid.world_size, 2, dtype=torch.int64)
+        table[self.groups.rank] = torch.tensor([flight.bad, flight.bad_mb + 1])
+        for group in (self.groups.pipeline, self.groups.data_parallel):
+            if group is not None and grid.world_size > 1:
+                dist.all_reduce(table, group=group)
+        if not bool(table[:, 0].any()):
+            return None
+        found = []
+        for rank, (bad, mb) in enumerate(table.tolist()):
+            if bad:
+                stage, replica = grid.coords(rank)
+                kinds = ", ".join(text for bit, text in _KINDS.items() if bad & bit)
+                where = f" (micro-batch {mb - 1})" if mb else ""
+                found.append(f"stage {stage} (rank {rank}, replica {replica}): {kinds}{where}")
+        return f"non-finite values at step {self.global_step + 1}: " + "; ".join(found)
+
+    def _reject(self, flight: _Flight, generators: dict[str, torch.Tensor], verdict: str, epoch: int, phase: str,
+                start: float, m: int) -> float:
+        """Undo every trace of the step (codec buffers and dither, gradients); raise or skip as configured."""
+        for buffer, snapshot in reversed(flight.undo):
+            buffer.restore(snapshot)
+        for name, codec in self._codecs().items():
+            codec.generator.set_state(generators[name])
+        self.optimizer.zero_grad(set_to_none=True)
+        _, totals = self._reduce(flight, m)  # the bytes did cross (as zeros where values were not finite)
+        self.global_step += 1
+        if not self.skip_nonfinite:
+            raise FloatingPointError(f"{verdict}; stopping (skip_nonfinite skips such steps instead)")
+        self.skipped_steps += 1
+        self.last_metrics = {
+            "step": self.global_step, "epoch": epoch, "loss": float("nan"), "skipped": verdict,
+            "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": float("nan"),
+            "fwd_bytes": totals[0], "bwd_bytes": totals[1], "tie_bytes": totals[2], "dp_bytes": totals[3],
+            "phase": phase, "seconds": time.perf_counter() - start,
+        }
+        return float("nan")
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the engine needs to continue exactly: weights, optimizer, LR scheduler, step,
+        codecs (dither generators, AQ-SGD buffers and seen bits), data-parallel algorithm."""
+        grid = self.groups.grid
+        return {
+            "place": {"stage": self.groups.stage, "replica": self.groups.replica, "stages": grid.stages,
+                      "replicas": grid.replicas},
+            "global_step": self.global_step, "skipped_steps": self.skipped_steps,
+            "model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "codecs": {name: codec.state_dict() for name, codec in self._codecs().items()},
+            "data_parallel": None if self.data_parallel is None else self.data_parallel.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The inverse of state_dict; ValueError saying what differs when the state is another place's."""
+        grid = self.groups.grid
+        mine = {"stage": self.groups.stage, "replica": self.groups.replica, "stages": grid.stages,
+                "replicas": grid.replicas}
+        diff = [f"{k}={state['place'].get(k)!r} (this engine: {v!r})" for k, v in mine.items()
+                if state["place"].get(k) != v]
+        if diff:
+            raise ValueError("engine state from another place in the grid: " + ", ".join(diff))
+        codecs = self._codecs()
+        if set(state["codecs"]) != set(codecs):
+            raise ValueError(f"engine state has codecs {sorted(state['codecs'])}, this stage {sorted(codecs)}")
+        if (state["data_parallel"] is None) != (self.data_parallel is None):
+            raise ValueError("engine state and this engine differ in whether a data-parallel algorithm runs")
+        try:
+            self.stage.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise ValueError(f"the saved stage {self.groups.stage} does not fit this model: {exc}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        for name, codec in codecs.items():
+            codec.load_state_dict(state["codecs"][name])
+        if self.data_parallel is not None:
+            self.data_parallel.load_state_dict(state["data_parallel"])
+        self.global_step = int(state["global_step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
     @torch.no_grad()
     def eval_batch(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Forward only at full precision (AQ-SGD buffers untouched); loss and, for classification, accuracy."""
@@ -236,7 +379,7 @@ class PipelineEngine:
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         flight = self._run(actions, micro_batches, "eval", training=False)
         loss, totals = self._reduce(flight, len(micro_batches))
-        result = {"loss": loss}
+        result = {"loss": loss if not totals[6] else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if totals[5]:
             result["accuracy"] = totals[4] / totals[5]
         return result
@@ -296,7 +439,8 @@ class PipelineEngine:
             dist.all_reduce(sq, group=self.groups.pipeline)
         norm = float(sq.sqrt())
         if not torch.isfinite(torch.tensor(norm)):
-            raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step}")
+            raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step + 1} after the data-parallel "
+                                     f"step (stage {self.groups.stage}, replica {self.groups.replica})")
         if self.gradient_clipping and norm > self.gradient_clipping:
             scale = self.gradient_clipping / (norm + 1e-6)
             for p in params:
@@ -307,8 +451,8 @@ class PipelineEngine:
         """The mean loss over the last stages of all replicas, and byte counts summed over the whole job."""
         c = self._counters
         loss_sum = sum(flight.losses.values())
-        t = torch.tensor([loss_sum, c.fwd_bytes, c.bwd_bytes, c.tie_bytes, c.dp_bytes, flight.correct, flight.counted],
-                         dtype=torch.float64)
+        t = torch.tensor([loss_sum, c.fwd_bytes, c.bwd_bytes, c.tie_bytes, c.dp_bytes, flight.correct, flight.counted,
+                          int(flight.bad != 0)], dtype=torch.float64)
         for group in (self.groups.pipeline, self.groups.data_parallel):
             if group is not None and self.groups.grid.world_size > 1:
                 dist.all_reduce(t, group=group)

@@ -5,7 +5,9 @@ uses DeepSpeed's keys (train_micro_batch_size_per_gpu, gradient_accumulation_ste
 optimizer, scheduler, gradient_clipping, bf16, pipeline) and aqpipe's own blocks:
 "compression", "data_parallel" and "run" (model, dataset, seq_len, epochs, ...).
 Every value is checked before any process group starts; a bad one exits with status 2
-and one line naming it.
+and one line naming it. That includes what needs a look at the model's config (stages
+against blocks, seq_len against positions), the data file, and a checkpoint to resume from
+(its manifest must match this run's settings).
 """
 from __future__ import annotations
 
@@ -56,7 +58,12 @@ class RunConfig:
     warmup_epochs: int = 0
     buffer_dtype: str = "float16"
     buffer_dir: str | None = None
-    dist_timeout: float = 300.0
+    dist_timeout: float = 60.0  # a blocked collective or receive gives up after this
+    peer_timeout: float = 30.0  # a rank without heartbeat for this long is taken for dead
+    save_every: int = 0  # checkpoint every N steps (0: never)
+    save_total_limit: int | None = None  # keep the N newest checkpoints (None: all)
+    resume: str | None = None  # latest | auto | a checkpoint path; resolved to the checkpoint directory
+    skip_nonfinite: bool = False  # skip a step with NaN/inf (on every rank) instead of stopping
     dp_algorithm: str = "allreduce"
     dp_bits: int = 8
     dp_warmup_steps: int = 100
@@ -97,7 +104,10 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "buffer_dtype": (str, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}"),
     "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM"),
     "gradient_clipping": (float, "clip the global gradient norm to this (0: off)"),
-    "dist_timeout": (float, "seconds a collective or receive may wait for a peer"),
+    "dist_timeout": (float, "seconds a collective or receive may wait for a peer before the run stops"),
+    "peer_timeout": (float, "seconds without a peer's heartbeat before it is taken for dead and the run stops"),
+    "save_every": (int, "write a resumable checkpoint every N steps and at the end (0: never)"),
+    "save_total_limit": (int, "keep only the N newest checkpoints"),
     "dp_algorithm": (str, "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, qsparse_local_sgd"),
     "dp_bits": (int, "bits of compressed data-parallel traffic (1-8)"),
     "dp_warmup_steps": (int, "qadam: full-precision Adam steps before compressed momentum"),
@@ -116,6 +126,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=kind, default=None, help=text)
     p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast and bf16 boundary activations")
     p.add_argument("--activation_checkpointing", action="store_true", default=None, help="recompute blocks in backward")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from a checkpoint: latest (under --output_dir; the default with no value), "
+                        "auto (latest if there is one, else start fresh), or a checkpoint directory")
+    p.add_argument("--skip_nonfinite", action="store_true", default=None,
+                   help="skip a step whose loss, activations or gradients hold NaN/inf instead of stopping")
     return p
 
 
@@ -220,8 +235,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"lr={cfg.lr}: expected a positive learning rate")
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
-    if not cfg.dist_timeout > 0:
-        raise ValueError(f"dist_timeout={cfg.dist_timeout}: expected a positive number of seconds")
+    for name in ("dist_timeout", "peer_timeout"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name}={getattr(cfg, name)}: expected a positive number of seconds")
+    _positive(cfg, "save_every", allow_zero=True)
+    if cfg.save_total_limit is not None:
+        _positive(cfg, "save_total_limit")
     opt_type = cfg.optimizer.get("type")
     if opt_type not in OPTIMIZERS:
         raise ValueError(f"optimizer type {opt_type!r}: expected one of {', '.join(OPTIMIZERS)}")
@@ -229,7 +248,50 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"scheduler type {cfg.scheduler.get('type')!r}: expected one of {', '.join(SCHEDULERS)}")
     if cfg.model is not None and not _is_hub_name(cfg.model) and not os.path.exists(cfg.model):
         raise ValueError(f"model={cfg.model!r}: no such file or directory (expected an HF name, a model directory or a config.json)")
+    if cfg.dataset is not None and not _is_hub_name(cfg.dataset) and not os.path.exists(cfg.dataset):
+        raise ValueError(f"dataset={cfg.dataset!r}: no such file (expected an HF dataset name, a built-in name, "
+                         "or a local text/json/csv/parquet file)")
+    _check_model_shape(cfg)
+    _check_resume(cfg)
     return cfg
+
+
+def _check_model_shape(cfg: RunConfig) -> None:
+    """Stages against the model's blocks and seq_len against its positions, from its config alone."""
+    from .models import TINY
+
+    blocks, positions, name = TINY["layers"], None, "the built-in shape"  # it grows its positions to seq_len
+    if cfg.model is not None:
+        from transformers import AutoConfig
+
+        try:  # a local directory or config.json, or a hub name already in the local cache
+            config = AutoConfig.from_pretrained(cfg.model, local_files_only=_is_hub_name(cfg.model))
+        except Exception:  # noqa: BLE001 - a hub name not cached here: the run checks once it has the model
+            return
+        blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
+        positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        name = repr(cfg.model)
+    if blocks is not None and cfg.pipeline_stages > blocks:
+        raise ValueError(f"pipeline_stages={cfg.pipeline_stages}: model {name} has {blocks} blocks; expected at most "
+                         f"{blocks} stages (each stage holds at least one block)")
+    if blocks is not None and isinstance(cfg.partition, list) and sum(cfg.partition) != blocks:
+        raise ValueError(f"partition={cfg.partition}: sums to {sum(cfg.partition)}; expected the {blocks} blocks of "
+                         f"model {name}")
+    if positions is not None and cfg.seq_len > positions:
+        raise ValueError(f"seq_len={cfg.seq_len}: model {name} has {positions} positions; expected seq_len <= {positions}")
+
+
+def _check_resume(cfg: RunConfig) -> None:
+    """Resolve --resume to a checkpoint directory whose settings match this run's (None: auto, nothing saved)."""
+    from . import checkpoint, faults
+
+    faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
+    if cfg.resume is None:
+        return
+    found = checkpoint.find(cfg.resume, cfg.output_dir)
+    if found is not None:
+        checkpoint.check_compatible(found, cfg)
+    cfg.resume = None if found is None else str(found)
 
 
 def _check_data_parallel(cfg: RunConfig) -> None:

@@ -1,0 +1,279 @@
+"""Checkpoints a run resumes from exactly: one file per rank, a manifest, a `latest` marker.
+
+    <output_dir>/checkpoints/step_00000040/stage1_replica0.pt     engine state, RNGs, data position
+    <output_dir>/checkpoints/step_00000040/boundary0_recv_replica0.buf   (disk-backed AQ-SGD buffers only)
+    <output_dir>/checkpoints/step_00000040/manifest.json           config fingerprint, files, sha256
+    <output_dir>/checkpoints/latest                                 "step_00000040"
+
+Every rank writes its files into `step_N.partial` (temporary name, fsync, rename); rank 0
+gathers their checksums, writes the manifest, renames the directory to `step_N` and only
+then moves `latest`. A crash at any point leaves either the previous checkpoint or a
+directory without a manifest, which never loads. Files load with torch.load(weights_only=True):
+a checkpoint is data, never code. The manifest's fingerprint is plain JSON, so a resume from
+another stage count, model or codec config is refused before any process group starts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+FORMAT = 1
+LATEST = "latest"
+MANIFEST = "manifest.json"
+# settings a checkpoint's state depends on: a resume with any other value is refused
+FINGERPRINT = (
+    "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "replicas",
+    "partition", "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr",
+    "gradient_clipping", "bf16", "forward_compress", "forward_bits", "backward_compress", "backward_bits",
+    "warmup_epochs", "buffer_dtype", "dp_algorithm", "dp_bits", "dp_warmup_steps", "dp_local_steps", "dp_topk_ratio",
+    "dp_peer_selection", "dp_interval",
+)
+
+
+def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
+    """The settings that must match for a checkpoint to continue this run exactly (JSON values)."""
+    values = cfg.to_dict()
+    return json.loads(json.dumps({k: values[k] for k in FINGERPRINT}, default=str))
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def rank_file(stage: int, replica: int) -> str:
+    return f"stage{stage}_replica{replica}.pt"
+
+
+# ---------------------------------------------------------------------- finding and checking
+def find(resume: str, output_dir: str, allow_missing: bool = False) -> Path | None:
+    """The checkpoint directory `--resume` names: latest/auto (under output_dir), a checkpoints
+    directory, an output directory, or a step directory. ValueError when there is none
+    (None for `auto` with nothing saved yet: the run starts fresh)."""
+    base = Path(output_dir) / "checkpoints" if resume in ("latest", "auto") else Path(resume)
+    for candidate in (base, base / "checkpoints"):
+        if (candidate / MANIFEST).is_file():
+            return candidate
+        marker = candidate / LATEST
+        if marker.is_file():
+            target = candidate / marker.read_text().strip()
+            if not (target / MANIFEST).is_file():
+                raise ValueError(f"resume={resume!r}: {marker} names {target.name}, which has no {MANIFEST}")
+            return target
+    if resume == "auto" or allow_missing:
+        return None
+    raise ValueError(f"resume={resume!r}: no checkpoint at {base} (expected a directory with {MANIFEST} or "
+                     f"a '{LATEST}' marker; --save_every N writes them)")
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint {directory}: unreadable {MANIFEST} ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {directory}: format {manifest.get('format')!r}, this aqpipe reads {FORMAT}")
+    return manifest
+
+
+def check_compatible(directory: Path, cfg: "RunConfig") -> dict[str, Any]:
+    """The manifest, after refusing a checkpoint whose settings differ from cfg's (saying which)."""
+    manifest = read_manifest(directory)
+    mine, theirs = fingerprint(cfg), manifest["fingerprint"]
+    diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run" for k, v in mine.items() if theirs.get(k) != v]
+    if diff:
+        raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
+    return manifest
+
+
+# ---------------------------------------------------------------------- atomic files
+class _HashingWriter:
+    """A file object that hashes what passes through it (torch.save writes into it)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: Path, fill: Any) -> str:
+    """Write path through a temporary name (fsync, rename); `fill(f)` writes the bytes. Returns their sha256."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        fill(writer)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return writer.sha.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def write_state(path: Path, state: dict[str, Any]) -> str:
+    """torch.save(state) atomically; returns the file's sha256."""
+    return _atomic(path, lambda f: torch.save(state, f))
+
+
+def read_state(path: Path, sha256: str | None = None) -> dict[str, Any]:
+    """torch.load(weights_only=True), after checking the file against its recorded checksum."""
+    if sha256 is not None and _sha256(path) != sha256:
+        raise ValueError(f"checkpoint file {path} does not match its checksum: it was changed or is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------- RNG states
+def rng_state() -> dict[str, Any]:
+    """torch (CPU and CUDA), numpy and python generators, as tensors and plain values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+
+
+# ---------------------------------------------------------------------- disk-backed AQ-SGD buffers
+def _external_buffers(engine: Any) -> dict[str, Any]:
+    """Codec name -> SampleBuffer for the buffers kept in files (buffer_dir), which the .pt does not copy."""
+    out = {}
+    for name, codec in engine._codecs().items():
+        buffer = getattr(codec, "buffer", None)
+        if buffer is not None and buffer.path is not None:
+            out[name] = buffer
+    return out
+
+
+def _snapshot_buffer(buffer: Any, target: Path) -> str:
+    """Copy the buffer's file (its mapped pages are the file's pages) atomically; returns the sha256."""
+    def fill(f: Any) -> None:
+        with open(buffer.path, "rb") as src:
+            for chunk in iter(lambda: src.read(1 << 22), b""):
+                f.write(chunk)
+    return _atomic(target, fill)
+
+
+def _restore_buffer(buffer: Any, source: Path, sha256: str) -> None:
+    if _sha256(source) != sha256:
+        raise ValueError(f"AQ-SGD buffer snapshot {source} does not match its checksum")
+    if source.stat().st_size != buffer.nbytes:
+        raise ValueError(f"AQ-SGD buffer snapshot {source} holds {source.stat().st_size} bytes, the buffer {buffer.nbytes}")
+    saved = torch.from_file(str(source), shared=False, size=buffer.values.numel(), dtype=buffer.dtype)
+    buffer.values.copy_(saved.view(buffer.values.shape))
+
+
+# ---------------------------------------------------------------------- save and load
+def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", rank: int,
+         world_size: int, barrier: Any, keep: int | None = None) -> Path:
+    """Every rank calls this after step `step`; returns the checkpoint directory.
+
+    `progress` is the runner's own state (data position, totals, losses, metrics time).
+    `barrier()` is the only collective: after it, every rank's file and its checksum note are
+    complete, and rank 0 writes the manifest and moves the `latest` marker."""
+    state = engine.state_dict()
+    place = state["place"]
+    partial = root / f"step_{step:08d}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    externals = {}
+    for name, buffer in _external_buffers(engine).items():
+        state["codecs"][name]["buffer"] = {"values": None, "seen": buffer.seen}
+        target = partial / f"{Path(buffer.path).stem}.buf"
+        externals[name] = {"file": target.name, "sha256": _snapshot_buffer(buffer, target)}
+    record = {"fingerprint": fingerprint(cfg), "step": step, "engine": state, "progress": progress,
+              "rng": rng_state(), "external_buffers": externals}
+    name = rank_file(place["stage"], place["replica"])
+    note = {"rank": rank, "file": name, "sha256": write_state(partial / name, record), "external_buffers": externals}
+    _atomic(partial / f"{name}.json", lambda f: f.write(json.dumps(note).encode()))
+    barrier()
+    final = step_dir(root, step)
+    if rank == 0:
+        notes = [json.loads(p.read_text()) for p in sorted(partial.glob("stage*_replica*.pt.json"))]
+        if sorted(n["rank"] for n in notes) != list(range(world_size)):
+            raise RuntimeError(f"checkpoint {partial}: notes from ranks {sorted(n['rank'] for n in notes)}, "
+                               f"expected all {world_size} (is output_dir on a filesystem every rank shares?)")
+        manifest = {"format": FORMAT, "step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
+                    "files": sorted(notes, key=lambda n: n["rank"])}
+        _atomic(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        if final.exists():
+            shutil.rmtree(final)  # a stale copy from an earlier attempt at the same step
+        os.replace(partial, final)
+        _fsync_dir(root)
+        _atomic(root / LATEST, lambda f: f.write(f"{final.name}\n".encode()))  # only now is it the one to load
+        _prune(root, keep, final)
+    return final
+
+
+def _prune(root: Path, keep: int | None, newest: Path) -> None:
+    """Drop all but the `keep` newest complete checkpoints (never the one `latest` names)."""
+    if not keep:
+        return
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / MANIFEST).is_file())
+    for old in complete[:-keep]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
+    """Load this rank's state into the engine and the global RNGs; returns the runner's progress."""
+    manifest = check_compatible(directory, cfg)
+    stage, replica = engine.groups.stage, engine.groups.replica
+    name = rank_file(stage, replica)
+    entry = next((f for f in manifest["files"] if f["file"] == name), None)
+    if entry is None:
+        raise ValueError(f"checkpoint {directory} has no {name} for stage {stage}, replica {replica}")
+    record = read_state(directory / name, entry["sha256"])
+    externals = _external_buffers(engine)
+    if set(externals) != set(record["external_buffers"]):
+        raise ValueError(f"checkpoint {directory}: buffers kept in files {sorted(record['external_buffers'])}, "
+                         f"this run {sorted(externals)} (buffer_dir must be set alike)")
+    state = record["engine"]
+    for codec_name, buffer in externals.items():  # the .pt holds the seen bits; the rows come from the snapshot
+        ref = record["external_buffers"][codec_name]
+        _restore_buffer(buffer, directory / ref["file"], ref["sha256"])
+        state["codecs"][codec_name]["buffer"]["values"] = buffer.values
+    engine.load_state_dict(state)
+    set_rng_state(record["rng"])
+    return record["progress"]

@@ -1,0 +1,118 @@
+"""Bound how long a run outlives one of its processes: heartbeats and failure reports in the rendezvous store.
+
+What happens without it, on gloo: a rank blocked on a peer that died gets "Connection closed
+by peer" at once, but a rank blocked on a peer that is alive and itself blocked waits for the
+whole collective timeout, and nobody learns which rank failed. torchrun and the deepspeed
+launcher stop the other processes of their own machine, but not those of another machine,
+and a plain or by-hand launch stops nothing.
+
+So every rank runs a thread that, once per `interval`, bumps its own counter in the store
+the launcher already runs (MASTER_ADDR:MASTER_PORT) and reads everyone's. A rank whose
+counter has not moved for `peer_timeout` seconds is dead; a rank that fails in Python first
+writes what failed. Either way every other rank prints one line naming the rank, its stage
+and replica, and exits with status 1 within about `peer_timeout + interval` seconds. If the
+store itself goes away (under deepspeed or a plain launch it lives in rank 0's process), that
+names rank 0. A rank that is alive but stuck keeps its heartbeat; the collective timeout
+(`dist_timeout`) ends its peers' waits, and their failure reports then end it too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, describe: Callable[[int], str], prog: str, *,
+                 peer_timeout: float, interval: float = 1.0, host: str | None = None, port: int | None = None) -> None:
+        self.rank, self.world_size, self.describe, self.prog = rank, world_size, describe, prog
+        self.peer_timeout, self.interval = peer_timeout, interval
+        self.host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.port = int(port or os.environ.get("MASTER_PORT", "29500"))
+        # torchrun keeps its store across restarts: keys of an earlier attempt must not count
+        self.prefix = f"aqpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=max(2.0, 2 * interval)))
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="aqpipe-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._op(lambda s: s.add(self._key("beat", self.rank), 1))
+        self.thread.start()
+        return self
+
+    def _key(self, kind: str, rank: int | None = None) -> str:
+        return self.prefix + kind + ("" if rank is None else f"/{rank}")
+
+    def _op(self, fn: Callable) -> object:
+        with self.lock:
+            return fn(self.store)
+
+    # ------------------------------------------------------------------ main thread
+    def report(self, message: str) -> None:
+        """This rank failed: tell the others what, so they stop at once and say why."""
+        try:
+            self._op(lambda s: (s.set(self._key("failed", self.rank), message), s.add(self._key("failures"), 1)))
+        except Exception:  # the store is gone too: the others find out from the missing heartbeat
+            pass
+
+    def stop(self) -> None:
+        """A clean finish: this rank's heartbeat stops without anyone taking it for dead."""
+        try:
+            self._op(lambda s: s.set(self._key("done", self.rank), "1"))
+        except Exception:
+            pass
+        self.stopped.set()
+        self.thread.join(timeout=2 * self.interval + 1)
+
+    def wait_for_verdict(self) -> None:
+        """After a communication error: give the thread time to name the rank that failed (it exits then)."""
+        self.thread.join(timeout=self.peer_timeout + 3 * self.interval)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        last_seen = {r: (0, time.monotonic()) for r in range(self.world_size) if r != self.rank}
+        store_down_since = None
+        while not self.stopped.wait(self.interval):
+            try:
+                culprit = self._check(last_seen)
+                store_down_since = None
+            except Exception as exc:  # noqa: BLE001 - any store failure counts
+                now = time.monotonic()
+                store_down_since = store_down_since or now
+                if now - store_down_since < 2 * self.interval:
+                    continue
+                culprit = (f"rank 0 ({self.describe(0)}) is unreachable: the rendezvous store at "
+                           f"{self.host}:{self.port} stopped answering ({type(exc).__name__}: {exc})")
+            if culprit and not self.stopped.is_set():
+                self._exit(culprit)
+
+    def _check(self, last_seen: dict[int, tuple[int, float]]) -> str | None:
+        self._op(lambda s: s.add(self._key("beat", self.rank), 1))
+        if int(self._op(lambda s: s.add(self._key("failures"), 0))):
+            for r in range(self.world_size):
+                key = self._key("failed", r)
+                if r != self.rank and self._op(lambda s: s.check([key])):
+                    message = self._op(lambda s: s.get(key)).decode(errors="replace")
+                    return f"rank {r} ({self.describe(r)}) failed: {message}"
+        now = time.monotonic()
+        for r, (count, since) in last_seen.items():
+            beat = int(self._op(lambda s: s.add(self._key("beat", r), 0)))
+            if beat != count:
+                last_seen[r] = (beat, now)
+            elif now - since > self.peer_timeout and not self._op(lambda s: s.check([self._key("done", r)])):
+                return (f"rank {r} ({self.describe(r)}) stopped responding: no heartbeat for "
+                        f"{now - since:.0f} s (peer_timeout={self.peer_timeout:g}); its process died or hangs")
+        return None
+
+    def _exit(self, culprit: str) -> None:
+        print(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) stopping: {culprit}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # the main thread may be blocked in a collective that never returns
