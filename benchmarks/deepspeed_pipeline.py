@@ -2,9 +2,14 @@
 
     deepspeed --num_gpus 2 benchmarks/deepspeed_pipeline.py [recipe flags]
     torchrun --nproc_per_node 2 benchmarks/deepspeed_pipeline.py [recipe flags]
-    # one process per node (e.g. one network namespace per stage):
-    deepspeed --hostfile H --no_ssh --node_rank I --master_addr A --master_port P benchmarks/deepspeed_pipeline.py ...
-    torchrun --nnodes 2 --nproc_per_node 1 --node_rank I --master_addr A --master_port P benchmarks/deepspeed_pipeline.py ...
+    # one process per node (e.g. one network namespace per stage), on node I of 2, with a hostfile H
+    # of two lines "<name> slots=1" and the master's address A (add GLOO_SOCKET_IFNAME=<if> to pick a link):
+    deepspeed --hostfile H --no_ssh --node_rank I --master_addr A --master_port P \
+        benchmarks/deepspeed_pipeline.py [recipe flags]
+    torchrun --nnodes 2 --nproc_per_node 1 --node_rank I --master_addr A --master_port P \
+        benchmarks/deepspeed_pipeline.py [recipe flags]
+    # FP32 at the recipe's default shape, next to ours:
+    torchrun --nproc_per_node 2 recipes/finetune_gpt2.py --forward_compress none --backward_compress none
 
 The flags are the recipe's (recipes/finetune_gpt2.py --help), parsed by the same code with the same
 default config (recipes/configs/gpt2.json): --model, --seq_len, --micro_batch_size, --num_micro_batches,
@@ -17,10 +22,10 @@ equals our engine's. DeepSpeed sends FP32 activations: the recipe's compression 
 Runs on CPU over gloo: DS_ACCELERATOR defaults to cpu here (DeepSpeed's CPU accelerator picks gloo when
 oneCCL is not installed) and the process group is gloo, whichever launcher started us. Output as the
 recipe's: OUTPUT_DIR/metrics.jsonl (one line per step: step, epoch, loss, lr, seconds, samples_per_s,
-fwd_bytes, bwd_bytes, time; no grad_norm: DeepSpeed's FP32 clipping does not keep it) and
+fwd_bytes, bwd_bytes, tie_bytes, time; no grad_norm: DeepSpeed's FP32 clipping does not keep it) and
 OUTPUT_DIR/summary.json, written by rank 0 (DeepSpeed broadcasts the loss from the last stage to every
-stage). fwd_bytes / bwd_bytes are the FP32 payload of
-the boundary tensors, computed from their shapes, not counted on the wire.
+stage). fwd_bytes / bwd_bytes / tie_bytes are the FP32 payload of the boundary
+tensors and of the tied wte gradient, computed from their shapes, not counted on the wire.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.ds_gpt2_layers import gpt2_layer_specs  # noqa: E402
+from benchmarks.ds_gpt2_layers import gpt2_layer_specs, is_tied  # noqa: E402
 from pipeline.partition import stage_block_counts  # noqa: E402
 from recipes import data as datalib  # noqa: E402
 from recipes.config import RunConfig, resolve  # noqa: E402
@@ -139,6 +144,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     module = PipelineModule(specs, num_stages=cfg.pipeline_stages, loss_fn=loss_fn, partition_method=method)
     count_every_stage_in_clip_norm(module)
     hidden_size, seq_len = model.config.n_embd, cfg.seq_len
+    # each holder of the tied wte sends its gradient into DeepSpeed's all-reduce, as ours counts it
+    tie_bytes = 2 * 4 * model.transformer.wte.weight.numel() if is_tied(model) and cfg.pipeline_stages > 1 else 0
     del model, specs
 
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches)
@@ -161,7 +168,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                                          seed=cfg.seed):
             if step >= total_steps:
                 break
-            lr = engine.get_lr()[0]
+            lr = optimizer.param_groups[0]["lr"]  # before this step's update, as the recipe logs it
             begin = time.perf_counter()
             loss = float(engine.train_batch(feed(mbs)))
             seconds = time.perf_counter() - begin
@@ -169,16 +176,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             losses.append(loss)
             writer.write({"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                           "phase": "train",
-                          "fwd_bytes": boundary_bytes, "bwd_bytes": boundary_bytes, "seconds": seconds,
+                          "fwd_bytes": boundary_bytes, "bwd_bytes": boundary_bytes, "tie_bytes": tie_bytes,
+                          "seconds": seconds,
                           "samples_per_s": samples_per_step / seconds})
     elapsed = time.perf_counter() - started
     summary = {
         "engine": "deepspeed", "steps": step, "epochs": cfg.epochs, "train_samples": len(train_set),
         "final_loss": losses[-1] if losses else None,
         "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-        "fwd_bytes": boundary_bytes * step, "bwd_bytes": boundary_bytes * step, "seconds": elapsed,
+        "fwd_bytes": boundary_bytes * step, "bwd_bytes": boundary_bytes * step, "tie_bytes": tie_bytes * step,
+        "seconds": elapsed,
         "samples_per_s": samples_per_step * step / elapsed if elapsed else None, "world_size": world.size,
-        "block_counts": counts, "deepspeed_parts": engine.module.parts, "config": cfg.to_dict(),
+        "block_counts": counts, "deepspeed_parts": [int(v) for v in engine.module.parts], "config": cfg.to_dict(),
     }
     if world.rank == 0:
         (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = resolve(TASK.kind, argv, __doc__)
     try:
         return run(cfg)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()
