@@ -259,7 +259,7 @@ class PipelineEngine:
             self.data_parallel.after_step()
             self._counters.dp_bytes += self.data_parallel.comm.take_bytes()
             self._resync_tied_weights()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -271,6 +271,12 @@ class PipelineEngine:
             "phase": phase, "seconds": time.perf_counter() - start,
         }
         return loss
+
+    def _zero_grads(self) -> None:
+        """Every gradient of the stage, not only the optimizer's: with replicas, a tied copy that follows
+        its owner is outside the optimizer, and a gradient left on it would add into the next step's sum."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stage.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ non-finite steps
     def _codecs(self) -> dict[str, Any]:
@@ -314,7 +320,7 @@ class PipelineEngine:
             buffer.restore(snapshot)
         for name, codec in self._codecs().items():
             codec.generator.set_state(generators[name])
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         _, totals = self._reduce(flight, m)  # the bytes did cross (as zeros where values were not finite)
         self.global_step += 1
         if not self.skip_nonfinite:
