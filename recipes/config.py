@@ -58,7 +58,7 @@ class RunConfig:
     warmup_epochs: int = 0
     buffer_dtype: str = "float16"
     buffer_dir: str | None = None
-    dist_timeout: float = 60.0  # a blocked collective or receive gives up after this
+    dist_timeout: float = 45.0  # a blocked collective or receive gives up after this (then ~6 s to exit)
     peer_timeout: float = 30.0  # a rank without heartbeat for this long is taken for dead
     save_every: int = 0  # checkpoint every N steps (0: never)
     save_total_limit: int | None = None  # keep the N newest checkpoints (None: all)
@@ -345,9 +345,12 @@ def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[
         unknown = sorted(set(values) - set(RunConfig.__dataclass_fields__))
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block")
-        cfg = validate(RunConfig(task=task, **values), int(os.environ.get("WORLD_SIZE", "1")))
-        if cfg.pipeline_stages * cfg.replicas != int(os.environ.get("WORLD_SIZE", "1")):
-            world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = validate(RunConfig(task=task, **values), world)
+        if world % cfg.pipeline_stages:
+            raise ValueError(f"pipeline_stages={cfg.pipeline_stages} does not divide the launcher's {world} processes: "
+                             "expected world size = pipeline_stages x replicas")
+        if cfg.pipeline_stages * cfg.replicas != world:
             raise ValueError(
                 f"pipeline_stages={cfg.pipeline_stages} x replicas={cfg.replicas} needs "
                 f"{cfg.pipeline_stages * cfg.replicas} processes; the launcher started {world}"

@@ -41,7 +41,10 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--num_micro_batches", "0"], "num_micro_batches=0: expected an integer >= 1"),
     (["--micro_batch_size", "-2"], "micro_batch_size=-2: expected an integer >= 1"),
     (["--seq_len", "1"], "seq_len=1: expected at least 2 tokens"),
-    (["--pipeline_stages", "3"], "pipeline_stages=3 x replicas=1 needs 3 processes; the launcher started 1"),
+    (["--pipeline_stages", "3"], "pipeline_stages=3 does not divide the launcher's 1 processes"),
+    (["--dataset", "/no/such/corpus.txt"], "dataset='/no/such/corpus.txt': no such file"),
+    (["--save_every", "-1"], "save_every=-1: expected an integer >= 0"),
+    (["--peer_timeout", "0"], "peer_timeout=0.0: expected a positive number of seconds"),
     (["--pipeline_stages", "two"], "pipeline_stages='two': expected a positive integer or auto"),
     (["--partition", "2,x"], "partition='2,x': expected parameters, uniform, or block counts"),
     (["--lr", "0"], "lr=0.0: expected a positive learning rate"),
@@ -97,3 +100,58 @@ def test_data_parallel_block_of_the_config_file(tmp_path, monkeypatch):
     path.write_text(json.dumps({"data_parallel": {"replicas": 2, "algorithm": "allreduce", "bits": 4}}))
     cfg = run(["--deepspeed_config", str(path), "--pipeline_stages", "2"], monkeypatch, world=4)
     assert (cfg.replicas, cfg.dp_algorithm, cfg.dp_bits, cfg.pipeline_stages) == (2, "allreduce", 4, 2)
+
+
+def _model_config(tmp_path, layers=2, positions=64):
+    from transformers import GPT2Config
+
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    GPT2Config(n_embd=32, n_layer=layers, n_head=2, n_positions=positions).to_json_file(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["stages_over_blocks", "builtin_stages_over_blocks", "seq_len_over_positions",
+                                  "stages_not_dividing_world", "replicas_not_matching", "bad_fault_spec"])
+def test_late_looking_mistakes_are_caught_before_any_process_group(tmp_path, monkeypatch, capsys, case):
+    """Each needs the model's config, the launcher's world size or the environment; none may start a run."""
+    model, out = _model_config(tmp_path), tmp_path / "never"
+    argv, world, message = {
+        "stages_over_blocks": (["--model", model, "--pipeline_stages", "3"], 3,
+                               f"pipeline_stages=3: model '{model}' has 2 blocks; expected at most 2 stages"),
+        "builtin_stages_over_blocks": ([], 5, "pipeline_stages=5: model the built-in shape has 4 blocks"),
+        "seq_len_over_positions": (["--model", model, "--seq_len", "128"], 1,
+                                   f"seq_len=128: model '{model}' has 64 positions; expected seq_len <= 64"),
+        "stages_not_dividing_world": (["--pipeline_stages", "3"], 4,
+                                      "pipeline_stages=3 does not divide the launcher's 4 processes"),
+        "replicas_not_matching": (["--pipeline_stages", "2", "--replicas", "3"], 4,
+                                  "pipeline_stages=2 x replicas=3 needs 6 processes; the launcher started 4"),
+        "bad_fault_spec": ([], 1, "AQPIPE_FAULT='kill:x': expected KIND:RANK:STEP"),
+    }[case]
+    if case == "bad_fault_spec":
+        monkeypatch.setenv("AQPIPE_FAULT", "kill:x")
+    with pytest.raises(SystemExit) as exit_info:
+        run([*argv, "--output_dir", str(out)], monkeypatch, world=world)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
+    from recipes import checkpoint
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        run(["--output_dir", str(out), "--resume"], monkeypatch)
+    assert "resume='latest': no checkpoint at" in capsys.readouterr().err and not out.exists()
+    # a checkpoint written by 2 stages, resumed by 1
+    theirs = run(["--output_dir", str(out)], monkeypatch, world=2)
+    step = out / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": 1, "fingerprint": checkpoint.fingerprint(theirs)}))
+    (out / "checkpoints" / "latest").write_text(step.name)
+    with pytest.raises(SystemExit):
+        run(["--output_dir", str(out), "--resume", "latest"], monkeypatch)
+    assert "was written by a different run: pipeline_stages=2 in the checkpoint, 1 in this run" in capsys.readouterr().err
+    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).resume == str(step)
+    assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).resume is None

@@ -89,3 +89,18 @@ def test_deepspeed_launch_of_two_stages_by_two_replicas_with_qadam(tmp_path):
     assert steps[-1]["dp_bytes"] <= 0.3 * steps[0]["dp_bytes"]  # compressed momentum after the 2 warm-up steps
     summary = json.loads((tmp_path / "dp" / "summary.json").read_text())
     assert summary["world_size"] == 4
+
+
+def test_bad_input_under_a_launcher_exits_before_joining_the_process_group(tmp_path):
+    """Rank 1 of 2 with rank 0 never started: had it joined the process group first, it would wait there."""
+    path = tmp_path / "one-block" / "config.json"
+    path.parent.mkdir(parents=True)
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64).to_json_file(path)
+    out = tmp_path / "never"
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune_gpt2.py"), "--model", str(path),
+                           "--output_dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"pipeline_stages=2: model '{path}' has 1 blocks; expected at most 1 stages" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
