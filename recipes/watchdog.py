@@ -10,7 +10,9 @@ So every rank runs a thread that, once per `interval`, bumps its own counter in 
 the launcher already runs (MASTER_ADDR:MASTER_PORT) and reads everyone's. A rank whose
 counter has not moved for `peer_timeout` seconds is dead; a rank that fails in Python first
 writes what failed. Either way every other rank prints one line naming the rank, its stage
-and replica, and exits with status 1 within about `peer_timeout + interval` seconds. If the
+and replica, and exits with status 1 within about `peer_timeout + interval` seconds; a rank
+whose own receive already failed (gloo: "Connection closed by peer") needs only a few
+missed beats, not the whole `peer_timeout`, to name the dead one. If the
 store itself goes away (under deepspeed or a plain launch it lives in rank 0's process), that
 names rank 0. A rank that is alive but stuck keeps its heartbeat; the collective timeout
 (`dist_timeout`) ends its peers' waits, and their failure reports then end it too.
@@ -40,6 +42,7 @@ class Watchdog:
                                    timeout=timedelta(seconds=max(2.0, 2 * interval)))
         self.lock = threading.Lock()
         self.stopped = threading.Event()
+        self.suspicious = False  # set after a communication error: a few missed beats then mean dead
         self.thread = threading.Thread(target=self._loop, name="aqpipe-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -73,7 +76,8 @@ class Watchdog:
 
     def wait_for_verdict(self) -> None:
         """After a communication error: give the thread time to name the rank that failed (it exits then)."""
-        self.thread.join(timeout=self.peer_timeout + 3 * self.interval)
+        self.suspicious = True  # stale beats now count after 3.5 intervals; the store's loss after 2
+        self.thread.join(timeout=min(self.peer_timeout, 3.5 * self.interval) + 2 * self.interval + 1)
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -102,16 +106,18 @@ class Watchdog:
                     message = self._op(lambda s: s.get(key)).decode(errors="replace")
                     return f"rank {r} ({self.describe(r)}) failed: {message}"
         now = time.monotonic()
+        limit = min(self.peer_timeout, 3.5 * self.interval) if self.suspicious else self.peer_timeout
         for r, (count, since) in last_seen.items():
             beat = int(self._op(lambda s: s.add(self._key("beat", r), 0)))
             if beat != count:
                 last_seen[r] = (beat, now)
-            elif now - since > self.peer_timeout and not self._op(lambda s: s.check([self._key("done", r)])):
+            elif now - since > limit and not self._op(lambda s: s.check([self._key("done", r)])):
                 return (f"rank {r} ({self.describe(r)}) stopped responding: no heartbeat for "
                         f"{now - since:.0f} s (peer_timeout={self.peer_timeout:g}); its process died or hangs")
         return None
 
     def _exit(self, culprit: str) -> None:
+        self.report(f"stopped because {culprit}")  # ranks not yet aware learn it at their next beat
         print(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) stopping: {culprit}",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
