@@ -1,0 +1,178 @@
+"""Faults: NaN/inf never crosses a boundary and stops (or skips) a step on every stage alike; a rank
+SIGKILLed mid-run stops its peer within a bounded time, naming it, and the run resumes exactly."""
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed_helpers import free_port, spawn
+from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from recipes import faults
+from toy_stages import toy_batches, toy_stages, toy_ties
+
+SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16
+AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+NAN = float("nan")
+
+
+def _copy(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def nonfinite(rank, world):
+    """Skip mode with a NaN activation on stage 0 in an AQ-SGD epoch; stop mode with a NaN loss / gradient."""
+    grid = Grid.for_world(world, world)
+    groups = build_groups(grid, rank, toy_ties(world))
+    plan = [(epoch, mbs) for epoch in range(4) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch)]  # 8 steps
+    poison = {"on": False, "kind": "activation"}
+
+    def make(skip):
+        stage = toy_stages(world)[groups.stage]
+        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.01), compression=AQSGD,
+                                num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), skip_nonfinite=skip)
+
+        def hook(module, inputs, out):
+            if not poison["on"]:
+                return out
+            if poison["kind"] == "activation" and groups.stage == 0:
+                return out * NAN
+            if poison["kind"] == "loss" and stage.is_last:
+                return type(out)(out.loss * NAN, out.logits)
+            if poison["kind"] == "gradient" and stage.is_last:
+                out.loss.register_hook(lambda g: g * NAN)
+            return out
+        stage.register_forward_hook(hook)
+        return engine
+
+    engine, wire_finite = make(skip=True), []
+    codec = engine.prev.forward if engine.prev else engine.next.backward  # what this rank decodes off the wire
+    decode = codec.decode
+
+    def checked(*args, **kw):
+        x = decode(*args, **kw)
+        wire_finite.append(bool(torch.isfinite(x).all()))
+        return x
+    codec.decode = checked
+    out = {"losses": []}
+    for step, (epoch, mbs) in enumerate(plan):
+        poison["on"] = step == 5  # epoch 2: every sample seen, AQ-SGD sends deltas
+        before = _copy(engine.state_dict())
+        out["losses"].append(engine.train_batch(mbs, epoch))
+        if step == 5:
+            out["skipped"] = engine.last_metrics.get("skipped")
+            after = _copy(engine.state_dict())
+            out["untouched"] = {k: _same(before[k], after[k]) for k in ("model", "optimizer", "codecs")}
+    out["wire_finite"] = all(wire_finite) and len(wire_finite) > 0
+    for kind in ("loss", "gradient"):
+        engine, poison["kind"], poison["on"] = make(skip=False), kind, True
+        try:
+            engine.train_batch(plan[0][1], 0)
+        except FloatingPointError as exc:
+            out[kind] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def nonfinite_runs():
+    return spawn(nonfinite, 2)
+
+
+def test_a_nan_activation_is_never_sent_and_the_step_is_skipped_on_every_stage(nonfinite_runs):
+    for run in nonfinite_runs:
+        assert run["skipped"] == ("non-finite values at step 6: stage 0 (rank 0, replica 0): activation to send "
+                                  "(micro-batch 0)")
+        assert run["untouched"] == {"model": True, "optimizer": True, "codecs": True}  # AQ-SGD rows, dither too
+        assert run["wire_finite"]
+        losses = run["losses"]
+        assert losses[5] != losses[5] and all(v == v for v in losses[:5] + losses[6:])  # only step 6 is NaN
+
+
+def test_a_nan_loss_or_gradient_stops_every_stage_naming_where(nonfinite_runs):
+    for run in nonfinite_runs:
+        assert run["loss"].startswith("non-finite values at step 1: stage 1 (rank 1, replica 0): loss (micro-batch 0)")
+        assert "stage 1 (rank 1, replica 0): boundary gradient to send (micro-batch 0)" in run["gradient"]
+        assert "skip_nonfinite" in run["loss"]
+
+
+def test_fault_specs_are_checked():
+    assert faults.parse("kill:1:5") == faults.Fault("kill", 1, 5)
+    assert faults.parse(None) is None
+    with pytest.raises(ValueError, match="AQPIPE_FAULT='boom:1:5': expected KIND:RANK:STEP"):
+        faults.parse("boom:1:5")
+
+
+# ---------------------------------------------------------------------- the recipe, killed and resumed
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
+FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
+         "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "3", "--forward_compress", "aqsgd",
+         "--forward_bits", "2", "--backward_compress", "direct", "--backward_bits", "4", "--peer_timeout", "20"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _torchrun(out, *flags):
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), RECIPE, *FLAGS,
+           "--output_dir", str(out), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _by_hand(out, *flags, fault):
+    """Two processes started as a by-hand multi-machine launch would: no launcher stops the survivor."""
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "1", "AQPIPE_FAULT": fault}
+    procs = [subprocess.Popen([sys.executable, RECIPE, *FLAGS, "--output_dir", str(out), *flags], cwd=ROOT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": "0"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    ended = [None, None]
+    deadline = time.monotonic() + 300
+    while None in ended and time.monotonic() < deadline:
+        for r, p in enumerate(procs):
+            if ended[r] is None and p.poll() is not None:
+                ended[r] = time.monotonic()
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [(p.returncode, p.stderr.read(), t) for p, t in zip(procs, ended)]
+
+
+def test_a_rank_killed_mid_run_stops_its_peer_and_the_run_resumes_exactly(tmp_path):
+    _torchrun(tmp_path / "ref")
+    out, buffers = tmp_path / "run", str(tmp_path / "buffers")
+    (rc0, err0, t0), (rc1, _, t1) = _by_hand(out, "--buffer_dir", buffers, fault="kill:1:5")
+    assert rc1 == -9 and rc0 == 1, err0[-2000:]
+    assert "stopping: rank 1 (stage 1, replica 0)" in err0 and "Traceback" not in err0
+    assert t0 - t1 < 20, f"rank 0 took {t0 - t1:.1f} s to stop after rank 1 died"  # measured: about 6 s
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    _torchrun(out, "--buffer_dir", buffers, "--resume")
+
+    want = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # six steps and the final eval, none twice
+    for a, b in zip(want, got):
+        assert b.get("loss") == pytest.approx(a.get("loss"), rel=1e-6)
+        assert b.get("eval_loss") == pytest.approx(a.get("eval_loss"), rel=1e-6)
+        assert (b.get("fwd_bytes"), b.get("bwd_bytes")) == (a.get("fwd_bytes"), a.get("bwd_bytes"))
+    assert got[5]["fwd_bytes"] * 8 < got[0]["fwd_bytes"]  # step 6: deltas of samples seen before the kill
+    ref_w, res_w = load_file(tmp_path / "ref" / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    for key, value in ref_w.items():
+        assert torch.allclose(res_w[key], value, rtol=1e-6, atol=0), key
