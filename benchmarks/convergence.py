@@ -105,7 +105,7 @@ def summarize(records: list[dict[str, Any]], summary: dict[str, Any], metric: st
         "train_loss": statistics.mean(r["loss"] for r in steps[-per_epoch:]),
         "eval_loss": summary["eval_loss"], f"eval_{metric}": summary[f"eval_{metric}"],
         "fwd_bytes": summary["fwd_bytes"], "bwd_bytes": summary["bwd_bytes"], "seconds": summary["seconds"],
-        "loss": [r["loss"] for r in steps],
+        "loss": [round(r["loss"], 4) for r in steps],  # 4 decimals: the JSON stays small enough to commit
         "eval_curve": [[r["step"], r["eval_loss"], r.get(f"eval_{metric}")] for r in evals],
     }
 

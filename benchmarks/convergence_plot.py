@@ -1,7 +1,8 @@
 """Loss-vs-step PNG for one model of the convergence study (benchmarks/convergence.py).
 
 Two panels: training loss per step (smoothed over a quarter epoch, since single steps of 16
-samples are noisy; the axis fits the epochs after the first) and eval loss at the end of each epoch. FP32 is black, DirectQ red and AQ-SGD
+samples are noisy; the axis fits the epochs after the first) and eval loss (accuracy for a
+classifier) at the end of each epoch. FP32 is black, DirectQ red and AQ-SGD
 blue, darker and solid at fewer bits, so the eye finds "AQ-SGD 2/4 on FP32, DirectQ 2/4 above".
 
     python benchmarks/convergence.py --replot      # redraw from benchmarks/results/convergence.json
@@ -48,6 +49,7 @@ def plot_model(name: str, block: dict[str, Any], plot_dir: Path) -> Path:
     """Write <plot_dir>/convergence_<name>.png from the model's JSON block; returns its path."""
     plot_dir.mkdir(parents=True, exist_ok=True)
     fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    accuracy = block.get("metric") == "accuracy"
     later = []  # the curves after the first epoch, whose differences the plot is for
     for run in block["runs"]:
         kw = line_style(run)
@@ -55,14 +57,15 @@ def plot_model(name: str, block: dict[str, Any], plot_dir: Path) -> Path:
         curve = smooth(run["loss"], window)
         later += curve[run["steps_per_epoch"]:]
         train_ax.plot(range(1, len(run["loss"]) + 1), curve, **kw)
-        if run["eval_curve"]:
-            steps, losses = zip(*[(s, loss) for s, loss, _ in run["eval_curve"]])
-            eval_ax.plot(steps, losses, marker="o", markersize=2.5, **kw)
+        if run["eval_curve"]:  # classification: accuracy, since an over-fit classifier's eval loss swings
+            steps, values = zip(*[(s, metric if accuracy else loss) for s, loss, metric in run["eval_curve"]])
+            eval_ax.plot(steps, values, marker="o", markersize=2.5, **kw)
     train_ax.set(title=f"{name}: training loss (mean of {window} steps)", xlabel="step", ylabel="loss")
     if later:  # the first epoch's steep fall would flatten everything else
         low, high = min(later), max(later)
         train_ax.set_ylim(low - 0.05 * (high - low), high + 0.25 * (high - low))
-    eval_ax.set(title=f"{name}: eval loss, once an epoch", xlabel="step", ylabel="eval loss")
+    shown = "eval accuracy" if accuracy else "eval loss"
+    eval_ax.set(title=f"{name}: {shown}, once an epoch", xlabel="step", ylabel=shown)
     for ax in (train_ax, eval_ax):
         ax.grid(alpha=0.3)
     eval_ax.legend(fontsize=8)

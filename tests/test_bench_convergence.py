@@ -35,7 +35,7 @@ def test_quick_study_records_every_method_with_finite_figures(quick):
         assert r["steps"] == len(r["loss"]) == 16 and r["steps_per_epoch"] == 8  # 32 samples / (2 x 2), 2 epochs
         for key in ("train_loss", "eval_loss", "eval_perplexity", "train_loss_ratio", "eval_loss_ratio"):
             assert math.isfinite(r[key]), key
-        assert r["train_loss"] == pytest.approx(sum(r["loss"][-8:]) / 8)
+        assert r["train_loss"] == pytest.approx(sum(r["loss"][-8:]) / 8, abs=1e-4)
         assert [step for step, _, _ in r["eval_curve"]] == [8, 16]  # once an epoch
         assert r["eval_curve"][-1][1] == pytest.approx(r["eval_loss"])
     assert runs["fp32"]["eval_loss_ratio"] == 1.0
