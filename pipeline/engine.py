@@ -177,7 +177,7 @@ class PipelineEngine:
         def recv_act(mb: int) -> None:
             batch = micro_batches[mb]
             self._remember(self.prev, batch["sample_id"], phase, flight)
-            x = self.prev.recv_activation(self._shape(batch), self.wire_dtype, batch["sample_id"], phase, self.device)
+            x = self.prev.take_activation(posted.pop((sched.RECV_ACT, mb)))
             flight.inputs[mb] = x.requires_grad_(training)
 
         def forward(mb: int) -> None:
@@ -200,7 +200,7 @@ class PipelineEngine:
             counters.fwd_bytes += self.next.send_activation(x, batch["sample_id"], phase)
 
         def recv_grad(mb: int) -> None:
-            flight.grads[mb] = self.next.recv_grad(self._shape(micro_batches[mb]), self.wire_dtype, phase, self.device)
+            flight.grads[mb] = self.next.take_grad(posted.pop((sched.RECV_GRAD, mb)))
 
         def backward(mb: int) -> None:
             out = flight.outputs.pop(mb)
@@ -223,10 +223,24 @@ class PipelineEngine:
             sched.RECV_ACT: recv_act, sched.FORWARD: forward, sched.SEND_ACT: send_act,
             sched.RECV_GRAD: recv_grad, sched.BACKWARD: backward, sched.SEND_GRAD: send_grad,
         }
+        posted = self._post_receives(actions, micro_batches, phase)
         for op, mb in actions:
             handlers[op](mb)
         self.wire.flush()
         return flight
+
+    def _post_receives(self, actions: list[sched.Action], micro_batches: list[dict], phase: str) -> dict:
+        """Post every receive of the step up front, in schedule order: gloo starts a transfer only once
+        its receive is posted, so this overlaps each message's flight with this stage's compute."""
+        posted = {}
+        for op, mb in actions:
+            batch = micro_batches[mb]
+            if op == sched.RECV_ACT:
+                posted[op, mb] = self.prev.post_activation(self._shape(batch), self.wire_dtype, batch["sample_id"],
+                                                           phase, self.device)
+            elif op == sched.RECV_GRAD:
+                posted[op, mb] = self.next.post_grad(self._shape(batch), self.wire_dtype, phase, self.device)
+        return posted
 
     @staticmethod
     def _score(logits: torch.Tensor, batch: dict[str, torch.Tensor], flight: _Flight) -> None:

@@ -7,7 +7,10 @@ which samples it has seen). The sample ids travel appended to each activation an
 are checked on arrival: a data-order mismatch between stages fails loudly instead
 of decoding garbage into the AQ-SGD buffers.
 
-Sends are isend (compute continues while bytes drain); `flush` waits for them.
+Sends are isend (compute continues while bytes drain); `flush` waits for them. Receives can be
+posted ahead (`post_activation` / `post_grad`, then `take_*`): gloo moves a message only once its
+receive is posted, so a stage that posts all of a step's receives up front overlaps every transfer
+with its own compute instead of paying each one when it needs the tensor.
 
 Emulated link latency (`AQPIPE_LINK_LATENCY_MS`, default 0): the kernel here has no netem, so a
 one-way delay is added in user space: every receive completes that much later than its bytes
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,8 +33,22 @@ import torch.distributed as dist
 from compression import BackwardCodec, ForwardCodec, Message
 
 
+class Incoming:
+    """A receive posted ahead of its use. gloo starts moving a message only once its receive is
+    posted, so posting early lets the transfer run while this stage computes."""
+
+    def __init__(self, work: object, buf: torch.Tensor, latency_s: float) -> None:
+        self.work, self.buf, self.latency_s = work, buf, latency_s
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return self.buf
+
+
 class Wire:
-    """Non-blocking sends, blocking receives, with the bytes counted."""
+    """Non-blocking sends and receives, with the bytes sent counted."""
 
     def __init__(self, group: object | None = None, latency_s: float | None = None) -> None:
         self.group = group
@@ -43,12 +61,13 @@ class Wire:
         self._pending.append((work, payload))  # keep the buffer alive until the send completes
         self.sent_bytes += payload.numel() * payload.element_size()
 
-    def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> torch.Tensor:
+    def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> Incoming:
+        """Start receiving `nbytes` from `src`; messages from one peer on one tag match in posting order."""
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dist.recv(buf, src, group=self.group, tag=tag)
-        if self.latency_s:
-            time.sleep(self.latency_s)
-        return buf
+        return Incoming(dist.irecv(buf, src, group=self.group, tag=tag), buf, self.latency_s)
+
+    def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> torch.Tensor:
+        return self.post(nbytes, src, device, tag).wait()
 
     def flush(self) -> None:
         for work, _ in self._pending:
@@ -103,25 +122,55 @@ class Boundary:
         self.wire.send(payload, self.peer)
         return payload.numel()
 
-    def recv_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
-                        device: torch.device) -> torch.Tensor:
+    def post_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
+                        device: torch.device) -> "Posted":
+        """Start receiving a micro-batch's activation. Its size comes from this side's codec state, which
+        decoding other micro-batches of the step does not change (a step's sample ids are distinct)."""
         codec, kw = self._forward_codec(phase)
         nbytes = codec.payload_nbytes(shape, dtype, sample_ids, **kw)
-        buf = self.wire.recv(nbytes + 8 * sample_ids.numel(), self.peer, device)
+        incoming = self.wire.post(nbytes + 8 * sample_ids.numel(), self.peer, device)
+        return Posted(incoming, nbytes, shape, dtype, phase, sample_ids)
+
+    def take_activation(self, posted: "Posted") -> torch.Tensor:
+        """Wait for a posted activation, check its sample ids, decode it."""
+        buf, nbytes, ids = posted.incoming.wait(), posted.nbytes, posted.sample_ids
         sent_ids = buf[nbytes:].clone().view(torch.int64).cpu()
-        if not torch.equal(sent_ids, sample_ids.cpu().to(torch.int64)):
+        if not torch.equal(sent_ids, ids.cpu().to(torch.int64)):
             raise RuntimeError(
-                f"received sample ids {sent_ids.tolist()} but this stage loaded {sample_ids.tolist()}: "
+                f"received sample ids {sent_ids.tolist()} but this stage loaded {ids.tolist()}: "
                 "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
             )
-        return codec.decode(Message(buf[:nbytes], shape, dtype), sample_ids, **kw)
+        codec, kw = self._forward_codec(posted.phase)
+        return codec.decode(Message(buf[:nbytes], posted.shape, posted.dtype), ids, **kw)
+
+    def recv_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
+                        device: torch.device) -> torch.Tensor:
+        return self.take_activation(self.post_activation(shape, dtype, sample_ids, phase, device))
 
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
         msg = self._backward_codec(phase).encode(g)
         self.wire.send(msg.payload, self.peer)
         return msg.nbytes
 
+    def post_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> "Posted":
+        nbytes = self._backward_codec(phase).payload_nbytes(shape, dtype)
+        return Posted(self.wire.post(nbytes, self.peer, device), nbytes, shape, dtype, phase)
+
+    def take_grad(self, posted: "Posted") -> torch.Tensor:
+        buf = posted.incoming.wait()
+        return self._backward_codec(posted.phase).decode(Message(buf, posted.shape, posted.dtype))
+
     def recv_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> torch.Tensor:
-        codec = self._backward_codec(phase)
-        buf = self.wire.recv(codec.payload_nbytes(shape, dtype), self.peer, device)
-        return codec.decode(Message(buf, shape, dtype))
+        return self.take_grad(self.post_grad(shape, dtype, phase, device))
+
+
+@dataclass
+class Posted:
+    """A boundary receive in flight and what decoding it will need."""
+
+    incoming: Incoming
+    nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype
+    phase: str
+    sample_ids: torch.Tensor | None = None

@@ -71,7 +71,7 @@ def test_warmup_epochs_send_full_precision_then_compress():
 
 def test_stages_with_different_data_orders_fail_loudly():
     with pytest.raises(RuntimeError, match="data orders differ"):
-        spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=60)
+        spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=120)  # imports are slow on a loaded machine
 
 
 def test_bf16_halves_the_boundary_bytes_and_tracks_fp32():
