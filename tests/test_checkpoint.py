@@ -1,0 +1,139 @@
+"""Checkpoints: a resumed engine is the uninterrupted one under every data-parallel algorithm with
+AQ-SGD, and a damaged, unfinished or foreign checkpoint never loads. (The recipe killed mid-run
+and resumed: test_faults.py.)"""
+from pathlib import Path
+
+import pytest
+import torch
+
+import data_parallel
+from distributed_helpers import spawn
+from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from recipes import checkpoint
+from recipes.config import RunConfig, validate
+from toy_stages import toy_batches, toy_stages, toy_ties
+
+SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
+AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+OPTIONS = {
+    "allreduce": {},
+    "decentralized": {"peer_selection": "shift_one"},
+    "low_precision_decentralized": {"bits": 4},
+    "qadam": {"warmup_steps": 2, "bits": 4},
+    "qsparse_local_sgd": {"local_steps": 2, "topk_ratio": 0.25, "bits": 4},
+}
+
+
+def _engine(groups, grid, name):
+    stage = toy_stages(2)[groups.stage]
+    comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
+    algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
+    engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
+                            compression=AQSGD, num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(2),
+                            data_parallel=algo, seed=3)
+    engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
+    return engine
+
+
+def resume_every_algorithm(rank, world, tmp):
+    """Per algorithm: STEPS steps straight, and the same with a save at RESUME_AT, a fresh engine and a load."""
+    grid = Grid.for_world(world, 2)
+    groups = build_groups(grid, rank, toy_ties(2))
+    plan = [(epoch, mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO])
+            for epoch in range(STEPS) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, epoch)][:STEPS]
+    out = {}
+    for name in OPTIONS:
+        runs = []
+        for resume in (False, True):
+            engine, log = _engine(groups, grid, name), []
+            for step, (epoch, mbs) in enumerate(plan):
+                if resume and step == RESUME_AT:
+                    path = Path(tmp) / f"{name}_rank{rank}.pt"
+                    checkpoint.write_state(path, {"engine": engine.state_dict(), "rng": checkpoint.rng_state()})
+                    engine = _engine(groups, grid, name)  # a new process would start from scratch
+                    torch.manual_seed(1234)
+                    record = checkpoint.read_state(path)  # weights_only=True
+                    engine.load_state_dict(record["engine"])
+                    checkpoint.set_rng_state(record["rng"])
+                engine.train_batch(mbs, epoch)
+                log.append({k: engine.last_metrics[k] for k in ("loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
+            runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
+                         "buffer": engine.state_dict()["codecs"].get("next.forward", engine.state_dict()["codecs"]
+                                                                      .get("prev.forward"))["buffer"]["values"].clone()})
+        out[name] = runs
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    return spawn(resume_every_algorithm, 4, str(tmp_path_factory.mktemp("engine_ckpt")))
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_engine_resume_equals_uninterrupted_under_every_algorithm(resumed, name):
+    for rank in range(4):
+        straight, resumed_run = resumed[rank][name]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        for key in ("fwd_bytes", "bwd_bytes", "dp_bytes", "lr"):
+            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]], key
+        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+        assert torch.equal(resumed_run["buffer"], straight["buffer"])  # AQ-SGD rows, bit for bit
+    # after the resume, samples this replica saw before still travel as 2-bit deltas (a resend would be 8320)
+    log = resumed[0][name][1]["log"]
+    assert log[RESUME_AT]["fwd_bytes"] < 0.75 * log[0]["fwd_bytes"] == 0.75 * 16 * (SEQ * 16 * 4 + 8)
+
+
+# ---------------------------------------------------------------------- checkpoint files, in one process
+def _single_engine():
+    grid = Grid.for_world(1, 1)
+    stage = toy_stages(1)[0]
+    return PipelineEngine(stage, build_groups(grid, 0), torch.optim.SGD(stage.parameters(), lr=0.1),
+                          num_samples=SAMPLES, seq_len=SEQ)
+
+
+def _cfg(tmp_path, **kw):
+    values = {"output_dir": str(tmp_path / "out"), "forward_compress": "none", "backward_compress": "none", **kw}
+    return validate(RunConfig(task="causal_lm", **values))
+
+
+def _save(tmp_path, engine, cfg, step):
+    root = tmp_path / "out" / "checkpoints"
+    return checkpoint.save(root, step, engine, {"step": step}, cfg, 0, 1, lambda: None, keep=2)
+
+
+def test_a_damaged_or_unfinished_checkpoint_never_loads(tmp_path):
+    engine, cfg = _single_engine(), _cfg(tmp_path)
+    first = _save(tmp_path, engine, cfg, 1)
+    assert checkpoint.find("latest", cfg.output_dir) == first
+    # a crash after the files but before the manifest: 'latest' still names the complete one
+    (first.parent / "step_00000002.partial").mkdir()
+    (first.parent / "step_00000002.partial" / "stage0_replica0.pt").write_bytes(b"half")
+    assert checkpoint.find("latest", cfg.output_dir) == first
+    with pytest.raises(ValueError, match="no checkpoint"):
+        checkpoint.find(str(first.parent / "step_00000002.partial"), cfg.output_dir)
+    # a file changed after it was written fails its checksum
+    with open(first / "stage0_replica0.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        checkpoint.load(first, _single_engine(), cfg)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    engine, cfg = _single_engine(), _cfg(tmp_path)
+    for step in (1, 2, 3):
+        newest = _save(tmp_path, engine, cfg, step)
+    assert sorted(p.name for p in newest.parent.glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert (newest.parent / "latest").read_text().strip() == "step_00000003"
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tmp_path):
+    engine, cfg = _single_engine(), _cfg(tmp_path)
+    ckpt = _save(tmp_path, engine, cfg, 1)
+    other = _cfg(tmp_path, forward_compress="direct", forward_bits=4, seq_len=64)
+    with pytest.raises(ValueError) as info:
+        checkpoint.check_compatible(ckpt, other)
+    text = str(info.value)
+    assert "forward_compress='none' in the checkpoint, 'direct' in this run" in text
+    assert "seq_len=128 in the checkpoint, 64 in this run" in text and "epochs" not in text
+    assert checkpoint.find("auto", str(tmp_path / "elsewhere")) is None  # auto: nothing saved, start fresh
