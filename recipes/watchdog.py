@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+_RELAYED = "stopped because "  # a report that passes on what another rank found
+
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, describe: Callable[[int], str], prog: str, *,
@@ -104,6 +106,8 @@ class Watchdog:
                 key = self._key("failed", r)
                 if r != self.rank and self._op(lambda s: s.check([key])):
                     message = self._op(lambda s: s.get(key)).decode(errors="replace")
+                    if message.startswith(_RELAYED):  # another survivor's news: name the rank it names
+                        return message[len(_RELAYED):]
                     return f"rank {r} ({self.describe(r)}) failed: {message}"
         now = time.monotonic()
         limit = min(self.peer_timeout, 3.5 * self.interval) if self.suspicious else self.peer_timeout
@@ -117,7 +121,7 @@ class Watchdog:
         return None
 
     def _exit(self, culprit: str) -> None:
-        self.report(f"stopped because {culprit}")  # ranks not yet aware learn it at their next beat
+        self.report(_RELAYED + culprit)  # ranks not yet aware learn it at their next beat
         print(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) stopping: {culprit}",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
