@@ -5,8 +5,11 @@ something to pay off on; DirectQ at the same bits has no memory and keeps its fu
 error. Each (model, method) is one 2-stage torchrun run of the real recipe; this script reads
 their metrics.jsonl, prints the table as markdown, writes JSON and one loss-vs-step PNG per model.
 
-    python benchmarks/convergence.py                       # full study, ~35 min on 2 CPU cores
-    python benchmarks/convergence.py --models gpt2 --methods fp32,aqsgd_2_4,directq_2_4
+    python benchmarks/convergence.py                       # 14 runs, ~40 min on 2 idle CPU cores
+    python benchmarks/convergence.py --models gpt2 --tag ablation --reuse \
+        --methods fp32,aqsgd_2_4,aqsgd_2_fp32bw,fp32fw_directq_4bw,directq_2_4
+    python benchmarks/convergence.py --models gpt2 --tag pretrained --methods fp32,aqsgd_2_4,directq_2_4 \
+        -- --model runs/pretrain_gpt2/model --lr 3e-4          # after an FP32 pretraining run (RESULTS.md)
     python benchmarks/convergence.py --quick --output_dir /tmp/conv   # seconds, for the tests
     python benchmarks/convergence.py --replot                # redraw the PNGs from the JSON only
 """
