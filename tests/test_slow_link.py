@@ -53,7 +53,11 @@ def test_ratios_are_the_issues_comparisons() -> None:
 
 def test_link_latency_delays_every_receive(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(transport.dist, "recv", lambda buf, src, group=None, tag=0: buf.fill_(7))
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(transport.dist, "irecv", lambda buf, src, group=None, tag=0: (buf.fill_(7), Done())[1])
     monkeypatch.setattr(transport.time, "sleep", slept.append)
     monkeypatch.setenv("AQPIPE_LINK_LATENCY_MS", "25")
     wire = transport.Wire()
