@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.ds_gpt2_layers import gpt2_layer_specs, is_tied  # noqa: E402
-from pipeline.partition import stage_block_counts  # noqa: E402
+from pipeline.partitioning import stage_block_counts  # noqa: E402
 from recipes import data as datalib  # noqa: E402
 from recipes.config import RunConfig, resolve  # noqa: E402
 from recipes.finetune_gpt2 import TASK  # noqa: E402

@@ -1,9 +1,29 @@
-"""aqpipe.pipeline: HF models split into stages, schedules as data, codec-compressed transport, the engine."""
+"""aqpipe.pipeline: HF models split into stages, schedules as data, codec-compressed transport, the engine.
+
+The partitioner and the HF stage classes import transformers (about 6 s of CPU); they load on first
+use, so a process that only runs the engine (every stage process of a test, a custom model) starts
+in the time torch takes.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .engine import CompressionConfig, PipelineEngine, StepCounters, owned_parameters
-from .partition import merge_into, partition, tie_groups
-from .stages import PipelineStage, StageOutput
 from .schedule import SCHEDULES, Action, gpipe, in_flight, one_f_one_b, simulate, train_schedule
 from .topology import Grid, Groups, build_groups
+
+_LAZY = {"merge_into": ".partitioning", "partition": ".partitioning", "tie_groups": ".partitioning",
+         "PipelineStage": ".stages", "StageOutput": ".stages"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "SCHEDULES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine", "PipelineStage", "StageOutput",

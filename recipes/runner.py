@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import data_parallel
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
-from pipeline.partition import merge_into, partition, tie_groups
+from pipeline.partitioning import merge_into, partition, tie_groups
 
 from . import checkpoint
 from . import data as datalib

@@ -1,4 +1,4 @@
-"""pipeline.partition: stages run in sequence reproduce the HF model's loss and gradients; balancing; ties; merging."""
+"""pipeline.partitioning: stages run in sequence reproduce the HF model's loss and gradients; balancing; ties; merging."""
 from __future__ import annotations
 
 import itertools
@@ -18,7 +18,7 @@ from transformers import (
     GPT2Model,
 )
 
-from pipeline.partition import (
+from pipeline.partitioning import (
     PipelineStage,
     StageOutput,
     balance_by_size,
