@@ -37,3 +37,20 @@ def saved_states(model: torch.nn.Module, algo, opt: torch.optim.Optimizer) -> di
     torch.save({"model": model.state_dict(), "algo": algo.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+def straight_and_saved(build, rank: int, total: int, cut: int) -> tuple[tuple, dict]:
+    """An uninterrupted run of `total` steps from build(), and the checkpoint of a second run stopped at `cut`."""
+    straight, first = build(), build()
+    train_steps(*straight, rank, range(total))
+    train_steps(*first, rank, range(cut))
+    return straight, saved_states(*first)
+
+
+def restored(build, saved: dict) -> tuple:
+    """A fresh (model, algorithm, optimizer) from build() with a checkpoint's states loaded."""
+    model, algo, opt = build()
+    model.load_state_dict(saved["model"])
+    algo.load_state_dict(saved["algo"])
+    opt.load_state_dict(saved["opt"])
+    return model, algo, opt

@@ -10,7 +10,7 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qadam import QAdam, QAdamOptimizer
 from distributed_helpers import spawn
-from dp_toy import flat, loss_of, saved_states, train_steps
+from dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 GROUP = 1024  # the default quantization group size
@@ -252,27 +252,14 @@ def resume(rank: int, world: int, total: int, cut: int) -> dict:
         algo = QAdam(list(model.parameters()), comm, warmup_steps=2, bits=3, seed=5)
         return model, algo, algo.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01))
 
-    def run(model, algo, opt, steps):
-        train_steps(model, algo, opt, rank, steps)
-
-    straight = build()
-    run(*straight, range(total))
-    first = build()
-    run(*first, range(cut))
-    saved = saved_states(*first)
-    fresh = build()
-    fresh[0].load_state_dict(saved["model"])
-    fresh[1].load_state_dict(saved["algo"])
-    fresh[2].load_state_dict(saved["opt"])
-    run(*fresh, range(cut, total))
+    straight, saved = straight_and_saved(build, rank, total, cut)
+    fresh = restored(build, saved)
+    train_steps(*fresh, rank, range(cut, total))
     # control: momenta, variance and step restored, but not the error memory or the dither generator
-    control = build()
-    control[0].load_state_dict(saved["model"])
-    control[1].load_state_dict(saved["algo"])
-    control[2].load_state_dict(saved["opt"])
+    control = restored(build, saved)
     for p in control[0].parameters():
         control[2].state[p]["error"].zero_()
-    run(*control, range(cut, total))
+    train_steps(*control, rank, range(cut, total))
     return {"straight": flat(straight[0]), "resumed": flat(fresh[0]), "control": flat(control[0]),
             "step": (fresh[1].step_count, fresh[2].step_id)}
 

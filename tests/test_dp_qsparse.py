@@ -10,7 +10,7 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
 from distributed_helpers import spawn
-from dp_toy import flat, loss_of, saved_states, train_steps
+from dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 
 LR, H, STEPS, RATIO = 0.1, 3, 9, 0.1
 N = 420  # parameters of make_model()
@@ -78,23 +78,13 @@ def resume(rank: int, world: int, total: int, cut: int) -> dict:
                                sparsifier="randk", bits=3, seed=7)
         return model, algo, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
-    def run(model, algo, opt, steps):
-        train_steps(model, algo, opt, rank, steps)
-
-    straight = build()
-    run(*straight, range(total))
-    first = build()
-    run(*first, range(cut))
-    saved = saved_states(*first)
+    straight, saved = straight_and_saved(build, rank, total, cut)
     out = {"straight": flat(straight[0])}
     for label in ("resumed", "no_memory"):
-        fresh = build()
-        fresh[0].load_state_dict(saved["model"])
-        fresh[1].load_state_dict(saved["algo"])
-        fresh[2].load_state_dict(saved["opt"])
+        fresh = restored(build, saved)
         if label == "no_memory":  # control: everything but the error memory
             fresh[1].memory.zero_()
-        run(*fresh, range(cut, total))
+        train_steps(*fresh, rank, range(cut, total))
         out[label] = flat(fresh[0])
     return out
 
