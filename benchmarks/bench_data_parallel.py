@@ -10,20 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.recipe_runs import free_port  # noqa: E402
 ALGORITHMS = ("allreduce", "decentralized", "low_precision_decentralized", "qadam", "qsparse_local_sgd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_one(algorithm: str, steps: int, out: Path, extra: list[str]) -> dict:

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.netns import Network, can_build, rate_bits  # noqa: E402
+from benchmarks.recipe_runs import free_port  # noqa: E402
 
 SCRIPTS = {"aqpipe": ROOT / "recipes" / "finetune_gpt2.py", "deepspeed": ROOT / "benchmarks" / "deepspeed_pipeline.py"}
 METHODS: dict[str, list[str]] = {
@@ -96,16 +96,10 @@ def write_model_config(shape: Shape, path: Path, vocab: int = 4096) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: Path, args: list[str], hosts: int, net: Network | None, log: Path, timeout: float,
            latency_ms: float = 0.0) -> None:
     """One torchrun agent per host (namespace), one stage each; raises with the log tail on failure."""
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
