@@ -143,10 +143,6 @@ class Boundary:
         codec, kw = self._forward_codec(posted.phase)
         return codec.decode(Message(buf[:nbytes], posted.shape, posted.dtype), ids, **kw)
 
-    def recv_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
-                        device: torch.device) -> torch.Tensor:
-        return self.take_activation(self.post_activation(shape, dtype, sample_ids, phase, device))
-
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
         msg = self._backward_codec(phase).encode(g)
         self.wire.send(msg.payload, self.peer)
@@ -159,9 +155,6 @@ class Boundary:
     def take_grad(self, posted: "Posted") -> torch.Tensor:
         buf = posted.incoming.wait()
         return self._backward_codec(posted.phase).decode(Message(buf, posted.shape, posted.dtype))
-
-    def recv_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> torch.Tensor:
-        return self.take_grad(self.post_grad(shape, dtype, phase, device))
 
 
 @dataclass
