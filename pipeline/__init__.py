@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .engine import CompressionConfig, PipelineEngine, StepCounters, owned_parameters
+from .engine import CompressionConfig, PipelineEngine, StepCounters, followed_parameters, owned_parameters
 from .schedule import SCHEDULES, Action, gpipe, in_flight, one_f_one_b, simulate, train_schedule
+from .ties import TIE_MODES, Tie
 from .topology import Grid, Groups, build_groups
 
 _LAZY = {"merge_into": ".partitioning", "partition": ".partitioning", "tie_groups": ".partitioning",
@@ -26,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "SCHEDULES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine", "PipelineStage", "StageOutput",
-    "StepCounters", "build_groups", "gpipe", "in_flight", "merge_into", "one_f_one_b", "owned_parameters", "partition", "simulate",
-    "tie_groups", "train_schedule",
+    "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine", "PipelineStage",
+    "StageOutput", "StepCounters", "Tie", "build_groups", "followed_parameters", "gpipe", "in_flight", "merge_into",
+    "one_f_one_b", "owned_parameters", "partition", "simulate", "tie_groups", "train_schedule",
 ]

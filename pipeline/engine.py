@@ -1,9 +1,10 @@
 """The pipeline engine: one stage per process, a schedule of actions, codecs on every boundary.
 
-`train_batch` runs one optimizer step over M micro-batches: the schedule's actions
-(recv/forward/send, recv/backward/send), then the tied-weight gradient exchange, the
-data-parallel algorithm's after_backward, global-norm clipping, the optimizer step,
-the algorithm's after_step, and the LR-scheduler step.
+`train_batch` runs one optimizer step over M micro-batches: the tied weights' rows this step
+reads (owner to followers, ties.py), the schedule's actions (recv/forward/send,
+recv/backward/send), the followers' tied gradients to their owner, the data-parallel
+algorithm's after_backward, global-norm clipping, the optimizer step, the algorithm's
+after_step, and the LR-scheduler step.
 Every stage loads the same micro-batches itself; only boundary activations and their
 gradients cross the pipeline, as codec messages. Bytes are counted per step.
 
@@ -28,10 +29,10 @@ import torch.distributed as dist
 from compression import BackwardCodec, ForwardCodec
 
 from . import schedule as sched
+from .ties import TIE_MODES, Tie, TiedWeights, remember_rows
 from .topology import Groups
 from .transport import Boundary, Wire
 
-TIE_TAG = 7  # p2p tag of tied-gradient messages, apart from boundary traffic
 # what a stage found non-finite in a step (a bit mask, agreed on by every rank)
 LOSS, ACTIVATION, GRADIENT, PARAM_GRAD = 1, 2, 4, 8
 _KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gradient to send",
@@ -54,7 +55,12 @@ class Stage(Protocol):
 
 @dataclass
 class CompressionConfig:
-    """Per boundary: forward none|direct|aqsgd, backward none|direct, warm-up epochs at full precision."""
+    """Per boundary: forward none|direct|aqsgd, backward none|direct, warm-up epochs at full precision.
+
+    `tie`: how tied weights' rows and gradients travel (ties.py): `none` exactly, `aqsgd` as `tie_bits`
+    changes against the follower's rows and `tie_bits` gradients; `auto` is `none` when both boundary
+    codecs are and `aqsgd` otherwise.
+    """
 
     forward: str = "none"
     forward_bits: int | None = None
@@ -65,6 +71,15 @@ class CompressionConfig:
     buffer_dir: str | None = None  # disk-backed AQ-SGD buffers: one file per boundary side
     group_size: int | None = None
     stochastic: bool = True
+    tie: str = "auto"
+    tie_bits: int = 8
+
+    def tie_mode(self) -> str:
+        if self.tie == "auto":
+            return "none" if self.forward == "none" and self.backward == "none" else "aqsgd"
+        if self.tie not in TIE_MODES:
+            raise ValueError(f"tie={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
+        return self.tie
 
 
 @dataclass
@@ -87,18 +102,23 @@ class _Flight:
     counted: int = 0
     bad: int = 0  # bit mask of the non-finite kinds found on this stage
     bad_mb: int = -1  # the first micro-batch where one was found
-    undo: list[tuple[Any, Any]] = field(default_factory=list)  # (buffer, snapshot) before each aqsgd update
+    undo: list[Callable[[], None]] = field(default_factory=list)  # puts back what the step changed, newest last
 
 
-def owned_parameters(stage: Stage, ties: dict[str, list[int]] | None) -> list[torch.nn.Parameter]:
-    """The parameters a data-parallel algorithm should synchronize on this stage.
+def followed_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch.nn.Parameter]:
+    """This stage's copies of tied weights that another stage owns (they take the owner's rows each step)."""
+    return [p for key, p in stage.tied_parameters().items()
+            if key in (ties or {}) and ties[key].owner != stage.stage_index]
 
-    A tied copy belongs to the lowest stage holding it; the other copies follow the owner's
-    (PipelineEngine resends it after each data-parallel step), so an algorithm keeping state
-    about its parameters (replicas, drift, error memory) never sees them change behind its back.
+
+def owned_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch.nn.Parameter]:
+    """The parameters this stage's optimizer and data-parallel algorithm update.
+
+    A tied weight is stepped by its owner alone (ties.py); the followers' copies take the owner's rows
+    each step, so an algorithm keeping state about its parameters (replicas, drift, error memory)
+    never sees them change behind its back.
     """
-    followers = {id(p) for key, p in stage.tied_parameters().items()
-                 if (ties or {}).get(key, [stage.stage_index])[0] != stage.stage_index}
+    followers = {id(p) for p in followed_parameters(stage, ties)}
     return [p for p in stage.parameters() if id(p) not in followers]
 
 
@@ -107,7 +127,7 @@ class PipelineEngine:
         self, stage: Stage, groups: Groups, optimizer: torch.optim.Optimizer, *,
         compression: CompressionConfig | None = None, num_samples: int, seq_len: int,
         lr_scheduler: Any = None, gradient_clipping: float = 0.0, schedule: str = "1f1b",
-        ties: dict[str, list[int]] | None = None, device: torch.device | str = "cpu", bf16: bool = False,
+        ties: dict[str, Tie] | None = None, device: torch.device | str = "cpu", bf16: bool = False,
         seed: int = 0, data_parallel: Any = None, skip_nonfinite: bool = False,
     ) -> None:
         if schedule not in sched.SCHEDULES:
@@ -119,8 +139,12 @@ class PipelineEngine:
         self.compression = compression or CompressionConfig()
         self.device, self.bf16 = torch.device(device), bf16
         self.wire_dtype = torch.bfloat16 if bf16 else torch.float32
-        self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v}
+        self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
         self.wire = Wire()
+        c = self.compression
+        self.tied = TiedWeights(stage.tied_parameters(), self.ties, groups.stage, self.wire, groups.pipeline_rank_of,
+                                mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
+                                seed=seed * 100 + groups.replica)
         self.global_step = 0
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
@@ -165,11 +189,11 @@ class PipelineEngine:
         flight.bad_mb = mb if flight.bad_mb < 0 else flight.bad_mb
         return False
 
-    def _remember(self, boundary: Boundary, sample_ids: Any, phase: str, flight: _Flight) -> None:
+    @staticmethod
+    def _remember(boundary: Boundary, sample_ids: Any, phase: str, flight: _Flight) -> None:
         """Before an AQ-SGD update of a buffer, keep its rows so a rejected step can be undone."""
-        buffer = boundary.forward.buffer
-        if buffer is not None and phase != "eval":
-            flight.undo.append((buffer, buffer.snapshot(buffer.check_ids(sample_ids))))
+        if phase != "eval":
+            remember_rows(boundary, sample_ids, flight.undo)
 
     def _run(self, actions: list[sched.Action], micro_batches: list[dict], phase: str, training: bool) -> _Flight:
         flight, counters, m = _Flight(), self._counters, len(micro_batches)
@@ -224,6 +248,9 @@ class PipelineEngine:
             sched.RECV_GRAD: recv_grad, sched.BACKWARD: backward, sched.SEND_GRAD: send_grad,
         }
         posted = self._post_receives(actions, micro_batches, phase)
+        undo = flight.undo if phase != "eval" else None
+        counters.tie_bytes += self.tied.send_rows(micro_batches, phase, undo)
+        self.tied.receive_rows(micro_batches, phase, undo)
         for op, mb in actions:
             handlers[op](mb)
         self.wire.flush()
@@ -264,7 +291,7 @@ class PipelineEngine:
         verdict = self._agree_finite(flight)
         if verdict is not None:
             return self._reject(flight, generators, verdict, epoch, phase, start, len(micro_batches))
-        self._sum_tied_grads()
+        self._counters.tie_bytes += self.tied.exchange_grads(micro_batches, phase)
         if self.data_parallel is not None:
             self.data_parallel.after_backward()
         grad_norm = self._clip()
@@ -272,7 +299,6 @@ class PipelineEngine:
         if self.data_parallel is not None:
             self.data_parallel.after_step()
             self._counters.dp_bytes += self.data_parallel.comm.take_bytes()
-            self._resync_tied_weights()
         self._zero_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
@@ -287,8 +313,8 @@ class PipelineEngine:
         return loss
 
     def _zero_grads(self) -> None:
-        """Every gradient of the stage, not only the optimizer's: with replicas, a tied copy that follows
-        its owner is outside the optimizer, and a gradient left on it would add into the next step's sum."""
+        """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
+        the optimizer, and a gradient left on it (a rejected step) would be sent with the next step's."""
         self.optimizer.zero_grad(set_to_none=True)
         self.stage.zero_grad(set_to_none=True)
 
@@ -299,7 +325,7 @@ class PipelineEngine:
         for name, boundary in (("prev", self.prev), ("next", self.next)):
             if boundary is not None:
                 out[f"{name}.forward"], out[f"{name}.backward"] = boundary.forward, boundary.backward
-        return out
+        return {**out, **self.tied.codecs()}
 
     def _generator_states(self) -> dict[str, torch.Tensor]:
         return {name: codec.generator.get_state() for name, codec in self._codecs().items()}
@@ -330,8 +356,8 @@ class PipelineEngine:
     def _reject(self, flight: _Flight, generators: dict[str, torch.Tensor], verdict: str, epoch: int, phase: str,
                 start: float, m: int) -> float:
         """Undo every trace of the step (codec buffers and dither, gradients); raise or skip as configured."""
-        for buffer, snapshot in reversed(flight.undo):
-            buffer.restore(snapshot)
+        for restore in reversed(flight.undo):
+            restore()
         for name, codec in self._codecs().items():
             codec.generator.set_state(generators[name])
         self._zero_grads()
@@ -405,48 +431,12 @@ class PipelineEngine:
         return result
 
     # ------------------------------------------------------------------ after backward
-    def _sum_tied_grads(self) -> None:
-        """Sum each tied parameter's gradient over the stages holding a copy, in stage order on all of them."""
-        mine = self.stage.tied_parameters()
-        for key, holders in self.ties.items():
-            param = mine[key]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            payload = grad.detach().contiguous().view(-1).view(torch.uint8)
-            peers = [s for s in holders if s != self.groups.stage]
-            for s in peers:
-                self.wire.send(payload, self.groups.pipeline_rank_of(s), tag=TIE_TAG)
-                self._counters.tie_bytes += payload.numel()
-            parts = {self.groups.stage: grad.detach()}
-            for s in peers:
-                buf = self.wire.recv(payload.numel(), self.groups.pipeline_rank_of(s), grad.device, tag=TIE_TAG)
-                parts[s] = buf.view(grad.dtype).view(grad.shape)
-            self.wire.flush()
-            total = parts[holders[0]].clone()
-            for s in holders[1:]:
-                total += parts[s]
-            param.grad = total
-
-    def _resync_tied_weights(self) -> None:
-        """After a data-parallel step, the owner (lowest stage) of each tied weight sends it to the others.
-
-        Summed gradients keep tied copies equal through the optimizer, but a compressed data-parallel
-        algorithm changes each stage's parameters in that stage's own quantization groups and dither,
-        so the copies would drift apart; one copy is the truth and the others follow it.
-        """
-        mine = self.stage.tied_parameters()
-        for key, holders in self.ties.items():
-            param, owner = mine[key], holders[0]
-            if self.groups.stage == owner:
-                payload = param.detach().contiguous().view(-1).view(torch.uint8)
-                for s in holders[1:]:
-                    self.wire.send(payload, self.groups.pipeline_rank_of(s), tag=TIE_TAG + 1)
-                    self._counters.tie_bytes += payload.numel()
-                self.wire.flush()
-            else:
-                nbytes = param.numel() * param.element_size()
-                buf = self.wire.recv(nbytes, self.groups.pipeline_rank_of(owner), param.device, tag=TIE_TAG + 1)
-                with torch.no_grad():
-                    param.copy_(buf.view(param.dtype).view(param.shape))
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage's weights under their HF names, less the tied copies it follows (their owner's is the
+        truth; a follower's rows are current only where it reads them): what merge_into takes."""
+        followed = {id(p) for p in followed_parameters(self.stage, self.ties)}
+        skip = {name for name, p in self.stage.named_parameters() if id(p) in followed}
+        return {k: v for k, v in self.stage.hf_state_dict().items() if k not in skip}
 
     def _clip(self) -> float:
         """Global gradient norm over the whole pipeline (each tied weight counted once); clips if configured."""

@@ -5,7 +5,7 @@
     for stage in stages:                               # in one process; the engine runs one stage per rank
         hidden = stage(hidden, batch)
     hidden.loss.backward()                             # the last stage returns StageOutput(loss, logits)
-    # after every backward: for key, holders in tie_groups(stages).items(): sum the copies' grads over holders
+    # ties: tie_groups(stages) names the weights several stages hold (PipelineEngine keeps them in step)
     merge_into(fresh_model, [s.hf_state_dict() for s in stages]).save_pretrained(out_dir)
 
 Supported: GPT2LMHeadModel, GPT2ForSequenceClassification, DebertaForSequenceClassification,
@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .stages import PipelineStage, StageOutput, adapter_for, supported_classes
+from .ties import Tie
 
 METHODS = ("parameters", "uniform")
 
@@ -138,13 +139,16 @@ def partition(model: PreTrainedModel, num_stages: int, method: str | list[int] =
     return stages
 
 
-def tie_groups(stages: Sequence[PipelineStage]) -> dict[str, list[int]]:
-    """Tie key -> indices of the stages holding a copy (each list sorted, length >= 2)."""
-    groups: dict[str, list[int]] = {}
+def tie_groups(stages: Sequence[PipelineStage]) -> dict[str, Tie]:
+    """Tie key -> the stages holding a copy (two or more) and the ones that only look rows up in it."""
+    holders: dict[str, list[int]] = {}
+    lookups: dict[str, dict[int, tuple[str, ...]]] = {}
     for stage in sorted(stages, key=lambda st: st.stage_index):
         for key in stage.tied_parameters():
-            groups.setdefault(key, []).append(stage.stage_index)
-    return groups
+            holders.setdefault(key, []).append(stage.stage_index)
+        for key, fields in stage.tied_lookups().items():
+            lookups.setdefault(key, {})[stage.stage_index] = fields
+    return {key: Tie(tuple(h), lookups.get(key, {})) for key, h in holders.items()}
 
 
 def merge_into(model: PreTrainedModel, state_dicts: Sequence[dict[str, torch.Tensor]]) -> PreTrainedModel:

@@ -64,17 +64,15 @@ class Groups:
     replica: int
     pipeline: object | None  # this replica's stages
     data_parallel: object | None  # this stage's replicas
-    ties: dict[str, object]  # tie key -> group of the stages (of this replica) holding a copy
 
     def pipeline_rank_of(self, stage: int) -> int:
         return self.grid.rank(stage, self.replica)
 
 
-def build_groups(grid: Grid, rank: int, tie_groups: dict[str, list[int]] | None = None) -> Groups:
+def build_groups(grid: Grid, rank: int) -> Groups:
     """Create every group on every rank (torch requires all ranks to call new_group alike)."""
     stage, replica = grid.coords(rank)
     pipeline = data_parallel = None
-    ties: dict[str, object] = {}
     if dist.is_available() and dist.is_initialized():
         for r in range(grid.replicas):
             g = dist.new_group(grid.pipeline_ranks(r))
@@ -82,10 +80,4 @@ def build_groups(grid: Grid, rank: int, tie_groups: dict[str, list[int]] | None 
         for s in range(grid.stages):
             g = dist.new_group(grid.data_parallel_ranks(s))
             data_parallel = g if s == stage else data_parallel
-        for key in sorted(tie_groups or {}):
-            holders = tie_groups[key]
-            for r in range(grid.replicas):
-                g = dist.new_group([grid.rank(s, r) for s in holders])
-                if r == replica and stage in holders:
-                    ties[key] = g
-    return Groups(grid, rank, stage, replica, pipeline, data_parallel, ties)
+    return Groups(grid, rank, stage, replica, pipeline, data_parallel)

@@ -99,8 +99,11 @@ class Boundary:
     """
 
     def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,
-                 fallback_forward: ForwardCodec, fallback_backward: BackwardCodec) -> None:
-        self.wire, self.peer = wire, peer
+                 fallback_forward: ForwardCodec, fallback_backward: BackwardCodec, *, tag: int = 0,
+                 send_ids: bool = True) -> None:
+        """`tag` keeps this boundary's messages apart from others between the same two ranks; `send_ids=False`
+        leaves the ids off the wire where both sides derive them from data already checked elsewhere."""
+        self.wire, self.peer, self.tag, self.send_ids = wire, peer, tag, send_ids
         self.forward, self.backward = forward, backward
         # full precision during warm-up epochs (aqsgd uses refresh instead, which also fills its buffer)
         self.fallback_forward, self.fallback_backward = fallback_forward, fallback_backward
@@ -118,8 +121,8 @@ class Boundary:
     def send_activation(self, x: torch.Tensor, sample_ids: torch.Tensor, phase: str) -> int:
         codec, kw = self._forward_codec(phase)
         msg = codec.encode(x, sample_ids, **kw)
-        payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)])
-        self.wire.send(payload, self.peer)
+        payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)]) if self.send_ids else msg.payload
+        self.wire.send(payload, self.peer, tag=self.tag)
         return payload.numel()
 
     def post_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
@@ -128,14 +131,15 @@ class Boundary:
         decoding other micro-batches of the step does not change (a step's sample ids are distinct)."""
         codec, kw = self._forward_codec(phase)
         nbytes = codec.payload_nbytes(shape, dtype, sample_ids, **kw)
-        incoming = self.wire.post(nbytes + 8 * sample_ids.numel(), self.peer, device)
+        ids_nbytes = 8 * sample_ids.numel() if self.send_ids else 0
+        incoming = self.wire.post(nbytes + ids_nbytes, self.peer, device, tag=self.tag)
         return Posted(incoming, nbytes, shape, dtype, phase, sample_ids)
 
     def take_activation(self, posted: "Posted") -> torch.Tensor:
         """Wait for a posted activation, check its sample ids, decode it."""
         buf, nbytes, ids = posted.incoming.wait(), posted.nbytes, posted.sample_ids
-        sent_ids = buf[nbytes:].clone().view(torch.int64).cpu()
-        if not torch.equal(sent_ids, ids.cpu().to(torch.int64)):
+        sent_ids = buf[nbytes:].clone().view(torch.int64).cpu() if self.send_ids else None
+        if sent_ids is not None and not torch.equal(sent_ids, ids.cpu().to(torch.int64)):
             raise RuntimeError(
                 f"received sample ids {sent_ids.tolist()} but this stage loaded {ids.tolist()}: "
                 "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
@@ -145,12 +149,12 @@ class Boundary:
 
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
         msg = self._backward_codec(phase).encode(g)
-        self.wire.send(msg.payload, self.peer)
+        self.wire.send(msg.payload, self.peer, tag=self.tag)
         return msg.nbytes
 
     def post_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> "Posted":
         nbytes = self._backward_codec(phase).payload_nbytes(shape, dtype)
-        return Posted(self.wire.post(nbytes, self.peer, device), nbytes, shape, dtype, phase)
+        return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag), nbytes, shape, dtype, phase)
 
     def take_grad(self, posted: "Posted") -> torch.Tensor:
         buf = posted.incoming.wait()

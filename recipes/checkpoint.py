@@ -28,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from .config import RunConfig
 
-FORMAT = 1
+FORMAT = 2  # 2: tied weights exchange rows (their codecs are in the engine state)
 LATEST = "latest"
 MANIFEST = "manifest.json"
 # settings a checkpoint's state depends on: a resume with any other value is refused
@@ -36,8 +36,8 @@ FINGERPRINT = (
     "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "replicas",
     "partition", "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr",
     "gradient_clipping", "bf16", "forward_compress", "forward_bits", "backward_compress", "backward_bits",
-    "warmup_epochs", "buffer_dtype", "dp_algorithm", "dp_bits", "dp_warmup_steps", "dp_local_steps", "dp_topk_ratio",
-    "dp_peer_selection", "dp_interval",
+    "warmup_epochs", "tie_compress", "tie_bits", "buffer_dtype", "dp_algorithm", "dp_bits", "dp_warmup_steps",
+    "dp_local_steps", "dp_topk_ratio", "dp_peer_selection", "dp_interval",
 )
 
 

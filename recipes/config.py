@@ -19,6 +19,7 @@ from typing import Any
 
 from compression import BACKWARD_MODES, FORWARD_MODES
 from pipeline.schedule import SCHEDULES
+from pipeline.ties import TIE_MODES
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -56,6 +57,8 @@ class RunConfig:
     backward_compress: str = "direct"
     backward_bits: int = 4
     warmup_epochs: int = 0
+    tie_compress: str = "auto"  # tied weights' rows and gradients: auto (none iff both boundaries are), none, aqsgd
+    tie_bits: int = 8
     buffer_dtype: str = "float16"
     buffer_dir: str | None = None
     dist_timeout: float = 45.0  # a blocked collective or receive gives up after this (then ~6 s to exit)
@@ -101,6 +104,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "backward_compress": (str, f"gradients: one of {', '.join(BACKWARD_MODES)}"),
     "backward_bits": (int, "bits of backward compression (1-8)"),
     "warmup_epochs": (int, "epochs at full precision before compression starts"),
+    "tie_compress": (str, f"tied weights (GPT2's embedding / LM head): auto, {', '.join(TIE_MODES)} (auto: none "
+                          "when both boundary codecs are none, else aqsgd)"),
+    "tie_bits": (int, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd (1-8)"),
     "buffer_dtype": (str, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}"),
     "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM"),
     "gradient_clipping": (float, "clip the global gradient norm to this (0: off)"),
@@ -167,6 +173,9 @@ def _from_file(path: str) -> dict[str, Any]:
             out[f"{key}_compress"] = comp[key]
         if f"{key}_bits" in comp:
             out[f"{key}_bits"] = comp[f"{key}_bits"]
+    for key in ("tie", "tie_bits"):
+        if key in comp:
+            out["tie_compress" if key == "tie" else key] = comp[key]
     for key in ("warmup_epochs", "buffer_dtype", "buffer_dir"):
         if key in comp:
             out[key] = comp[key]
@@ -218,7 +227,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"forward_compress={cfg.forward_compress!r}: expected one of {', '.join(FORWARD_MODES)}")
     if cfg.backward_compress not in BACKWARD_MODES:
         raise ValueError(f"backward_compress={cfg.backward_compress!r}: expected one of {', '.join(BACKWARD_MODES)}")
-    for name in ("forward_bits", "backward_bits"):
+    if cfg.tie_compress not in ("auto", *TIE_MODES):
+        raise ValueError(f"tie_compress={cfg.tie_compress!r}: expected auto or one of {', '.join(TIE_MODES)}")
+    for name in ("forward_bits", "backward_bits", "tie_bits"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
             raise ValueError(f"{name}={value!r}: expected an integer from 1 to 8")

@@ -195,10 +195,11 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> 
     return out
 
 
-def _save(model_factory: Callable[[], Any], stage: Any, tokenizer: Any, cfg: RunConfig, world: World,
+def _save(model_factory: Callable[[], Any], engine: PipelineEngine, tokenizer: Any, cfg: RunConfig, world: World,
           groups: Any) -> str | None:
-    """Gather every stage's weights (replica 0) on rank 0, merge them into one HF model, save_pretrained."""
-    state = {k: v.detach().cpu() for k, v in stage.hf_state_dict().items()}
+    """Gather every stage's weights (replica 0) on rank 0, merge them into one HF model, save_pretrained.
+    A tied weight comes from its owner's copy."""
+    state = {k: v.detach().cpu() for k, v in engine.hf_state_dict().items()}
     if world.distributed:
         pieces = [None] * world.size if world.rank == 0 else None
         dist.gather_object(state if groups.replica == 0 else {}, pieces, dst=0)
@@ -292,18 +293,18 @@ def _train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     stages = partition(model_factory(), cfg.pipeline_stages, cfg.partition, cfg.activation_checkpointing)
     grid = Grid.for_world(world.size, cfg.pipeline_stages)
     ties = tie_groups(stages)
-    groups = build_groups(grid, world.rank, ties)
+    groups = build_groups(grid, world.rank)
     stage = stages[groups.stage].to(world.device)
     del stages
 
     shard = (groups.replica, grid.replicas)
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, grid.replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
-    # with replicas, tied copies that follow their owner take its values each step instead of an update
-    optimizer = _optimizer(cfg, owned_parameters(stage, ties) if grid.replicas > 1 else stage.parameters())
+    # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
+    optimizer = _optimizer(cfg, owned_parameters(stage, ties))
     compression = CompressionConfig(
         forward=cfg.forward_compress, forward_bits=cfg.forward_bits, backward=cfg.backward_compress,
-        backward_bits=cfg.backward_bits, warmup_epochs=cfg.warmup_epochs,
+        backward_bits=cfg.backward_bits, warmup_epochs=cfg.warmup_epochs, tie=cfg.tie_compress, tie_bits=cfg.tie_bits,
         buffer_dtype=getattr(torch, cfg.buffer_dtype), buffer_dir=cfg.buffer_dir,
     )
     algorithm = None
@@ -311,7 +312,8 @@ def _train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
         algorithm = data_parallel.create(cfg.dp_algorithm, owned_parameters(stage, ties), comm, **dp_options(cfg))
     engine = PipelineEngine(
-        stage, groups, optimizer, compression=compression, num_samples=len(train_set), seq_len=cfg.seq_len,
+        stage, groups, optimizer, compression=compression,
+        num_samples=datalib.shard_size(len(train_set), grid.replicas), seq_len=cfg.seq_len,
         lr_scheduler=None, gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule, ties=ties,
         device=world.device, bf16=cfg.bf16, seed=cfg.seed, data_parallel=algorithm,
         skip_nonfinite=cfg.skip_nonfinite,
@@ -375,7 +377,7 @@ def _train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
         writer.write({"step": step, **evals})
     writer.close()
     elapsed = time.perf_counter() - started
-    saved_model = _save(model_factory, stage, tokenizer, cfg, world, groups)
+    saved_model = _save(model_factory, engine, tokenizer, cfg, world, groups)
     summary = {
         "steps": step, "epochs": cfg.epochs, "train_samples": len(train_set), "eval_samples": len(eval_set),
         "final_loss": losses[-1] if losses else None,

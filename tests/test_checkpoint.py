@@ -38,7 +38,7 @@ def _engine(groups, grid, name):
 def resume_every_algorithm(rank, world, tmp):
     """Per algorithm: STEPS steps straight, and the same with a save at RESUME_AT, a fresh engine and a load."""
     grid = Grid.for_world(world, 2)
-    groups = build_groups(grid, rank, toy_ties(2))
+    groups = build_groups(grid, rank)
     plan = [(epoch, mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO])
             for epoch in range(STEPS) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, epoch)][:STEPS]
     out = {}

@@ -148,7 +148,8 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
     theirs = run(["--output_dir", str(out)], monkeypatch, world=2)
     step = out / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
-    (step / "manifest.json").write_text(json.dumps({"format": 1, "fingerprint": checkpoint.fingerprint(theirs)}))
+    manifest = {"format": checkpoint.FORMAT, "fingerprint": checkpoint.fingerprint(theirs)}
+    (step / "manifest.json").write_text(json.dumps(manifest))
     (out / "checkpoints" / "latest").write_text(step.name)
     with pytest.raises(SystemExit):
         run(["--output_dir", str(out), "--resume", "latest"], monkeypatch)

@@ -12,7 +12,7 @@ SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16, bf16=False):
     stages = toy_stages(world, hidden=hidden)
     grid = Grid.for_world(world, world)
-    groups = build_groups(grid, rank, toy_ties(world))
+    groups = build_groups(grid, rank)
     stage = stages[groups.stage]
     engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
                             num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), schedule=schedule,
@@ -22,8 +22,15 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
         for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
             loss = engine.train_batch(mbs, epoch)
             log.append({**engine.last_metrics, "loss": loss})
-    tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}
-    return {"log": log, "tied": tied, "eval": engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))}
+    evaluation = engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))
+    tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}  # after eval: rows it read are current
+    return {"log": log, "tied": tied, "eval": evaluation}
+
+
+def step_rows(epoch: int = 0) -> torch.Tensor:
+    """The embedding rows the first step of `epoch` reads: what the owner sends the follower."""
+    return torch.unique(torch.cat([mb["input_ids"].reshape(-1) for mb in next(toy_batches(SAMPLES, SEQ, MBS, MICRO,
+                                                                                           epoch))]))
 
 
 @pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
@@ -35,15 +42,20 @@ def test_uncompressed_pipeline_matches_one_process(world, schedule):
         got = [s["loss"] for s in multi[rank]["log"]]
         assert got == pytest.approx(ref, rel=1e-5)
     assert ref[-1] < ref[0]
-    # tied copies on the first and last stage are bit-identical after training
-    assert torch.equal(multi[0]["tied"]["embed"], multi[-1]["tied"]["embed"])
+    # the owner (last stage) steps the tied embedding; stage 0 holds exactly its rows where it reads them
+    rows = step_rows()
+    follower, owner = multi[0]["tied"]["embed"], multi[-1]["tied"]["embed"]
+    assert torch.equal(follower[rows], owner[rows])
+    torch.testing.assert_close(owner, single["tied"]["embed"], rtol=1e-5, atol=1e-6)
     assert multi[0]["eval"]["loss"] == pytest.approx(single["eval"]["loss"], rel=1e-5)
     # fp32 activations: B*T*H*4 bytes (+ 8 per sample id) per micro-batch and boundary
     per_mb = MBS * SEQ * 16 * 4
     step = multi[0]["log"][0]
     assert step["fwd_bytes"] == (world - 1) * MICRO * (per_mb + 8 * MBS)
     assert step["bwd_bytes"] == (world - 1) * MICRO * per_mb
-    assert step["tie_bytes"] == 2 * 40 * 16 * 4
+    # the tie: a 16-byte header and the step's rows exactly, owner -> follower, and the follower's gradient at
+    # them, back (the dense exchange was 2 x 40 x 16 x 4)
+    assert 0 < rows.numel() < 40 and step["tie_bytes"] == 16 + 2 * rows.numel() * 16 * 4
 
 
 def test_aqsgd_sends_a_twelfth_after_the_first_epoch_and_learns():

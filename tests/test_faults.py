@@ -40,7 +40,7 @@ def _same(a, b):
 def nonfinite(rank, world):
     """Skip mode with a NaN activation on stage 0 in an AQ-SGD epoch; stop mode with a NaN loss / gradient."""
     grid = Grid.for_world(world, world)
-    groups = build_groups(grid, rank, toy_ties(world))
+    groups = build_groups(grid, rank)
     plan = [(epoch, mbs) for epoch in range(4) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch)]  # 8 steps
     poison = {"on": False, "kind": "activation"}
 

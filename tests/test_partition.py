@@ -18,6 +18,7 @@ from transformers import (
     GPT2Model,
 )
 
+from pipeline import Tie
 from pipeline.partitioning import (
     PipelineStage,
     StageOutput,
@@ -237,8 +238,8 @@ def test_stage_attributes_names_and_independence(kind):
         for p in stages[1].parameters():
             p.add_(1.0)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in expected.items())
-    for key, holders in tie_groups(stages).items():
-        a, b = (stages[i].tied_parameters()[key] for i in holders[:2])
+    for key, tie in tie_groups(stages).items():
+        a, b = (stages[i].tied_parameters()[key] for i in tie.holders[:2])
         assert a is not b
     with pytest.raises(ValueError, match="hidden=None"):
         stages[0](torch.zeros(B, T, 64), make_batch(kind))
@@ -246,7 +247,10 @@ def test_stage_attributes_names_and_independence(kind):
 
 def test_tie_groups():
     lm = partition(make_model("gpt2_lm"), 3)
-    assert tie_groups(lm) == {"transformer.wte.weight": [0, 2]}
+    # stage 0 looks rows up (by input_ids and token_type_ids); the LM head on stage 2 uses them all and owns it
+    assert tie_groups(lm) == {"transformer.wte.weight": Tie((0, 2), {0: ("input_ids", "token_type_ids")})}
+    assert tie_groups(lm)["transformer.wte.weight"].owner == 2
+    assert tie_groups(lm)["transformer.wte.weight"].followers == (0,)
     assert set(lm[1].tied_parameters()) == set()
     assert lm[2].tied_parameters()["transformer.wte.weight"] is lm[2].lm_head.weight
     assert lm[0].tied_parameters()["transformer.wte.weight"] is lm[0].transformer.wte.weight
@@ -254,9 +258,11 @@ def test_tie_groups():
     assert single.lm_head.weight is single.transformer.wte.weight  # tied inside one stage, as in HF
     assert tie_groups([single]) == {}
     assert tie_groups(partition(make_model("gpt2_cls"), 3)) == {}
-    assert tie_groups(partition(make_model("deberta"), 3)) == {"deberta.encoder.rel_embeddings.weight": [0, 1, 2]}
+    deberta = tie_groups(partition(make_model("deberta"), 3))
+    assert deberta == {"deberta.encoder.rel_embeddings.weight": Tie((0, 1, 2))}  # every stage uses all rows
+    assert deberta["deberta.encoder.rel_embeddings.weight"].followers == (0, 1)
     v2 = tie_groups(partition(make_model("deberta_v2"), 2))
-    assert v2 == {k: [0, 1] for k in ("deberta.encoder.rel_embeddings.weight", "deberta.encoder.LayerNorm.weight",
+    assert v2 == {k: Tie((0, 1)) for k in ("deberta.encoder.rel_embeddings.weight", "deberta.encoder.LayerNorm.weight",
                                       "deberta.encoder.LayerNorm.bias")}
 
 
@@ -342,9 +348,9 @@ def test_bad_methods_and_counts(num_stages, method, message):
 
 # ---------------------------------------------------------------------------------------------- ties + merge
 def sum_tied_grads(stages) -> None:
-    for key, holders in tie_groups(stages).items():
-        total = sum(stages[i].tied_parameters()[key].grad for i in holders)
-        for i in holders:
+    for key, tie in tie_groups(stages).items():
+        total = sum(stages[i].tied_parameters()[key].grad for i in tie.holders)
+        for i in tie.holders:
             stages[i].tied_parameters()[key].grad = total.clone()
 
 
@@ -354,9 +360,9 @@ def test_tied_copies_stay_identical_and_merge_round_trips(kind, tmp_path):
     stages = partition(model, 3)
     groups = tie_groups(stages)
     assert groups
-    for key, holders in groups.items():
-        assert all(torch.equal(stages[i].tied_parameters()[key], stages[holders[0]].tied_parameters()[key])
-                   for i in holders)
+    for key, tie in groups.items():
+        assert all(torch.equal(stages[i].tied_parameters()[key], stages[tie.holders[0]].tied_parameters()[key])
+                   for i in tie.holders)
     opts = [torch.optim.SGD(s.parameters(), lr=0.5) for s in stages]
     ref_opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(3):
@@ -369,10 +375,10 @@ def test_tied_copies_stay_identical_and_merge_round_trips(kind, tmp_path):
             opt.step()
         model(**batch).loss.backward()
         ref_opt.step()
-    for key, holders in groups.items():
-        first = stages[holders[0]].tied_parameters()[key]
+    for key, tie in groups.items():
+        first = stages[tie.holders[0]].tied_parameters()[key]
         assert not torch.equal(first, dict(make_model(kind).named_parameters())[key])  # it did train
-        for i in holders[1:]:
+        for i in tie.holders[1:]:
             assert torch.equal(stages[i].tied_parameters()[key], first), f"{key}: copy on stage {i} diverged"
 
     batch = make_batch(kind, seed=99)

@@ -43,7 +43,7 @@ def train(rank, world, family, compression, epochs, steps=None, hidden=64):
     model = gpt2(hidden) if family == "gpt2" else deberta()
     stages = partition(model, world)
     ties = tie_groups(stages)
-    groups = build_groups(Grid.for_world(world, world), rank, ties)
+    groups = build_groups(Grid.for_world(world, world), rank)
     stage = stages[groups.stage]
     engine = PipelineEngine(stage, groups, torch.optim.AdamW(stage.parameters(), lr=3e-3), compression=compression,
                             num_samples=SAMPLES, seq_len=SEQ, ties=ties, gradient_clipping=1.0)
@@ -54,18 +54,25 @@ def train(rank, world, family, compression, epochs, steps=None, hidden=64):
                 break
             engine.train_batch(mbs, epoch)
             log.append(engine.last_metrics)
+    evaluation = engine.eval_batch(next(batches(0, family == "deberta")))  # the follower reads current rows
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}
-    return {"log": log, "tied": tied}
+    return {"log": log, "tied": tied, "eval": evaluation}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "deberta"])
 def test_two_stages_match_one_process_for_three_steps(family):
-    one = spawn(train, 1, family, CompressionConfig(), 1, 3)[0]["log"]
+    single = spawn(train, 1, family, CompressionConfig(), 1, 3)[0]
+    one = single["log"]
     two = spawn(train, 2, family, CompressionConfig(), 1, 3)
     assert [s["loss"] for s in two[1]["log"]] == pytest.approx([s["loss"] for s in one], rel=1e-5)
     assert [s["grad_norm"] for s in two[0]["log"]] == pytest.approx([s["grad_norm"] for s in one], rel=1e-4)
-    for key in two[0]["tied"]:  # tied copies (LM head / relative embeddings) identical on both stages
-        assert torch.equal(two[0]["tied"][key], two[1]["tied"][key])
+    assert two[1]["eval"]["loss"] == pytest.approx(single["eval"]["loss"], rel=1e-5)
+    # the owner (stage 1) steps each tied weight; stage 0 read exactly its rows in the eval step: GPT2's
+    # embedding the eval batch's tokens only (its other rows are stale), DeBERTa's relative embeddings all
+    tokens = torch.unique(torch.cat([mb["input_ids"].reshape(-1) for mb in next(batches(0, False))]))
+    for key in two[0]["tied"]:
+        rows = tokens if family == "gpt2" else torch.arange(two[0]["tied"][key].shape[0])
+        assert torch.equal(two[0]["tied"][key][rows], two[1]["tied"][key][rows]), key
     assert two[0]["tied"], "the partition must tie something across the two stages"
 
 

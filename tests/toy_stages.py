@@ -6,6 +6,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from pipeline import Tie
+
 VOCAB, HIDDEN = 40, 16
 
 
@@ -36,6 +38,9 @@ class ToyStage(nn.Module):
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         return {"embed": self.embed} if self.embed is not None else {}
 
+    def tied_lookups(self) -> dict[str, tuple[str, ...]]:
+        return {"embed": ("input_ids",)} if self.embed is not None and not self.is_last else {}
+
 
 def toy_stages(num_stages: int, num_blocks: int = 4, seed: int = 0, hidden: int = HIDDEN) -> list[ToyStage]:
     """The same model (seeded) split into contiguous groups of blocks."""
@@ -46,8 +51,9 @@ def toy_stages(num_stages: int, num_blocks: int = 4, seed: int = 0, hidden: int 
     return [ToyStage(s, num_stages, blocks[bounds[s]:bounds[s + 1]], embed) for s in range(num_stages)]
 
 
-def toy_ties(num_stages: int) -> dict[str, list[int]]:
-    return {"embed": sorted({0, num_stages - 1})} if num_stages > 1 else {}
+def toy_ties(num_stages: int) -> dict[str, Tie]:
+    """The embedding, looked up on stage 0 and used whole as the head on the last stage (its owner)."""
+    return {"embed": Tie((0, num_stages - 1), {0: ("input_ids",)})} if num_stages > 1 else {}
 
 
 def toy_batches(num_samples: int, seq_len: int, micro_batch_size: int, num_micro_batches: int, epoch: int):

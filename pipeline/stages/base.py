@@ -58,10 +58,15 @@ class PipelineStage(nn.Module):
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """Tie key (HF name of the shared weight) -> this stage's copy, for weights other stages also hold.
 
-        After every backward, sum each key's gradient over the stages holding it (``tie_groups``) and the copies
-        stay identical under identical updates. A weight shared only inside this stage is not listed.
+        ``tie_groups`` lists the stages holding each; PipelineEngine keeps the copies in step (pipeline/ties.py).
+        A weight shared only inside this stage is not listed.
         """
         return {key: self.get_parameter(local) for key, local in self._tie_keys.items()}
+
+    def tied_lookups(self) -> dict[str, tuple[str, ...]]:
+        """Tie key -> the batch fields whose values are the rows this stage reads of that weight, for the tied
+        weights it uses only as a lookup table (an embedding). Such a copy needs just those rows each step."""
+        return {}
 
     def hf_parameter_names(self) -> dict[str, str]:
         """Local parameter name -> HF parameter name of the original it was copied from (tied copies included)."""

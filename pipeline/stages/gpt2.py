@@ -46,6 +46,12 @@ class GPT2Stage(PipelineStage):
             self.num_labels = model.num_labels
         self._finish(model, memo)
 
+    def tied_lookups(self) -> dict[str, tuple[str, ...]]:
+        """Without the LM head, this stage's copy of the tied token embedding is read only at the batch's
+        token ids (``token_type_ids`` index the same table, as in HF's GPT2Model)."""
+        key = "transformer.wte.weight"
+        return {key: ("input_ids", "token_type_ids")} if key in self.tied_parameters() and not self.is_last else {}
+
     def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor | StageOutput:
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
