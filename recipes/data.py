@@ -9,9 +9,11 @@ loads its batches locally and they must agree without talking:
   the corpus (4096 tokens by default: tiny models stay fast on 2 CPU cores, where GPT-2's
   50257-token head would dominate the compute). Cached on disk.
 - `lm_dataset()` / `classification_dataset()`: fixed-length samples, each with a `sample_id`
-  0..N-1 that AQ-SGD uses as the key of its per-sample activation buffers.
-- `micro_batches()` / `steps_per_epoch()`: per optimizer step, the micro-batches of one replica,
-  shuffled by (seed, epoch) identically on every process; `limit()` keeps a prefix of a split.
+  0..N-1, its dataset index.
+- `micro_batches()` / `steps_per_epoch()`: per optimizer step, the micro-batches of one replica
+  from its fixed shard of the data (`shard_size()` samples, drawn from the seed), shuffled by
+  (seed, epoch) identically on every process; their `sample_id` is the position in the shard, the
+  key of that replica's AQ-SGD per-sample activation buffers. `limit()` keeps a prefix of a split.
 
 Caches live under `$AQPIPE_CACHE` (default `~/.cache/aqpipe`): `data/`, `tokenizers/`, `tokens/`.
 Every cache file is written to a temporary name and renamed, so processes that start together
@@ -758,11 +760,21 @@ def _tokenize_examples(examples: list[Example], tokenizer: PreTrainedTokenizerBa
 
 # ----------------------------------------------------------------------------- batches
 
+def shard_size(num_samples: int, count: int) -> int:
+    """Samples in each of `count` replicas' fixed shards (the rows of its AQ-SGD buffers): equal for
+    all, so every replica takes as many steps; the last `num_samples % count` are not trained on."""
+    for name, value, low in (("num_samples", num_samples, 0), ("count", count, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+    return num_samples // count
+
+
 def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, shard_count: int = 1,
                     *, drop_last: bool = True) -> int:
     """Optimizer steps in one epoch: one global batch (micro_batch_size x num_micro_batches x
-    shard_count samples) per step; a partial last batch is dropped, or with drop_last=False filled
-    up from the start of the epoch's order."""
+    shard_count samples) per step, each replica's part taken from its own shard (`shard_size`); a
+    partial last batch is dropped, or with drop_last=False filled up from the start of the shard's
+    epoch order. The same for every replica, so they stay in step."""
     for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
                         ("shard_count", shard_count)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -772,7 +784,8 @@ def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: 
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {size} "
                          f"(micro_batch_size={micro_batch_size} x num_micro_batches={num_micro_batches} x "
                          f"shard_count={shard_count}): expected a larger dataset or smaller batches")
-    return len(dataset) // size if drop_last else math.ceil(len(dataset) / size)
+    shard, per_replica = shard_size(len(dataset), shard_count), micro_batch_size * num_micro_batches
+    return shard // per_replica if drop_last else math.ceil(shard / per_replica)
 
 
 def sequential_batches(dataset: Dataset, micro_batch_size: int,
@@ -799,20 +812,35 @@ def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: in
                   shuffle: bool = True) -> Iterator[list[dict[str, Any]]]:
     """Per optimizer step, this replica's `num_micro_batches` micro-batches of `micro_batch_size`.
 
-    The epoch's order is a permutation drawn from (seed, epoch) alone, so every process that asks
-    gets the same batches (`shuffle=False`: dataset order, for evaluation). `shard=(index, count)`
-    gives replica `index` of `count` its own disjoint slice of each global batch; `sample_id`
-    stays the dataset's (global) index. Arguments are checked here, not at the first `next()`.
+    `shard=(index, count)`: replica `index` of `count` trains on a fixed shard of
+    `shard_size(len(dataset), count)` samples drawn from `seed` alone, so a sample stays in one
+    replica's AQ-SGD buffers for the whole run (one new to a replica's buffers is sent whole); the
+    `len(dataset) % count` samples left over are not trained on. Each epoch the shard is shuffled
+    by (seed, epoch), the same in every process that asks (`shuffle=False`: dataset order within
+    the shard, for evaluation); with one replica the shard is the whole dataset, in the order
+    earlier versions gave. `sample_id` is the sample's position in the shard, its row in this
+    replica's buffers (with one replica, the dataset index). Arguments are checked here, not at the
+    first `next()`.
     """
     index, count = _check_shard(shard)
     for name, value in (("epoch", epoch), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}={value!r}: expected an int >= 0")
     steps = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, count, drop_last=drop_last)
-    order = np.random.default_rng([seed, epoch]).permutation(len(dataset)) if shuffle else np.arange(len(dataset))
-    size = micro_batch_size * num_micro_batches * count
+    members = _shard_members(len(dataset), seed, index, count)
+    order = np.random.default_rng([seed, epoch]).permutation(len(members)) if shuffle else np.arange(len(members))
+    size = micro_batch_size * num_micro_batches
     order = np.concatenate([order, order[: steps * size - len(order)]]) if steps * size > len(order) else order
-    return _steps(dataset, order, steps, micro_batch_size, num_micro_batches, index, count)
+    return _steps(dataset, members, order, steps, micro_batch_size, num_micro_batches)
+
+
+def _shard_members(num_samples: int, seed: int, index: int, count: int) -> np.ndarray:
+    """Dataset indices of replica `index`'s shard, sorted; never the epoch's, so shards stay put.
+    With one replica: every index. The draw's entropy is not [seed] alone, which numpy pads to
+    [seed, 0], the stream of epoch 0's order."""
+    size = shard_size(num_samples, count)
+    drawn = np.random.default_rng([seed, 0, 1]).permutation(num_samples)
+    return np.sort(drawn[index * size: (index + 1) * size])
 
 
 def _check_shard(shard: tuple[int, int]) -> tuple[int, int]:
@@ -825,14 +853,22 @@ def _check_shard(shard: tuple[int, int]) -> tuple[int, int]:
     return index, count
 
 
-def _steps(dataset: Dataset, order: np.ndarray, steps: int, micro_batch_size: int, num_micro_batches: int,
-           index: int, count: int) -> Iterator[list[dict[str, Any]]]:
+def _steps(dataset: Dataset, members: np.ndarray, order: np.ndarray, steps: int, micro_batch_size: int,
+           num_micro_batches: int) -> Iterator[list[dict[str, Any]]]:
+    """Consecutive slices of `order` (positions in the shard `members`), one per step."""
     per_replica = micro_batch_size * num_micro_batches
     for step in range(steps):
-        start = (step * count + index) * per_replica
-        mine = order[start: start + per_replica]
-        yield [_gather(dataset, mine[m * micro_batch_size: (m + 1) * micro_batch_size])
+        mine = order[step * per_replica: (step + 1) * per_replica]
+        yield [_shard_batch(dataset, members, mine[m * micro_batch_size: (m + 1) * micro_batch_size])
                for m in range(num_micro_batches)]
+
+
+def _shard_batch(dataset: Dataset, members: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
+    """The shard's samples at `positions`; `sample_id` is overwritten with those positions, their
+    rows in this replica's AQ-SGD buffers (a dataset's own sample_id is its global index)."""
+    batch = _gather(dataset, members[positions])
+    batch["sample_id"] = torch.tensor(positions, dtype=torch.int64)
+    return batch
 
 
 def _gather(dataset: Dataset, indices: np.ndarray) -> dict[str, Any]:
