@@ -25,9 +25,15 @@ def deberta() -> DebertaV2ForSequenceClassification:
     return DebertaV2ForSequenceClassification(cfg)
 
 
-def batches(epoch: int, classify: bool):
+def batches(epoch: int, classify: bool, zipf: bool = False):
+    """Random tokens, uniform or Zipf-distributed: then a step reads about a third of its tokens distinct, as
+    2048 tokens of Shakespeare in GPT-2's BPE do (740 on average, at most 807)."""
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    if zipf:
+        tokens = torch.multinomial(1.0 / torch.arange(1, VOCAB + 1) ** 1.4, SAMPLES * SEQ, replacement=True,
+                                   generator=g).view(SAMPLES, SEQ)
+    else:
+        tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
     mask = torch.ones(SAMPLES, SEQ, dtype=torch.long)
     mask[::3, -4:] = 0  # some padding
     labels = torch.randint(0, 3, (SAMPLES,), generator=g) if classify else tokens.masked_fill(mask == 0, -100)
@@ -39,7 +45,7 @@ def batches(epoch: int, classify: bool):
                for i in ids.split(MBS)]
 
 
-def train(rank, world, family, compression, epochs, steps=None, hidden=64):
+def train(rank, world, family, compression, epochs, steps=None, hidden=64, zipf=False):
     model = gpt2(hidden) if family == "gpt2" else deberta()
     stages = partition(model, world)
     ties = tie_groups(stages)
@@ -49,7 +55,7 @@ def train(rank, world, family, compression, epochs, steps=None, hidden=64):
                             num_samples=SAMPLES, seq_len=SEQ, ties=ties, gradient_clipping=1.0)
     log = []
     for epoch in range(epochs):
-        for mbs in batches(epoch, family == "deberta"):
+        for mbs in batches(epoch, family == "deberta", zipf):
             if steps is not None and len(log) == steps:
                 break
             engine.train_batch(mbs, epoch)
@@ -77,8 +83,21 @@ def test_two_stages_match_one_process_for_three_steps(family):
 
 
 def test_gpt2_aqsgd_2_4_sends_a_twelfth_after_the_first_epoch_and_learns():
-    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
-    log = spawn(train, 2, "gpt2", cfg, 4, None, 128)[0]["log"]
+    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)  # tie: aqsgd, 8 bits
+    log = spawn(train, 2, "gpt2", cfg, 4, None, 128, True)[0]["log"]
+    # every wire, exactly, once each sample and token has been seen (epochs 1-3): B x T rows of 128 per step
+    rows, width = MICRO * MBS * SEQ, 128
+    fp32_fwd, fp32_bwd = rows * width * 4 + 8 * MICRO * MBS, rows * width * 4
+    steps = [s for s in log if s["epoch"] >= 1]
+    for s, mbs in zip(steps, [mbs for epoch in (1, 2, 3) for mbs in batches(epoch, False, True)]):
+        tokens = torch.unique(torch.cat([mb["input_ids"].reshape(-1) for mb in mbs])).numel()
+        assert s["fwd_bytes"] == rows * (width * 2 // 8 + 8) + 8 * MICRO * MBS  # 2-bit changes + ids
+        assert s["bwd_bytes"] == rows * (width * 4 // 8 + 8)  # 4-bit gradients
+        assert s["tie_bytes"] == 16 + 2 * tokens * (width + 8)  # the step's rows at 8 bits, there and back
+        # the targets: all wires at most 1/4 of FP32's activations, the tie at most FP32's forward
+        assert s["fwd_bytes"] + s["bwd_bytes"] + s["tie_bytes"] <= (fp32_fwd + fp32_bwd) / 4, s
+        assert s["tie_bytes"] <= fp32_fwd
+    assert len(steps) == 3 * SAMPLES // (MICRO * MBS)
     per_epoch = {}
     for s in log:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["fwd_bytes"]
