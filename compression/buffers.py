@@ -37,6 +37,26 @@ def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -
     return ids
 
 
+class BufferRangeError(ValueError):
+    """An activation a buffer's dtype cannot hold (float16 above 65504): stored, it would become inf and
+    poison every later visit of the sample. Raised before the buffer changes, on both sides alike."""
+
+    def __init__(self, sample_id: int, value: float, dtype: torch.dtype) -> None:
+        self.sample_id, self.value, self.dtype = sample_id, value, dtype
+        super().__init__(f"sample {sample_id}'s activation reaches {value:.4g}, beyond what the {dtype} AQ-SGD "
+                         "buffer can hold: use a bfloat16 or float32 buffer")
+
+
+def check_storable(ids: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`rows` (finite, one per id) as `dtype`; BufferRangeError naming the first sample that overflows it."""
+    stored = rows.to(dtype)
+    bad = ~torch.isfinite(stored.flatten(1)).all(dim=1) if stored.dim() > 1 else ~torch.isfinite(stored)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise BufferRangeError(int(ids[first]), float(rows[first].abs().max()), dtype)
+    return stored
+
+
 class SampleBuffer:
     """m[ξ] (one row of `sample_shape` per sample) and the seen bit of each sample."""
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .buffers import SampleBuffer
+from .buffers import SampleBuffer, check_storable
 from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
 
 FORWARD_MODES = ("none", "direct", "aqsgd")
@@ -198,9 +198,11 @@ class ForwardCodec(_Codec):
                m: torch.Tensor, change: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Both sides: store whole rows, set m += change for the others.
 
-        Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`."""
+        Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`.
+        BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype."""
         buf, device = self.buffer, m.device
-        updated = (m + change).to(buf.dtype)
+        updated = check_storable(ids[delta], m + change, buf.dtype)
+        check_storable(ids[whole], rows, buf.dtype)
         buf.store(ids[whole], rows)
         buf.store(ids[delta], updated)
         out = torch.empty((ids.numel(), *buf.sample_shape), dtype=dtype, device=device)

@@ -14,6 +14,9 @@ runs to its end and no stage blocks), and after the schedule every rank learns w
 saw what (one small allreduce). The step then leaves no trace (weights, optimizer, codec
 buffers and generators as before it) and either raises FloatingPointError on every rank
 alike, naming step, stage and micro-batch, or, with skip_nonfinite, is skipped everywhere.
+An activation the AQ-SGD buffer's dtype cannot hold (float16 above 65504) goes the same way,
+caught before it is stored, and stops the run on every rank with a ValueError naming the
+boundary, the sample and the remedy (a bfloat16 or float32 buffer): skipping would not help.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from compression import BackwardCodec, ForwardCodec
+from compression import BackwardCodec, BufferRangeError, ForwardCodec
 
 from . import schedule as sched
 from .ties import TIE_MODES, Tie, TiedWeights, remember_rows
@@ -34,9 +37,9 @@ from .topology import Groups
 from .transport import Boundary, Wire
 
 # what a stage found non-finite in a step (a bit mask, agreed on by every rank)
-LOSS, ACTIVATION, GRADIENT, PARAM_GRAD = 1, 2, 4, 8
+LOSS, ACTIVATION, GRADIENT, PARAM_GRAD, BUFFER_RANGE = 1, 2, 4, 8, 16
 _KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gradient to send",
-          PARAM_GRAD: "parameter gradients"}
+          PARAM_GRAD: "parameter gradients", BUFFER_RANGE: "activation beyond the AQ-SGD buffer's dtype"}
 
 
 class Stage(Protocol):
@@ -102,6 +105,8 @@ class _Flight:
     counted: int = 0
     bad: int = 0  # bit mask of the non-finite kinds found on this stage
     bad_mb: int = -1  # the first micro-batch where one was found
+    overflow: BufferRangeError | None = None  # an activation the AQ-SGD buffer could not hold
+    verdict_error: Exception | None = None  # what every rank raises after undoing the step, whatever skip_nonfinite
     undo: list[Callable[[], None]] = field(default_factory=list)  # puts back what the step changed, newest last
 
 
@@ -181,12 +186,16 @@ class PipelineEngine:
         return torch.Size((b, t, self.stage.hidden_size))
 
     @staticmethod
-    def _finite(x: torch.Tensor, kind: int, mb: int, flight: _Flight) -> bool:
+    def _note(kind: int, mb: int, flight: _Flight) -> None:
+        flight.bad |= kind
+        flight.bad_mb = mb if flight.bad_mb < 0 else flight.bad_mb
+
+    @classmethod
+    def _finite(cls, x: torch.Tensor, kind: int, mb: int, flight: _Flight) -> bool:
         """Whether x is all finite; if not, note what and where on the flight."""
         if bool(torch.isfinite(x).all()):
             return True
-        flight.bad |= kind
-        flight.bad_mb = mb if flight.bad_mb < 0 else flight.bad_mb
+        cls._note(kind, mb, flight)
         return False
 
     @staticmethod
@@ -221,7 +230,12 @@ class PipelineEngine:
             if not self._finite(x, ACTIVATION, mb, flight):
                 x = torch.zeros_like(x)  # never send NaN/inf; the step is rejected after the schedule
             self._remember(self.next, batch["sample_id"], phase, flight)
-            counters.fwd_bytes += self.next.send_activation(x, batch["sample_id"], phase)
+            try:
+                counters.fwd_bytes += self.next.send_activation(x, batch["sample_id"], phase)
+            except BufferRangeError as exc:  # nothing stored or sent yet: the peer gets zeros, the step stops
+                self._note(BUFFER_RANGE, mb, flight)
+                flight.overflow = flight.overflow or exc
+                counters.fwd_bytes += self.next.send_activation(torch.zeros_like(x), batch["sample_id"], phase)
 
         def recv_grad(mb: int) -> None:
             flight.grads[mb] = self.next.take_grad(posted.pop((sched.RECV_GRAD, mb)))
@@ -337,20 +351,31 @@ class PipelineEngine:
             if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
                 flight.bad |= PARAM_GRAD
         grid = self.groups.grid
-        table = torch.zeros(grid.world_size, 2, dtype=torch.int64)
-        table[self.groups.rank] = torch.tensor([flight.bad, flight.bad_mb + 1])
+        over = flight.overflow
+        table = torch.zeros(grid.world_size, 4, dtype=torch.float64)
+        table[self.groups.rank] = torch.tensor([flight.bad, flight.bad_mb + 1, over.sample_id if over else 0,
+                                                over.value if over else 0.0], dtype=torch.float64)
         for group in (self.groups.pipeline, self.groups.data_parallel):
             if group is not None and grid.world_size > 1:
                 dist.all_reduce(table, group=group)
         if not bool(table[:, 0].any()):
             return None
-        found = []
-        for rank, (bad, mb) in enumerate(table.tolist()):
-            if bad:
-                stage, replica = grid.coords(rank)
+        found, overflows = [], []
+        for rank, (bad, mb, sample, value) in enumerate(table.tolist()):
+            bad, mb, stage, replica = int(bad), int(mb), *grid.coords(rank)
+            if bad & BUFFER_RANGE:
+                dtype = str(self.compression.buffer_dtype).removeprefix("torch.")
+                overflows.append(f"boundary {stage} (stage {stage} to {stage + 1}, rank {rank}, replica {replica}): "
+                                 f"sample {int(sample)}'s activation reaches {value:.4g} at step "
+                                 f"{self.global_step + 1}, beyond what the {dtype} AQ-SGD buffer can hold")
+            elif bad:
                 kinds = ", ".join(text for bit, text in _KINDS.items() if bad & bit)
                 where = f" (micro-batch {mb - 1})" if mb else ""
                 found.append(f"stage {stage} (rank {rank}, replica {replica}): {kinds}{where}")
+        if overflows:
+            raise_after = "; ".join(overflows) + ": use buffer_dtype bfloat16 or float32 (--buffer_dtype)"
+            flight.verdict_error = ValueError(raise_after)
+            return raise_after
         return f"non-finite values at step {self.global_step + 1}: " + "; ".join(found)
 
     def _reject(self, flight: _Flight, generators: dict[str, torch.Tensor], verdict: str, epoch: int, phase: str,
@@ -363,6 +388,8 @@ class PipelineEngine:
         self._zero_grads()
         _, totals = self._reduce(flight, m)  # the bytes did cross (as zeros where values were not finite)
         self.global_step += 1
+        if flight.verdict_error is not None:
+            raise flight.verdict_error
         if not self.skip_nonfinite:
             raise FloatingPointError(f"{verdict}; stopping (skip_nonfinite skips such steps instead)")
         self.skipped_steps += 1

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from compression import BackwardCodec, ForwardCodec, Message, QuantizedTensor
+from compression import BackwardCodec, BufferRangeError, ForwardCodec, Message, QuantizedTensor
 
 N, SHAPE = 24, (4, 64)  # dataset size, one sample's activation (seq, hidden)
 
@@ -246,3 +246,20 @@ def test_one_bit_aqsgd_warns_that_it_is_outside_the_theorem():
 def test_missing_sample_ids_are_refused():
     with pytest.raises(ValueError, match="sample_ids is None"):
         ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE).encode(torch.randn(2, *SHAPE))
+
+
+def test_an_activation_a_float16_buffer_cannot_hold_is_refused_before_anything_is_stored():
+    send = ForwardCodec("aqsgd", 2, num_samples=4, sample_shape=(3,))
+    first = torch.tensor([[1.0, 2.0, 3.0], [7e4, 0.0, 0.0]])  # finite in float32, inf in float16
+    with pytest.raises(BufferRangeError, match=r"sample 2's activation reaches 7e\+04, beyond what the "
+                                                r"torch.float16 AQ-SGD buffer can hold") as caught:
+        send.encode(first, [0, 2])
+    assert (caught.value.sample_id, caught.value.dtype) == (2, torch.float16)
+    assert not send.buffer.seen.any() and not send.buffer.values.any()  # nothing stored, not even sample 0
+    send.encode(torch.tensor([[1.0, 2.0, 3.0], [6e4, 0.0, 0.0]]), [0, 2])
+    before = send.buffer.values.clone()
+    with pytest.raises(BufferRangeError, match="sample 2's"):  # a later visit whose change would overflow
+        send.encode(torch.tensor([[1.0, 2.0, 3.0], [7e4, 0.0, 0.0]]), [0, 2])
+    assert torch.equal(send.buffer.values, before)
+    roomy = ForwardCodec("aqsgd", 2, num_samples=4, sample_shape=(3,), buffer_dtype=torch.bfloat16)
+    assert torch.isfinite(roomy.encode(first, [0, 2]).decoded).all()

@@ -1,7 +1,9 @@
 """Faults: NaN/inf never crosses a boundary and stops (or skips) a step on every stage alike; a rank
 SIGKILLed mid-run stops its peer within a bounded time, naming it, and the run resumes exactly."""
 import io
+from dataclasses import replace
 import json
+import re
 import os
 import subprocess
 import sys
@@ -44,9 +46,9 @@ def nonfinite(rank, world):
     plan = [(epoch, mbs) for epoch in range(4) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch)]  # 8 steps
     poison = {"on": False, "kind": "activation"}
 
-    def make(skip):
+    def make(skip, compression=AQSGD):
         stage = toy_stages(world)[groups.stage]
-        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.01), compression=AQSGD,
+        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.01), compression=compression,
                                 num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), skip_nonfinite=skip)
 
         def hook(module, inputs, out):
@@ -54,6 +56,8 @@ def nonfinite(rank, world):
                 return out
             if poison["kind"] == "activation" and groups.stage == 0:
                 return out * NAN
+            if poison["kind"] == "overflow" and groups.stage == 0:
+                return out + 7e4  # finite in float32, beyond float16's 65504
             if poison["kind"] == "loss" and stage.is_last:
                 return type(out)(out.loss * NAN, out.logits)
             if poison["kind"] == "gradient" and stage.is_last:
@@ -87,6 +91,17 @@ def nonfinite(rank, world):
             engine.train_batch(plan[0][1], 0)
         except FloatingPointError as exc:
             out[kind] = str(exc)
+    # a first visit a float16 buffer cannot hold stops every rank, skip or not, with nothing stored
+    engine, poison["kind"] = make(skip=True), "overflow"
+    try:
+        engine.train_batch(plan[0][1], 0)
+    except ValueError as exc:
+        out["overflow"] = str(exc)
+    buffer = (engine.prev or engine.next).forward.buffer
+    out["overflow_stored"] = bool(buffer.seen.any()) or bool(buffer.values.abs().max() > 0)
+    out["overflow_sample"] = int(plan[0][1][0]["sample_id"][0])
+    roomy = make(skip=False, compression=replace(AQSGD, buffer_dtype=torch.bfloat16))  # the remedy
+    out["bfloat16_loss"] = roomy.train_batch(plan[0][1], 0)
     return out
 
 
@@ -110,6 +125,18 @@ def test_a_nan_loss_or_gradient_stops_every_stage_naming_where(nonfinite_runs):
         assert run["loss"].startswith("non-finite values at step 1: stage 1 (rank 1, replica 0): loss (micro-batch 0)")
         assert "stage 1 (rank 1, replica 0): boundary gradient to send (micro-batch 0)" in run["gradient"]
         assert "skip_nonfinite" in run["loss"]
+
+
+def test_an_activation_beyond_the_float16_buffer_stops_every_rank_naming_boundary_sample_and_remedy(nonfinite_runs):
+    sample = nonfinite_runs[0]["overflow_sample"]
+    line = (rf"boundary 0 \(stage 0 to 1, rank 0, replica 0\): sample {sample}'s activation reaches 7(\.\d+)?e\+04 at "
+            r"step 1, beyond what the float16 AQ-SGD buffer can hold: use buffer_dtype bfloat16 or float32 "
+            r"\(--buffer_dtype\)")
+    assert re.fullmatch(line, nonfinite_runs[0]["overflow"]), nonfinite_runs[0]["overflow"]
+    for run in nonfinite_runs:  # the same line on both ranks, nothing stored on either side of the boundary
+        assert run["overflow"] == nonfinite_runs[0]["overflow"]
+        assert not run["overflow_stored"]
+        assert run["bfloat16_loss"] == run["bfloat16_loss"]  # a bfloat16 buffer holds it: the step trains
 
 
 def test_fault_specs_are_checked():
