@@ -11,7 +11,8 @@ from distributed_helpers import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from recipes import checkpoint
 from recipes.config import RunConfig, validate
-from toy_stages import toy_batches, toy_stages, toy_ties
+from recipes import data
+from toy_stages import toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -29,7 +30,8 @@ def _engine(groups, grid, name):
     comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
     algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
     engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
-                            compression=AQSGD, num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(2),
+                            compression=AQSGD, num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ,
+                            ties=toy_ties(2),
                             data_parallel=algo, seed=3)
     engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
     return engine
@@ -39,8 +41,9 @@ def resume_every_algorithm(rank, world, tmp):
     """Per algorithm: STEPS steps straight, and the same with a save at RESUME_AT, a fresh engine and a load."""
     grid = Grid.for_world(world, 2)
     groups = build_groups(grid, rank)
-    plan = [(epoch, mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO])
-            for epoch in range(STEPS) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, epoch)][:STEPS]
+    plan = [(epoch, mbs) for epoch in range(STEPS)  # each replica its own shard (2 steps an epoch)
+            for mbs in data.micro_batches(toy_dataset(SAMPLES, SEQ), MBS, MICRO, epoch, seed=3,
+                                          shard=(groups.replica, grid.replicas))][:STEPS]
     out = {}
     for name in OPTIONS:
         runs = []
@@ -78,9 +81,12 @@ def test_engine_resume_equals_uninterrupted_under_every_algorithm(resumed, name)
             assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]], key
         assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
         assert torch.equal(resumed_run["buffer"], straight["buffer"])  # AQ-SGD rows, bit for bit
-    # after the resume, samples this replica saw before still travel as 2-bit deltas (a resend would be 8320)
+    # after the resume (epoch 1: each replica has seen its whole shard) every sample travels as a 2-bit change
+    # of 16 values + 8 bytes of scales and its 8-byte id, on both replicas: 1,664 bytes; a single sample resent
+    # whole would add 8 x 64 - 12 x 8 bytes
     log = resumed[0][name][1]["log"]
-    assert log[RESUME_AT]["fwd_bytes"] < 0.75 * log[0]["fwd_bytes"] == 0.75 * 16 * (SEQ * 16 * 4 + 8)
+    assert log[0]["fwd_bytes"] == 2 * MICRO * MBS * (SEQ * 16 * 4 + 8)  # the first visits, in full
+    assert log[RESUME_AT]["fwd_bytes"] == 2 * MICRO * MBS * (SEQ * (16 * 2 // 8 + 8) + 8) == 1664
 
 
 # ---------------------------------------------------------------------- checkpoint files, in one process

@@ -5,7 +5,8 @@ import torch
 import data_parallel
 from distributed_helpers import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
-from toy_stages import toy_batches, toy_stages, toy_ties
+from recipes import data
+from toy_stages import toy_batches, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
@@ -120,3 +121,35 @@ def test_tied_copies_read_their_owners_rows_under_every_algorithm(runs, name):
         rows = runs[first][name]["rows"]
         assert 0 < rows.numel() < runs[first][name]["tied"].shape[0]
         assert torch.equal(runs[first][name]["tied"][rows], runs[last][name]["tied"][rows])
+
+
+def aqsgd_on_shards(rank, world, epochs=3):
+    """AQ-SGD 2/4 on 2 stages x world/2 replicas, each replica on its own shard of the trainer's data layer."""
+    grid = Grid.for_world(world, 2)
+    groups = build_groups(grid, rank)
+    stage = toy_stages(2)[groups.stage]
+    algo = None
+    if grid.replicas > 1:
+        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
+        algo = data_parallel.create("allreduce", owned_parameters(stage, toy_ties(2)), comm)
+    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+    engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
+                            compression=cfg, num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ,
+                            ties=toy_ties(2), data_parallel=algo)
+    log = []
+    for epoch in range(epochs):
+        for mbs in data.micro_batches(toy_dataset(SAMPLES, SEQ), MBS, MICRO, epoch, seed=5,
+                                      shard=(groups.replica, grid.replicas)):
+            engine.train_batch(mbs, epoch)
+            log.append(engine.last_metrics)
+    return log
+
+
+def test_aqsgd_with_replicas_resends_nothing_whole_after_the_first_epoch():
+    one, two = spawn(aqsgd_on_shards, 2)[0], spawn(aqsgd_on_shards, 4)[0]
+    whole = MICRO * MBS * (SEQ * 16 * 4 + 8)  # one replica's step of first visits: fp32 rows + ids
+    change = MICRO * MBS * (SEQ * (16 * 2 // 8 + 8) + 8)  # every sample a 2-bit change of its 16 values
+    for log, replicas in ((one, 1), (two, 2)):
+        assert [s["fwd_bytes"] for s in log if s["epoch"] == 0] == [replicas * whole] * (SAMPLES // replicas // 8)
+        later = [s["fwd_bytes"] for s in log if s["epoch"] >= 1]
+        assert later == [replicas * change] * len(later) and len(later) == 2 * SAMPLES // replicas // 8

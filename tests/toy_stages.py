@@ -56,11 +56,25 @@ def toy_ties(num_stages: int) -> dict[str, Tie]:
     return {"embed": Tie((0, num_stages - 1), {0: ("input_ids",)})} if num_stages > 1 else {}
 
 
-def toy_batches(num_samples: int, seq_len: int, micro_batch_size: int, num_micro_batches: int, epoch: int):
-    """Deterministic token sequences with a learnable pattern; shuffled per epoch; sample_id = dataset index."""
+def toy_tokens(num_samples: int, seq_len: int) -> torch.Tensor:
+    """Deterministic token sequences with a learnable pattern."""
     g = torch.Generator().manual_seed(1234)
     starts = torch.randint(0, VOCAB, (num_samples, 1), generator=g)
-    data = (starts + torch.arange(seq_len) * 3) % VOCAB
+    return (starts + torch.arange(seq_len) * 3) % VOCAB
+
+
+def toy_dataset(num_samples: int, seq_len: int):
+    """The toy sequences as a dataset for the trainer's data layer (recipes.data.micro_batches and its shards)."""
+    from recipes.data import TensorDictDataset
+
+    data = toy_tokens(num_samples, seq_len)
+    return TensorDictDataset({"input_ids": data, "labels": data, "sample_id": torch.arange(num_samples)},
+                             seq_len=seq_len, split="train")
+
+
+def toy_batches(num_samples: int, seq_len: int, micro_batch_size: int, num_micro_batches: int, epoch: int):
+    """The toy sequences shuffled per epoch (one replica); sample_id = dataset index."""
+    data = toy_tokens(num_samples, seq_len)
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(epoch))
     per_step = micro_batch_size * num_micro_batches
     for step in range(num_samples // per_step):
