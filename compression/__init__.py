@@ -14,6 +14,6 @@ from .quantizer import QuantizedTensor, check_bits, check_finite, dequantize, qu
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
-    "BACKWARD_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message", "QuantizedTensor",
-    "SampleBuffer", "SparseTensor", "check_bits", "check_finite", "dequantize", "quantize", "randk", "topk",
+    "BACKWARD_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message",
+    "QuantizedTensor", "SampleBuffer", "SparseTensor", "check_bits", "check_finite", "dequantize", "quantize", "randk", "topk",
 ]

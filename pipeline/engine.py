@@ -402,6 +402,13 @@ class PipelineEngine:
         return float("nan")
 
     # ------------------------------------------------------------------ checkpoints
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage's weights under their HF names, less the tied copies it follows (their owner's is the
+        truth; a follower's rows are current only where it reads them): what merge_into takes."""
+        followed = {id(p) for p in followed_parameters(self.stage, self.ties)}
+        skip = {name for name, p in self.stage.named_parameters() if id(p) in followed}
+        return {k: v for k, v in self.stage.hf_state_dict().items() if k not in skip}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything the engine needs to continue exactly: weights, optimizer, LR scheduler, step,
         codecs (dither generators, AQ-SGD buffers and seen bits), data-parallel algorithm."""
@@ -458,13 +465,6 @@ class PipelineEngine:
         return result
 
     # ------------------------------------------------------------------ after backward
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The stage's weights under their HF names, less the tied copies it follows (their owner's is the
-        truth; a follower's rows are current only where it reads them): what merge_into takes."""
-        followed = {id(p) for p in followed_parameters(self.stage, self.ties)}
-        skip = {name for name, p in self.stage.named_parameters() if id(p) in followed}
-        return {k: v for k, v in self.stage.hf_state_dict().items() if k not in skip}
-
     def _clip(self) -> float:
         """Global gradient norm over the whole pipeline (each tied weight counted once); clips if configured."""
         params = [p for p in self.stage.parameters() if p.grad is not None]
