@@ -52,6 +52,8 @@ METHODS: dict[str, list[str]] = {
                     "--backward_bits", "8"],
     "aqsgd_4_8": ["--forward_compress", "aqsgd", "--forward_bits", "4", "--backward_compress", "direct",
                   "--backward_bits", "8"],
+    "aqsgd_2_4_tie4": ["--forward_compress", "aqsgd", "--forward_bits", "2", "--backward_compress", "direct",
+                       "--backward_bits", "4", "--tie_bits", "4"],  # the tied weight's rows and gradients at 4 bits
 }
 UNSHAPED = "unshaped"
 WIRES = ("fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes")  # every wire a step uses, counted by the engine
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="unshaped,1gbit,500mbit,100mbit,10mbit",
                    help="comma-separated link rates (tc units: kbit, mbit, gbit) or 'unshaped'")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    p.add_argument("--methods", default="fp32,directq_2_4,aqsgd_2_4,directq_4_8,aqsgd_4_8",
+                   help=f"of {', '.join(METHODS)}")
     p.add_argument("--engines", default="aqpipe,deepspeed", help="aqpipe and/or deepspeed (FP32 only)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--width", type=int, help="model width (default 128; quick 64)")

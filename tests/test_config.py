@@ -17,12 +17,13 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path, monkeypatch)
         "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 15,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
         "pipeline": {"stages": 2, "schedule": "gpipe", "activation_checkpoint_interval": 1},
-        "compression": {"forward": "direct", "forward_bits": 3, "backward": "none"},
+        "compression": {"forward": "direct", "forward_bits": 3, "backward": "none", "tie": "none", "tie_bits": 5},
         "run": {"seq_len": 32, "epochs": 7},
     }))
     cfg = run(["--deepspeed_config", str(path), "--forward_bits", "4", "--lr", "0.01"], monkeypatch, world=2)
     assert (cfg.micro_batch_size, cfg.num_micro_batches, cfg.pipeline_stages, cfg.schedule) == (3, 5, 2, "gpipe")
     assert (cfg.forward_compress, cfg.forward_bits, cfg.backward_compress) == ("direct", 4, "none")
+    assert (cfg.tie_compress, cfg.tie_bits) == ("none", 5)
     assert (cfg.lr, cfg.optimizer["type"], cfg.seq_len, cfg.epochs) == (0.01, "SGD", 32, 7)
     assert cfg.activation_checkpointing
 
@@ -35,6 +36,8 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
 @pytest.mark.parametrize("argv,message", [
     (["--forward_bits", "9"], "forward_bits=9: expected an integer from 1 to 8"),
     (["--backward_bits", "0"], "backward_bits=0: expected an integer from 1 to 8"),
+    (["--tie_bits", "9"], "tie_bits=9: expected an integer from 1 to 8"),
+    (["--tie_compress", "zip"], "tie_compress='zip': expected auto or one of none, aqsgd"),
     (["--forward_compress", "int4"], "forward_compress='int4': expected one of none, direct, aqsgd"),
     (["--backward_compress", "aqsgd"], "backward_compress='aqsgd': expected one of none, direct"),
     (["--schedule", "zigzag"], "schedule='zigzag': expected one of gpipe, 1f1b"),
