@@ -206,6 +206,7 @@ class PipelineEngine:
 
     def _run(self, actions: list[sched.Action], micro_batches: list[dict], phase: str, training: bool) -> _Flight:
         flight, counters, m = _Flight(), self._counters, len(micro_batches)
+        undo = flight.undo if phase != "eval" else None  # a training step may be rejected: note what it changes
 
         def recv_act(mb: int) -> None:
             batch = micro_batches[mb]
@@ -214,6 +215,7 @@ class PipelineEngine:
             flight.inputs[mb] = x.requires_grad_(training)
 
         def forward(mb: int) -> None:
+            self.tied.before_forward(mb, undo)
             with self._autocast(), torch.set_grad_enabled(training):
                 out = self.stage(flight.inputs.get(mb), micro_batches[mb])
             if self.stage.is_last:
@@ -242,12 +244,11 @@ class PipelineEngine:
 
         def backward(mb: int) -> None:
             out = flight.outputs.pop(mb)
-            if out is None:
-                return
-            if self.stage.is_last:
+            if out is not None and self.stage.is_last:
                 out.backward()
-            else:
+            elif out is not None:
                 out.backward(flight.grads.pop(mb).to(out.dtype))
+            counters.tie_bytes += self.tied.after_backward(mb, phase)
 
         def send_grad(mb: int) -> None:
             x = flight.inputs.pop(mb)
@@ -262,9 +263,7 @@ class PipelineEngine:
             sched.RECV_GRAD: recv_grad, sched.BACKWARD: backward, sched.SEND_GRAD: send_grad,
         }
         posted = self._post_receives(actions, micro_batches, phase)
-        undo = flight.undo if phase != "eval" else None
-        counters.tie_bytes += self.tied.send_rows(micro_batches, phase, undo)
-        self.tied.receive_rows(micro_batches, phase, undo)
+        counters.tie_bytes += self.tied.start(micro_batches, phase, training, undo)
         for op, mb in actions:
             handlers[op](mb)
         self.wire.flush()
@@ -303,9 +302,9 @@ class PipelineEngine:
         generators = self._generator_states()
         flight = self._run(actions, micro_batches, phase, training=True)
         verdict = self._agree_finite(flight)
+        self.tied.finish(accept=verdict is None)
         if verdict is not None:
             return self._reject(flight, generators, verdict, epoch, phase, start, len(micro_batches))
-        self._counters.tie_bytes += self.tied.exchange_grads(micro_batches, phase)
         if self.data_parallel is not None:
             self.data_parallel.after_backward()
         grad_norm = self._clip()

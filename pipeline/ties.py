@@ -11,7 +11,10 @@ micro-batches; for a whole-matrix use, every row. Each step:
     after backward:       follower --its gradient at those rows--> owner (added to the owner's)
 
 so with a 50257-token vocabulary a step moves the ~740 rows of its tokens, not 2 x 50257 rows of
-gradients. The messages are a boundary's (`transport.Boundary`, on a tag of their own): values as a
+gradients. Both exchanges sit on the step's critical path (the next step's rows depend on this step's
+update), so they stream with the schedule: the rows go in one message per micro-batch, those first read
+there, and the follower waits before each forward only for that micro-batch's; each row's gradient leaves
+right after the backward of the last micro-batch that reads it (micro-batches are backwarded in order). The messages are a boundary's (`transport.Boundary`, on a tag of their own): values as a
 ForwardCodec keyed by row index, gradients as a BackwardCodec. `none` sends both exactly, and the
 pipeline computes what the unpartitioned model does. `aqsgd` sends each row as its change since the
 follower last received it, quantized, against a copy of the follower's rows that both sides keep
@@ -59,14 +62,34 @@ class Tie:
     def followers(self) -> tuple[int, ...]:
         return tuple(s for s in self.holders if s != self.owner)
 
-    def rows(self, stage: int, micro_batches: Sequence[dict[str, Any]], num_rows: int) -> torch.Tensor:
-        """The sorted distinct rows `stage` reads in these micro-batches (CPU int64)."""
+    def rows(self, stage: int, micro_batches: Sequence[dict[str, Any]], num_rows: int) -> "StepRows":
+        """The sorted distinct rows `stage` reads in these micro-batches, and per micro-batch those it reads there
+        first and last (CPU int64)."""
         fields = self.lookups.get(stage)
+        m = len(micro_batches)
         if fields is None:
-            return torch.arange(num_rows)
-        ids = [mb[f].reshape(-1).to("cpu", torch.int64) for mb in micro_batches for f in fields
-               if mb.get(f) is not None]
-        return torch.unique(torch.cat(ids)) if ids else torch.zeros(0, dtype=torch.int64)
+            every, none = torch.arange(num_rows), torch.zeros(0, dtype=torch.int64)
+            return StepRows(every, [every] + [none] * (m - 1), [none] * (m - 1) + [every])
+        per = []
+        for mb in micro_batches:
+            ids = [mb[f].reshape(-1).to("cpu", torch.int64) for f in fields if mb.get(f) is not None]
+            per.append(torch.unique(torch.cat(ids)) if ids else torch.zeros(0, dtype=torch.int64))
+        every = torch.unique(torch.cat(per))
+        first, last = torch.full_like(every, m), torch.full_like(every, -1)
+        for k, ids in enumerate(per):
+            at = torch.searchsorted(every, ids)
+            first[at] = torch.minimum(first[at], torch.tensor(k))
+            last[at] = k
+        return StepRows(every, [every[first == k] for k in range(m)], [every[last == k] for k in range(m)])
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A follower's rows in one step: all of them, and per micro-batch the ones first and last read there."""
+
+    every: torch.Tensor
+    first: list[torch.Tensor]
+    last: list[torch.Tensor]
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +108,12 @@ class _Link:
     owner: bool  # this side is the owner
     boundary: Boundary
 
-    def rows(self, micro_batches: Sequence[dict[str, Any]]) -> torch.Tensor:
+    step: StepRows | None = None  # this step's rows
+    incoming: list[Any] = field(default_factory=list)  # posted receives, in the order they were posted
+    next_mb: int = 0  # follower: the next micro-batch whose rows are due
+    next_back: int = 0  # follower: the next micro-batch whose backward sends gradients
+
+    def rows(self, micro_batches: Sequence[dict[str, Any]]) -> StepRows:
         return self.tie.rows(self.follower, micro_batches, as_matrix(self.param).shape[0])
 
 
@@ -142,64 +170,93 @@ class TiedWeights:
             out[f"{name}.values"], out[f"{name}.grads"] = link.boundary.forward, link.boundary.backward
         return out
 
-    def send_rows(self, micro_batches: Sequence[dict[str, Any]], phase: str,
-                  undo: list[Callable[[], None]] | None = None) -> int:
-        """Owner: send each follower the rows it reads in these micro-batches. Returns the bytes sent.
-        `undo` (a step that may be rejected) collects how to put back what this changes."""
+    def start(self, micro_batches: Sequence[dict[str, Any]], phase: str, training: bool,
+              undo: list[Callable[[], None]] | None = None) -> int:
+        """Before the schedule. Owner: send each follower a header and, per micro-batch, the rows first read there,
+        and post the receives of the follower's gradients. Follower: check the header, post the rows' receives.
+        `undo` (a step that may be rejected) collects how to put back what this changes. Returns bytes sent."""
         sent = 0
         for link in self.links:
+            link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
+            matrix, peer, boundary = as_matrix(link.param.detach()), link.boundary.peer, link.boundary
             if link.owner:
-                rows = link.rows(micro_batches)
-                header = _header(rows).to(link.param.device)
-                link.boundary.wire.send(header, link.boundary.peer, tag=TIE_TAG)
-                if undo is not None:
-                    remember_rows(link.boundary, rows, undo)
-                x = as_matrix(link.param.detach()).index_select(0, rows.to(link.param.device))
-                sent += header.numel() + link.boundary.send_activation(x, rows, phase)
+                header = _header(link.step.every).to(matrix.device)
+                boundary.wire.send(header, peer, tag=TIE_TAG)
+                sent += header.numel()
+                for rows in link.step.first:
+                    if rows.numel():
+                        if undo is not None:
+                            remember_rows(boundary, rows, undo)
+                        sent += boundary.send_activation(matrix.index_select(0, rows.to(matrix.device)), rows, phase)
+                if training:
+                    link.incoming = [boundary.post_grad(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype,
+                                                        phase, matrix.device) if rows.numel() else None
+                                     for rows in link.step.last]
+                continue
+            header = boundary.wire.recv(16, peer, matrix.device, tag=TIE_TAG).cpu()
+            if not torch.equal(header, _header(link.step.every)):
+                count = int(header.view(torch.int64)[0])
+                raise RuntimeError(
+                    f"tied weight {link.key!r}: its owner sends {count} rows for this step, this stage reads "
+                    f"{link.step.every.numel()} (or other ones): the stages' data orders differ (same dataset, seed "
+                    "and batch sizes on every stage?)")
+            link.incoming = [boundary.post_activation(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype, rows,
+                                                      phase, matrix.device) if rows.numel() else None
+                             for rows in link.step.first]
         return sent
 
-    def receive_rows(self, micro_batches: Sequence[dict[str, Any]], phase: str,
-                     undo: list[Callable[[], None]] | None = None) -> None:
-        """Follower: write the rows the owner sent into this stage's copy (`undo` as in send_rows)."""
+    def before_forward(self, mb: int, undo: list[Callable[[], None]] | None = None) -> None:
+        """Follower: write the rows first read in micro-batches up to `mb` into this stage's copy."""
         for link in self.links:
-            if not link.owner:
-                rows = link.rows(micro_batches)
-                matrix = as_matrix(link.param.data)
-                header = link.boundary.wire.recv(16, link.boundary.peer, matrix.device, tag=TIE_TAG).cpu()
-                if not torch.equal(header, _header(rows)):
-                    count = int(header.view(torch.int64)[0])
-                    raise RuntimeError(
-                        f"tied weight {link.key!r}: its owner sends {count} rows for this step, this stage reads "
-                        f"{rows.numel()} (or other ones): the stages' data orders differ (same dataset, seed and "
-                        "batch sizes on every stage?)")
-                posted = link.boundary.post_activation(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype,
-                                                       rows, phase, matrix.device)
+            if link.owner:
+                continue
+            matrix = as_matrix(link.param.data)
+            while link.next_mb <= mb:
+                rows, posted = link.step.first[link.next_mb], link.incoming[link.next_mb]
+                link.next_mb += 1
+                if posted is None:
+                    continue
                 index = rows.to(matrix.device)
                 if undo is not None:
                     remember_rows(link.boundary, rows, undo)
                     undo.append(partial(matrix.index_copy_, 0, index, matrix.index_select(0, index)))
                 matrix.index_copy_(0, index, link.boundary.take_activation(posted))
 
-    def exchange_grads(self, micro_batches: Sequence[dict[str, Any]], phase: str) -> int:
-        """Followers send their gradient at the rows they read and drop it (the owner steps the weight);
-        the owner adds each follower's into its own. Returns the bytes this side sent."""
-        sent, incoming = 0, []
+    def after_backward(self, mb: int, phase: str) -> int:
+        """Follower: send the gradient of the rows last read in micro-batch `mb` (final now: micro-batches are
+        backwarded in order), zeros where it is not finite (the step is then rejected). Returns bytes sent."""
+        sent = 0
         for link in self.links:
-            rows = link.rows(micro_batches)
-            width = as_matrix(link.param).shape[1]
             if link.owner:
-                shape = torch.Size((rows.numel(), width))
-                posted = link.boundary.post_grad(shape, link.param.dtype, phase, link.param.device)
-                incoming.append((link, rows, posted))
                 continue
-            grad = link.param.grad
+            if mb != link.next_back:
+                raise RuntimeError(f"tied weight {link.key!r}: micro-batch {mb} backwarded before {link.next_back}; "
+                                   "its rows' gradients stream in micro-batch order")
+            link.next_back += 1
+            rows, grad = link.step.last[mb], link.param.grad
+            if not rows.numel():
+                continue
             g = (as_matrix(grad).index_select(0, rows.to(grad.device)) if grad is not None
-                 else torch.zeros(rows.numel(), width, dtype=link.param.dtype, device=link.param.device))
+                 else torch.zeros(rows.numel(), as_matrix(link.param).shape[1], dtype=link.param.dtype,
+                                  device=link.param.device))
+            if not bool(torch.isfinite(g).all()):
+                g = torch.zeros_like(g)  # never sent; the engine rejects the step on the parameter gradient
             sent += link.boundary.send_grad(g, phase)
-            link.param.grad = None
-        for link, rows, posted in incoming:
-            _add_rows(link.param, rows, link.boundary.take_grad(posted))
         return sent
+
+    def finish(self, accept: bool) -> None:
+        """After the schedule. Owner: wait for every follower's gradient and add it to its own when the step is
+        accepted. Follower: drop its gradient (the owner steps the weight)."""
+        for link in self.links:
+            if link.owner:
+                for rows, posted in zip(link.step.last, link.incoming):
+                    if posted is not None:
+                        g = link.boundary.take_grad(posted)
+                        if accept:
+                            _add_rows(link.param, rows, g)
+            elif accept:
+                link.param.grad = None
+            link.incoming = []
 
 
 def _add_rows(param: torch.nn.Parameter, rows: torch.Tensor, values: torch.Tensor) -> None:
