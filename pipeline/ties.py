@@ -14,8 +14,10 @@ so with a 50257-token vocabulary a step moves the ~740 rows of its tokens, not 2
 gradients. Both exchanges sit on the step's critical path (the next step's rows depend on this step's
 update), so they stream with the schedule: the rows go in one message per micro-batch, those first read
 there, and the follower waits before each forward only for that micro-batch's; each row's gradient leaves
-right after the backward of the last micro-batch that reads it (micro-batches are backwarded in order). The messages are a boundary's (`transport.Boundary`, on a tag of their own): values as a
-ForwardCodec keyed by row index, gradients as a BackwardCodec. `none` sends both exactly, and the
+right after the backward of the last micro-batch that reads it (micro-batches are backwarded in order).
+
+The messages are a boundary's (`transport.Boundary`, on a tag of their own): values as a ForwardCodec
+keyed by row index, gradients as a BackwardCodec. `none` sends both exactly, and the
 pipeline computes what the unpartitioned model does. `aqsgd` sends each row as its change since the
 follower last received it, quantized, against a copy of the follower's rows that both sides keep
 (the AQ-SGD buffer, float32): the follower's rows stay within one quantization step of the owner's
