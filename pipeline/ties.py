@@ -7,14 +7,13 @@ holder that uses the whole matrix; it alone steps the weight (its gradient is de
 that step's tokens, which both sides know without sending ids, since every stage loads the same
 micro-batches; for a whole-matrix use, every row. Each step:
 
-    before the schedule:  owner --the rows the follower reads this step--> follower (into its copy)
-    after backward:       follower --its gradient at those rows--> owner (added to the owner's)
+    before micro-batch k's forward:  owner --the rows first read in k--> follower (into its copy)
+    after micro-batch k's backward:  follower --the gradient of the rows last read in k--> owner
 
 so with a 50257-token vocabulary a step moves the ~740 rows of its tokens, not 2 x 50257 rows of
 gradients. Both exchanges sit on the step's critical path (the next step's rows depend on this step's
-update), so they stream with the schedule: the rows go in one message per micro-batch, those first read
-there, and the follower waits before each forward only for that micro-batch's; each row's gradient leaves
-right after the backward of the last micro-batch that reads it (micro-batches are backwarded in order).
+update); streaming them with the schedule (micro-batches are backwarded in order) lets the follower
+start on its first micro-batch's rows and the owner receive most gradients while stage 0 still computes.
 
 The messages are a boundary's (`transport.Boundary`, on a tag of their own): values as a ForwardCodec
 keyed by row index, gradients as a BackwardCodec. `none` sends both exactly, and the
