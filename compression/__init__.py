@@ -15,5 +15,6 @@ from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
     "BACKWARD_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message",
-    "QuantizedTensor", "SampleBuffer", "SparseTensor", "check_bits", "check_finite", "dequantize", "quantize", "randk", "topk",
+    "QuantizedTensor", "SampleBuffer", "SparseTensor", "check_bits", "check_finite", "dequantize", "quantize",
+    "randk", "topk",
 ]

@@ -39,7 +39,7 @@ from .transport import Boundary, Wire
 # what a stage found non-finite in a step (a bit mask, agreed on by every rank)
 LOSS, ACTIVATION, GRADIENT, PARAM_GRAD, BUFFER_RANGE = 1, 2, 4, 8, 16
 _KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gradient to send",
-          PARAM_GRAD: "parameter gradients", BUFFER_RANGE: "activation beyond the AQ-SGD buffer's dtype"}
+          PARAM_GRAD: "parameter gradients"}  # BUFFER_RANGE has a line of its own (_agree_finite)
 
 
 class Stage(Protocol):
@@ -372,9 +372,9 @@ class PipelineEngine:
                 where = f" (micro-batch {mb - 1})" if mb else ""
                 found.append(f"stage {stage} (rank {rank}, replica {replica}): {kinds}{where}")
         if overflows:
-            raise_after = "; ".join(overflows) + ": use buffer_dtype bfloat16 or float32 (--buffer_dtype)"
-            flight.verdict_error = ValueError(raise_after)
-            return raise_after
+            line = "; ".join(overflows) + ": use buffer_dtype bfloat16 or float32 (--buffer_dtype)"
+            flight.verdict_error = ValueError(line)  # raised by _reject once the step is undone
+            return line
         return f"non-finite values at step {self.global_step + 1}: " + "; ".join(found)
 
     def _reject(self, flight: _Flight, generators: dict[str, torch.Tensor], verdict: str, epoch: int, phase: str,

@@ -134,8 +134,9 @@ def _header(rows: torch.Tensor) -> torch.Tensor:
 
 
 class TiedWeights:
-    """This stage's side of every tie it holds: the row exchange before the schedule and the gradient
-    exchange after it. Bytes are returned by each call; codecs are exposed for checkpoints."""
+    """This stage's side of every tie it holds: `start` before the schedule, `before_forward` and
+    `after_backward` with each micro-batch, `finish` after it. Calls that send return their bytes;
+    `codecs` exposes the stateful codecs for checkpoints."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], ties: Mapping[str, Tie], stage: int, wire: Wire,
                  rank_of: Callable[[int], int], *, mode: str = "none", bits: int | None = None,
