@@ -3,7 +3,7 @@
 Each algorithm runs the GPT2 recipe as 2 stages x 2 replicas (4 processes, torchrun) with the same
 seed, data and step count; the table reads their summary.json and metrics.jsonl.
 
-    python benchmarks/bench_data_parallel.py [--steps 60] [--algorithms allreduce,qadam] [--quick]
+    python -m benchmarks.bench_data_parallel [--steps 60] [--algorithms allreduce,qadam] [--quick]
 """
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks.recipe_runs import free_port  # noqa: E402
 ALGORITHMS = ("allreduce", "decentralized", "low_precision_decentralized", "qadam", "qsparse_local_sgd")

@@ -5,7 +5,7 @@ beside torch.clone of the same tensor (the memory-bandwidth reference), all
 timed interleaved in one run so the ratios survive a noisy machine. Also
 c_Q = E||x - Q(x)|| / ||x||: AQ-SGD's convergence theorem assumes c_Q < sqrt(1/2).
 
-    python benchmarks/bench_quantize.py [--shape 8,1024,1600] [--repeats 7] [--backends native,torch]
+    python -m benchmarks.bench_quantize [--shape 8,1024,1600] [--repeats 7] [--backends native,torch]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from compression import dequantize, kernels, quantize
+from compression import dequantize, quantize
 
 TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
 

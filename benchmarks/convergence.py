@@ -5,13 +5,13 @@ something to pay off on; DirectQ at the same bits has no memory and keeps its fu
 error. Each (model, method) is one 2-stage torchrun run of the real recipe; this script reads
 their metrics.jsonl, prints the table as markdown, writes JSON and one loss-vs-step PNG per model.
 
-    python benchmarks/convergence.py                       # 14 runs, ~40 min on 2 idle CPU cores
-    python benchmarks/convergence.py --models gpt2 --tag ablation --reuse \
+    python -m benchmarks.convergence                       # 14 runs, ~40 min on 2 idle CPU cores
+    python -m benchmarks.convergence --models gpt2 --tag ablation --reuse \
         --methods fp32,aqsgd_2_4,aqsgd_2_fp32bw,fp32fw_directq_4bw,directq_2_4
-    python benchmarks/convergence.py --models gpt2 --tag pretrained --methods fp32,aqsgd_2_4,directq_2_4 \
+    python -m benchmarks.convergence --models gpt2 --tag pretrained --methods fp32,aqsgd_2_4,directq_2_4 \
         -- --model runs/pretrain_gpt2/model --lr 3e-4          # after an FP32 pretraining run (RESULTS.md)
-    python benchmarks/convergence.py --quick --output_dir /tmp/conv   # seconds, for the tests
-    python benchmarks/convergence.py --replot                # redraw the PNGs from the JSON only
+    python -m benchmarks.convergence --quick --output_dir /tmp/conv   # seconds, for the tests
+    python -m benchmarks.convergence --replot                # redraw the PNGs from the JSON only
 """
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.convergence_plot import plot_model  # noqa: E402
 from benchmarks.recipe_runs import ROOT, read_run, run_recipe  # noqa: E402
@@ -230,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in models if m not in MODELS]:
         p.error(f"--models {','.join(bad)}: expected names from {','.join(MODELS)}")
 
-    command = " ".join(["python", "benchmarks/convergence.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python", "-m", "benchmarks.convergence", *(sys.argv[1:] if argv is None else argv)])
     # one file for every model: a study of some models replaces their blocks and keeps the others'
     results: dict[str, Any] = json.loads(json_path.read_text()) if json_path.exists() else {"models": {}}
     for name in models:

@@ -5,7 +5,7 @@ samples are noisy; the axis fits the epochs after the first) and eval loss (accu
 classifier) at the end of each epoch. FP32 is black, DirectQ red and AQ-SGD
 blue, darker and solid at fewer bits, so the eye finds "AQ-SGD 2/4 on FP32, DirectQ 2/4 above".
 
-    python benchmarks/convergence.py --replot      # redraw from benchmarks/results/convergence.json
+    python -m benchmarks.convergence --replot      # redraw from benchmarks/results/convergence.json
 """
 from __future__ import annotations
 

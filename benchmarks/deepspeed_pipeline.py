@@ -1,22 +1,22 @@
 """The DeepSpeed baseline: our GPT2 recipe's model and data, trained by DeepSpeed's own pipeline engine.
 
-    deepspeed --num_gpus 2 benchmarks/deepspeed_pipeline.py [recipe flags]
-    torchrun --nproc_per_node 2 benchmarks/deepspeed_pipeline.py [recipe flags]
+    deepspeed --num_gpus 2 --module benchmarks.deepspeed_pipeline [recipe flags]
+    torchrun --nproc_per_node 2 -m benchmarks.deepspeed_pipeline [recipe flags]
     # one process per node (e.g. one network namespace per stage), on node I of 2, with a hostfile H
     # of two lines "<name> slots=1" and the master's address A (add GLOO_SOCKET_IFNAME=<if> to pick a link):
     deepspeed --hostfile H --no_ssh --node_rank I --master_addr A --master_port P \
-        benchmarks/deepspeed_pipeline.py [recipe flags]
+        --module benchmarks.deepspeed_pipeline [recipe flags]
     torchrun --nnodes 2 --nproc_per_node 1 --node_rank I --master_addr A --master_port P \
-        benchmarks/deepspeed_pipeline.py [recipe flags]
+        -m benchmarks.deepspeed_pipeline [recipe flags]
     # FP32 at the recipe's default shape, next to ours:
     torchrun --nproc_per_node 2 recipes/finetune_gpt2.py --forward_compress none --backward_compress none
 
 The flags are the recipe's (recipes/finetune_gpt2.py --help), parsed by the same code with the same
 default config (recipes/configs/gpt2.json): --model, --seq_len, --micro_batch_size, --num_micro_batches,
 --max_train_samples, --epochs, --max_steps, --lr, --seed, --output_dir, --pipeline_stages, --partition
-mean what they mean there. Same model (recipes.models.build_model, same seed, weights copied into the
+mean what they mean there. Same model (aqpipe.models.build_model, same seed, weights copied into the
 layers), same split of blocks across stages (pipeline.partition), same micro-batches in the same order
-(recipes.data.micro_batches), same AdamW, LR schedule and clipping; with dropout off, step 1's loss
+(aqpipe.data.micro_batches), same AdamW, LR schedule and clipping; with dropout off, step 1's loss
 equals our engine's. DeepSpeed sends FP32 activations: the recipe's compression settings are ignored.
 
 Runs on CPU over gloo: DS_ACCELERATOR defaults to cpu here (DeepSpeed's CPU accelerator picks gloo when
@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: it picks its accelerator once
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for any launcher
 # DeepSpeed broadcasts tied weights in place at start-up; the gradients are right, torch just warns in backward
 warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
 
@@ -48,11 +47,11 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.ds_gpt2_layers import gpt2_layer_specs, is_tied  # noqa: E402
 from pipeline.partitioning import stage_block_counts  # noqa: E402
-from recipes import data as datalib  # noqa: E402
-from recipes.config import RunConfig, resolve  # noqa: E402
+from aqpipe import data as datalib  # noqa: E402
+from aqpipe.config import RunConfig, resolve  # noqa: E402
 from recipes.finetune_gpt2 import TASK  # noqa: E402
-from recipes.models import build_model, model_positions  # noqa: E402
-from recipes.runner import World, _datasets, _optimizer, _scheduler  # noqa: E402
+from aqpipe.models import build_model, model_positions  # noqa: E402
+from aqpipe.runner import World, _datasets, _optimizer, _scheduler  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "gpt2.json"
 

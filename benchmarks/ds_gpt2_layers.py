@@ -51,7 +51,7 @@ class Embedding(nn.Module):
 class BlockRun(nn.Module):
     """A stage's contiguous GPT2 blocks. The causal mask is rebuilt from the hidden state and the
     model's config, as pipeline/stages/gpt2.py does: for sdpa it is None (``is_causal``), for eager
-    a materialised mask. The mask assumes no padding: recipes.data.lm_dataset's masks are all ones."""
+    a materialised mask. The mask assumes no padding: aqpipe.data.lm_dataset's masks are all ones."""
 
     def __init__(self, model: GPT2LMHeadModel, block_indices: Sequence[int]) -> None:
         super().__init__()

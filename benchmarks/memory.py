@@ -10,14 +10,13 @@ read the real allocation: the tensor's storage in memory; the file's size and th
 system allocated after every row was written, on disk. Each must equal the formula
 num_samples x seq_len x hidden x bytes per element (plus one "seen" byte per sample).
 
-    python benchmarks/memory.py                  # benchmark shapes measured + 1.5B models by formula
-    python benchmarks/memory.py --quick --json /tmp/memory.json   # tiny shape, for the tests
+    python -m benchmarks.memory                  # benchmark shapes measured + 1.5B models by formula
+    python -m benchmarks.memory --quick --json /tmp/memory.json   # tiny shape, for the tests
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -26,9 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-if __package__ in (None, ""):  # run as a script: make the repository's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compression import ForwardCodec  # noqa: E402
 

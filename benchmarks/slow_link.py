@@ -7,10 +7,10 @@ PipelineModule engine (benchmarks/deepspeed_pipeline.py) at FP32 on the same mod
 reports seconds per step and samples/s in the steady state (epochs after the first: AQ-SGD sends
 a sample's first visit at full precision), and the ratios the issue asks for.
 
-    sudo python benchmarks/slow_link.py                   # the full table (~20 min on 2 cores)
-    sudo python benchmarks/slow_link.py --vocab gpt2 --width 256   # GPT-2's 50257-token vocabulary
-    sudo python benchmarks/slow_link.py --quick           # tiny shape, 2 rates, < 2 minutes
-    python benchmarks/slow_link.py --quick --no_netns     # not root: loopback, no shaping
+    sudo python -m benchmarks.slow_link                   # the full table (~20 min on 2 cores)
+    sudo python -m benchmarks.slow_link --vocab gpt2 --width 256   # GPT-2's 50257-token vocabulary
+    sudo python -m benchmarks.slow_link --quick           # tiny shape, 2 rates, < 2 minutes
+    python -m benchmarks.slow_link --quick --no_netns     # not root: loopback, no shaping
 
 The model is GPT2 as users have it: its LM head tied to the token embedding, so every step also
 moves the tied weight's rows and gradients between the first and the last stage (tie_bytes);
@@ -35,13 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks.netns import Network, can_build, rate_bits  # noqa: E402
 from benchmarks.recipe_runs import free_port  # noqa: E402
 
-SCRIPTS = {"aqpipe": ROOT / "recipes" / "finetune_gpt2.py", "deepspeed": ROOT / "benchmarks" / "deepspeed_pipeline.py"}
+SCRIPTS = {"aqpipe": [str(ROOT / "recipes" / "finetune_gpt2.py")], "deepspeed": ["-m", "benchmarks.deepspeed_pipeline"]}
 METHODS: dict[str, list[str]] = {
     "fp32": ["--forward_compress", "none", "--backward_compress", "none"],
     "directq_2_4": ["--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
@@ -114,7 +112,7 @@ def write_model(shape: Shape, out: Path) -> Path:
     return path
 
 
-def launch(script: Path, args: list[str], hosts: int, net: Network | None, log: Path, timeout: float,
+def launch(script: list[str], args: list[str], hosts: int, net: Network | None, log: Path, timeout: float,
            latency_ms: float = 0.0) -> None:
     """One torchrun agent per host (namespace), one stage each; raises with the log tail on failure."""
     port = free_port()
@@ -131,7 +129,7 @@ def launch(script: Path, args: list[str], hosts: int, net: Network | None, log: 
                     prefix, master = net.exec_prefix(i), net.address(0)
                 cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts),
                        "--nproc_per_node", "1", "--node_rank", str(i), "--master_addr", master,
-                       "--master_port", str(port), str(script), *args]
+                       "--master_port", str(port), *script, *args]
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                               start_new_session=True))
             deadline = time.monotonic() + timeout
@@ -148,7 +146,7 @@ def launch(script: Path, args: list[str], hosts: int, net: Network | None, log: 
     codes = [p.returncode for p in procs]
     if any(codes):
         tail = log.read_text()[-3000:]
-        raise RuntimeError(f"{script.name} {' '.join(args[-6:])}: exit codes {codes} (log {log}):\n{tail}")
+        raise RuntimeError(f"{script[-1]} {' '.join(args[-6:])}: exit codes {codes} (log {log}):\n{tail}")
 
 
 def steady_figures(out_dir: Path, shape: Shape) -> dict[str, Any]:

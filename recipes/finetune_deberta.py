@@ -7,12 +7,9 @@
 Defaults need no hub: a tiny DeBERTa-v2 shape on the built-in acceptability task (real Shakespeare
 lines against the same lines with their words shuffled); `--dataset next_line` is the pair task.
 """
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for any launcher
-
-from recipes.runner import Task, main  # noqa: E402
+from aqpipe.runner import Task, main
 
 TASK = Task(kind="classification", family="deberta", default_dataset="acceptability")
 

@@ -6,12 +6,9 @@
 
 Defaults need no hub: a tiny GPT2 shape on the Shakespeare plays, one pipeline stage per process.
 """
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for any launcher
-
-from recipes.runner import Task, main  # noqa: E402
+from aqpipe.runner import Task, main
 
 TASK = Task(kind="causal_lm", family="gpt2", default_dataset=None)
 

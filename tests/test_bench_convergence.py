@@ -5,13 +5,11 @@ each torchrun launch costs seconds of imports.
 """
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks import convergence  # noqa: E402
 from benchmarks.convergence_plot import smooth  # noqa: E402

@@ -1,12 +1,10 @@
 """benchmarks/memory.py: the buffers the engine allocates are exactly the formula's bytes."""
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks import memory  # noqa: E402
 

@@ -9,9 +9,9 @@ import torch
 import data_parallel
 from distributed_helpers import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
-from recipes import checkpoint
-from recipes.config import RunConfig, validate
-from recipes import data
+from aqpipe import checkpoint
+from aqpipe.config import RunConfig, validate
+from aqpipe import data
 from toy_stages import toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3

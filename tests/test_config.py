@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from recipes.config import resolve
+from aqpipe.config import resolve
 
 
 def run(argv, monkeypatch, world=1):
@@ -141,7 +141,7 @@ def test_late_looking_mistakes_are_caught_before_any_process_group(tmp_path, mon
 
 
 def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
-    from recipes import checkpoint
+    from aqpipe import checkpoint
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit):

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from recipes import data  # noqa: E402
+from aqpipe import data  # noqa: E402
 
 SEQ = 32
 
@@ -208,7 +207,7 @@ def test_model_directory_without_tokenizer_files_falls_back_to_training(tmp_path
 
 
 def test_unreachable_hub_tokenizer_falls_back_with_a_warning(offline_hub, corpus, tok, caplog):
-    with caplog.at_level(logging.WARNING, logger="recipes.data"):
+    with caplog.at_level(logging.WARNING, logger="aqpipe.data"):
         fallback = data.load_tokenizer("gpt2", corpus)
     assert fallback.get_vocab() == tok.get_vocab()
     assert "could not load the tokenizer of 'gpt2'" in caplog.text
@@ -473,12 +472,12 @@ def test_micro_batches_are_deterministic_and_differ_across_epochs_and_seeds():
 
 
 def test_micro_batches_are_the_same_in_another_process():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch; from recipes import data; "
+    code = ("import torch; from aqpipe import data; "
             "ds = data.TensorDictDataset({'input_ids': torch.arange(200).view(50, 4), 'sample_id': torch.arange(50)}, "
             "seq_len=4, split='train'); "
             "print([[mb['sample_id'].tolist(), mb['input_ids'][:, 0].tolist()] "
             "for s in data.micro_batches(ds, 2, 2, 3, 7, (1, 2)) for mb in s])")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     here = [[mb["sample_id"].tolist(), mb["input_ids"][:, 0].tolist()]
             for s in data.micro_batches(toy(), 2, 2, 3, 7, (1, 2)) for mb in s]
     assert json.loads(out) == here

@@ -32,9 +32,9 @@ def tiny_config(tmp_path: Path) -> str:
     return str(path)
 
 
-def start(prefix: list[str], script: str, out: Path, model: str, *flags: str) -> tuple[list[str], subprocess.Popen]:
+def start(prefix: list[str], script: list[str], out: Path, model: str, *flags: str) -> tuple[list[str], subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [*prefix, "--master_port", str(free_port()), str(ROOT / script), "--model", model, *SHAPE,
+    cmd = [*prefix, "--master_port", str(free_port()), *script, "--model", model, *SHAPE,
            "--output_dir", str(out), *flags]
     return cmd, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -49,8 +49,8 @@ def finish(cmd: list[str], proc: subprocess.Popen, out: Path) -> tuple[list[dict
 def test_deepspeed_pipeline_matches_our_engine_on_the_same_model_and_data(tmp_path):
     model = tiny_config(tmp_path)
     ds_out, ours_out = tmp_path / "deepspeed", tmp_path / "ours"
-    ds = start(["deepspeed", "--num_gpus", "2"], "benchmarks/deepspeed_pipeline.py", ds_out, model)
-    ours = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], "recipes/finetune_gpt2.py",
+    ds = start(["deepspeed", "--num_gpus", "2"], ["--module", "benchmarks.deepspeed_pipeline"], ds_out, model)
+    ours = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], [str(ROOT / "recipes/finetune_gpt2.py")],
                  ours_out, model, "--forward_compress", "none", "--backward_compress", "none",
                  "--max_eval_samples", "2")
     ds_steps, ds_summary = finish(*ds, ds_out)

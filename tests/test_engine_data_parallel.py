@@ -5,7 +5,7 @@ import torch
 import data_parallel
 from distributed_helpers import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
-from recipes import data
+from aqpipe import data
 from toy_stages import toy_batches, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from distributed_helpers import free_port, spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
-from recipes import faults
+from aqpipe import faults
 from toy_stages import toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_quantize  # noqa: E402
 from recipes import codec_demo  # noqa: E402

@@ -83,7 +83,7 @@ def test_network_is_torn_down_after_a_failure() -> None:
     why = netns.can_build()
     if why is not None:
         assert "root" in why or "iproute2" in why
-        proc = subprocess.run([sys.executable, "benchmarks/slow_link.py", "--quick"], cwd=ROOT, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.slow_link", "--quick"], cwd=ROOT, capture_output=True,
                               text=True)
         assert proc.returncode == 2 and "--no_netns" in proc.stderr
         return
@@ -103,7 +103,7 @@ def test_quick_run_writes_figures_json_and_plot(tmp_path: Path) -> None:
     """The --quick mode end to end: shaped namespaces as root (loopback otherwise), two methods."""
     root = netns.can_build() is None
     rates = "20mbit" if root else "unshaped"
-    cmd = [sys.executable, "benchmarks/slow_link.py", "--quick", "--engines", "aqpipe", "--methods", "fp32,aqsgd_2_4",
+    cmd = [sys.executable, "-m", "benchmarks.slow_link", "--quick", "--engines", "aqpipe", "--methods", "fp32,aqsgd_2_4",
            "--rates", rates, "--output_dir", str(tmp_path), *([] if root else ["--no_netns"])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

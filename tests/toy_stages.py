@@ -64,8 +64,8 @@ def toy_tokens(num_samples: int, seq_len: int) -> torch.Tensor:
 
 
 def toy_dataset(num_samples: int, seq_len: int):
-    """The toy sequences as a dataset for the trainer's data layer (recipes.data.micro_batches and its shards)."""
-    from recipes.data import TensorDictDataset
+    """The toy sequences as a dataset for the trainer's data layer (aqpipe.data.micro_batches and its shards)."""
+    from aqpipe.data import TensorDictDataset
 
     data = toy_tokens(num_samples, seq_len)
     return TensorDictDataset({"input_ids": data, "labels": data, "sample_id": torch.arange(num_samples)},
