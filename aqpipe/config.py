@@ -124,8 +124,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
 }
 
 
-def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+def build_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     for name, (kind, text) in FLAGS.items():
@@ -155,10 +156,11 @@ def _from_file(path: str) -> dict[str, Any]:
     out.update({ours: raw[theirs] for theirs, ours in simple.items() if theirs in raw})
     if "bf16" in raw:
         out["bf16"] = bool(raw["bf16"].get("enabled", False)) if isinstance(raw["bf16"], dict) else bool(raw["bf16"])
-    if "optimizer" in raw:
-        out["optimizer"] = raw["optimizer"]
-        if "lr" in raw["optimizer"].get("params", {}):
-            out["lr"] = raw["optimizer"]["params"]["lr"]
+    if "optimizer" in raw:  # its lr is the run's `lr`, kept in one place
+        params = dict(raw["optimizer"].get("params", {}))
+        if "lr" in params:
+            out["lr"] = params.pop("lr")
+        out["optimizer"] = {**raw["optimizer"], "params": params}
     if "scheduler" in raw:
         out["scheduler"] = raw["scheduler"]
     pipe = raw.get("pipeline", {})
@@ -343,9 +345,10 @@ def _is_hub_name(name: str) -> bool:
         and not name.endswith((".json", ".txt", ".csv", ".parquet", ".jsonl"))
 
 
-def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[str, Any] | None = None) -> RunConfig:
+def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[str, Any] | None = None,
+            prog: str | None = None) -> RunConfig:
     """Defaults < config file < flags, validated. Exits with status 2 and one line on bad input."""
-    parser = build_parser(description)
+    parser = build_parser(description, prog)
     args = parser.parse_args(argv)
     try:
         values: dict[str, Any] = dict(defaults or {})

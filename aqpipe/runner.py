@@ -34,20 +34,12 @@ from pipeline.partitioning import merge_into, partition, tie_groups
 from . import checkpoint
 from . import data as datalib
 from . import faults
-from .config import RunConfig, dp_options, resolve
+from .config import RunConfig, dp_options
 from .models import build_model, model_positions
+from .tasks import Task
 from .watchdog import Watchdog
 
 SETUP_SECONDS = 1800  # barriers around work one rank does for all (data caches, the merged model)
-
-
-@dataclass
-class Task:
-    """What differs between the recipes: the model family, the data, the eval metric."""
-
-    kind: str  # "causal_lm" or "classification"
-    family: str  # "gpt2" or "deberta"
-    default_dataset: str | None
 
 
 @dataclass
@@ -403,18 +395,3 @@ def _mover(device: torch.device) -> Callable[[dict], dict]:
     if device.type == "cpu":
         return lambda mb: mb
     return lambda mb: {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-
-
-def main(task: Task, default_config: Path, description: str, argv: list[str] | None = None) -> dict[str, Any]:
-    """A recipe's entry point: its default config file unless the user names one, then run."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.split("=")[0] in ("--deepspeed_config", "--config") for a in argv):
-        argv = ["--deepspeed_config", str(default_config), *argv]
-    cfg = resolve(task.kind, argv, description)
-    try:
-        return run(task, cfg)  # a multi-process run handles its own failures (run._stop_after_failure)
-    except (ValueError, FileNotFoundError, FloatingPointError) as exc:  # one line: bad input found late, NaN/inf
-        if os.environ.get("AQPIPE_TRACEBACK"):
-            raise
-        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(exc, FloatingPointError) else 2) from None

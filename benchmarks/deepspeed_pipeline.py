@@ -49,11 +49,11 @@ from benchmarks.ds_gpt2_layers import gpt2_layer_specs, is_tied  # noqa: E402
 from pipeline.partitioning import stage_block_counts  # noqa: E402
 from aqpipe import data as datalib  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
-from recipes.finetune_gpt2 import TASK  # noqa: E402
+from aqpipe.tasks import TASKS  # noqa: E402
 from aqpipe.models import build_model, model_positions  # noqa: E402
 from aqpipe.runner import World, _datasets, _optimizer, _scheduler  # noqa: E402
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "gpt2.json"
+TASK = TASKS["gpt2"]
 
 
 def init_world(cfg: RunConfig) -> World:
@@ -213,12 +213,9 @@ class Metrics:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse the recipe's flags (its default config unless one is named), run, and report late bad
+    """Parse the recipe's flags (over the gpt2 task's defaults, which its config states), run, and report late bad
     input as one line with status 2, as the recipe does."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.split("=")[0] in ("--deepspeed_config", "--config") for a in argv):
-        argv = ["--deepspeed_config", str(DEFAULT_CONFIG), *argv]
-    cfg = resolve(TASK.kind, argv, __doc__)
+    cfg = resolve(TASK.kind, sys.argv[1:] if argv is None else argv, __doc__, defaults=TASK.defaults)
     try:
         return run(cfg)
     except (ValueError, FileNotFoundError) as exc:

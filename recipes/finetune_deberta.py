@@ -6,12 +6,13 @@
 
 Defaults need no hub: a tiny DeBERTa-v2 shape on the built-in acceptability task (real Shakespeare
 lines against the same lines with their words shuffled); `--dataset next_line` is the pair task.
+The installed package runs the same job from anywhere: `aqpipe deberta` (or `python -m aqpipe deberta`).
 """
+import sys
 from pathlib import Path
 
-from aqpipe.runner import Task, main
-
-TASK = Task(kind="classification", family="deberta", default_dataset="acceptability")
+from aqpipe.cli import finetune
+from aqpipe.tasks import TASKS
 
 if __name__ == "__main__":
-    main(TASK, Path(__file__).with_name("configs") / "deberta.json", __doc__)
+    finetune(TASKS["deberta"], sys.argv[1:], Path(__file__).with_name("configs") / "deberta.json", __doc__)

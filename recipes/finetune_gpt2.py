@@ -5,12 +5,13 @@
     python recipes/finetune_gpt2.py
 
 Defaults need no hub: a tiny GPT2 shape on the Shakespeare plays, one pipeline stage per process.
+The installed package runs the same job from anywhere: `aqpipe gpt2` (or `python -m aqpipe gpt2`).
 """
+import sys
 from pathlib import Path
 
-from aqpipe.runner import Task, main
-
-TASK = Task(kind="causal_lm", family="gpt2", default_dataset=None)
+from aqpipe.cli import finetune
+from aqpipe.tasks import TASKS
 
 if __name__ == "__main__":
-    main(TASK, Path(__file__).with_name("configs") / "gpt2.json", __doc__)
+    finetune(TASKS["gpt2"], sys.argv[1:], Path(__file__).with_name("configs") / "gpt2.json", __doc__)

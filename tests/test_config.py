@@ -1,9 +1,12 @@
 """Run configuration: file < flags precedence, DeepSpeed keys, and one clear line for each bad value."""
 import json
+from pathlib import Path
 
 import pytest
 
+from aqpipe import cli
 from aqpipe.config import resolve
+from aqpipe.tasks import TASKS
 
 
 def run(argv, monkeypatch, world=1):
@@ -159,3 +162,18 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
     assert "was written by a different run: pipeline_stages=2 in the checkpoint, 1 in this run" in capsys.readouterr().err
     assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).resume == str(step)
     assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).resume is None
+
+
+@pytest.mark.parametrize("name", ["gpt2", "deberta"])
+def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch):
+    """`aqpipe NAME` (installed, no file) and recipes/finetune_NAME.py (its JSON) run the same settings."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    task = TASKS[name]
+    config = Path(__file__).resolve().parents[1] / "recipes" / "configs" / f"{name}.json"
+    assert resolve(task.kind, ["--deepspeed_config", str(config)], "t") == resolve(task.kind, [], "t", task.defaults)
+
+
+def test_the_command_line_names_the_tasks(capsys):
+    assert cli.main([]) == 2 and "usage: aqpipe {gpt2,deberta}" in capsys.readouterr().out
+    assert cli.main(["--local_rank=0", "bert"]) == 2
+    assert "task 'bert': expected one of gpt2, deberta" in capsys.readouterr().err

@@ -1,0 +1,6 @@
+"""`python -m aqpipe TASK [flags]`: see aqpipe.cli."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

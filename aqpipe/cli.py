@@ -1,0 +1,52 @@
+"""The command line: `aqpipe {gpt2,deberta} [flags]` (or `python -m aqpipe ...`), under any launcher.
+
+    deepspeed --num_gpus 2 --module aqpipe gpt2 [flags]
+    torchrun --nproc_per_node 2 -m aqpipe deberta [flags]
+    aqpipe gpt2 --help
+
+The recipes in the checkout (recipes/finetune_*.py) call `main` with their JSON config.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import resolve
+from .runner import run
+from .tasks import TASKS, Task
+
+USAGE = f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`aqpipe TASK [flags]`; deepspeed's `--local_rank=N` may come before the task."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words = [a for a in argv if not a.startswith("--local_rank")]
+    if not words or words[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + "\n".join(f"  {t.name:8} {t.summary}" for t in TASKS.values()))
+        return 0 if words else 2
+    if words[0] not in TASKS:
+        print(f"{USAGE}\naqpipe: error: task {words[0]!r}: expected one of {', '.join(TASKS)}", file=sys.stderr)
+        return 2
+    task = TASKS[words[0]]
+    rest = list(argv)
+    rest.remove(task.name)
+    finetune(task, rest, prog=f"aqpipe {task.name}")
+    return 0
+
+
+def finetune(task: Task, argv: list[str], config_file: Path | None = None, description: str | None = None,
+             prog: str | None = None) -> dict[str, Any]:
+    """Resolve the settings (task defaults < `config_file` unless the user names one < flags) and run."""
+    if config_file is not None and not any(a.split("=")[0] in ("--deepspeed_config", "--config") for a in argv):
+        argv = ["--deepspeed_config", str(config_file), *argv]
+    cfg = resolve(task.kind, argv, description or task.summary, defaults=task.defaults, prog=prog)
+    try:
+        return run(task, cfg)  # a multi-process run handles its own failures (runner._stop_after_failure)
+    except (ValueError, FileNotFoundError, FloatingPointError) as exc:  # one line: bad input found late, NaN/inf
+        if os.environ.get("AQPIPE_TRACEBACK"):
+            raise
+        print(f"{prog or Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(1 if isinstance(exc, FloatingPointError) else 2) from None

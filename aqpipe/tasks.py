@@ -1,0 +1,44 @@
+"""The two fine-tunes aqpipe ships: what differs between them is data, not code.
+
+Each task's `defaults` are the settings its recipe's JSON config states (recipes/configs/): an
+installed package runs the same job from any directory with no file to find.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_ADAMW = {"type": "AdamW", "params": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}
+_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                               "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+
+
+@dataclass(frozen=True)
+class Task:
+    """A fine-tune: the model family, its head, its built-in data and its default settings."""
+
+    name: str
+    kind: str  # "causal_lm" or "classification"
+    family: str  # "gpt2" or "deberta"
+    default_dataset: str | None
+    summary: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+TASKS: dict[str, Task] = {
+    "gpt2": Task(
+        name="gpt2", kind="causal_lm", family="gpt2", default_dataset=None,
+        summary="GPT2 causal LM; default: a tiny GPT2 shape on the Shakespeare plays",
+        defaults={"micro_batch_size": 4, "num_micro_batches": 4, "optimizer": _ADAMW, "lr": 1e-3,
+                  "scheduler": _DECAY, "seq_len": 128, "epochs": 3, "max_train_samples": 1024,
+                  "max_eval_samples": 128, "output_dir": "runs/gpt2"},
+    ),
+    "deberta": Task(
+        name="deberta", kind="classification", family="deberta", default_dataset="acceptability",
+        summary="DeBERTa sequence classification; default: a tiny DeBERTa-v2 shape on the built-in "
+                "acceptability task (--dataset next_line: the pair task)",
+        defaults={"micro_batch_size": 8, "num_micro_batches": 2, "optimizer": _ADAMW, "lr": 5e-4,
+                  "scheduler": _DECAY, "seq_len": 64, "epochs": 3, "max_train_samples": 2048,
+                  "max_eval_samples": 256, "output_dir": "runs/deberta"},
+    ),
+}
