@@ -28,23 +28,27 @@ import torch
 if TYPE_CHECKING:
     from .config import RunConfig
 
-FORMAT = 2  # 2: tied weights exchange rows (their codecs are in the engine state)
+FORMAT = 3  # 3: the compression and data-parallel settings are nested sections
 LATEST = "latest"
 MANIFEST = "manifest.json"
-# settings a checkpoint's state depends on: a resume with any other value is refused
+# settings a checkpoint's state depends on (the two sections whole, but for where buffers live on disk):
+# a resume with any other value is refused
 FINGERPRINT = (
-    "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "replicas",
-    "partition", "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr",
-    "gradient_clipping", "bf16", "forward_compress", "forward_bits", "backward_compress", "backward_bits",
-    "warmup_epochs", "tie_compress", "tie_bits", "buffer_dtype", "dp_algorithm", "dp_bits", "dp_warmup_steps",
-    "dp_local_steps", "dp_topk_ratio", "dp_peer_selection", "dp_interval",
+    "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "partition",
+    "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr", "gradient_clipping",
+    "bf16", "compression", "data_parallel",
 )
 
 
 def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
     """The settings that must match for a checkpoint to continue this run exactly (JSON values)."""
     values = cfg.to_dict()
-    return json.loads(json.dumps({k: values[k] for k in FINGERPRINT}, default=str))
+    values["compression"].pop("buffer_dir")
+    flat = {}
+    for key in FINGERPRINT:  # a section's settings one by one, so a refusal names the one that differs
+        section = values[key] if key in ("compression", "data_parallel") else None
+        flat.update({f"{key}.{k}": v for k, v in section.items()} if section is not None else {key: values[key]})
+    return json.loads(json.dumps(flat, default=str))
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -90,7 +94,8 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> dict[str, Any]:
     """The manifest, after refusing a checkpoint whose settings differ from cfg's (saying which)."""
     manifest = read_manifest(directory)
     mine, theirs = fingerprint(cfg), manifest["fingerprint"]
-    diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run" for k, v in mine.items() if theirs.get(k) != v]
+    diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
+            for k, v in mine.items() if theirs.get(k) != v]
     if diff:
         raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
     return manifest
@@ -200,7 +205,8 @@ def _restore_buffer(buffer: Any, source: Path, sha256: str) -> None:
     if _sha256(source) != sha256:
         raise ValueError(f"AQ-SGD buffer snapshot {source} does not match its checksum")
     if source.stat().st_size != buffer.nbytes:
-        raise ValueError(f"AQ-SGD buffer snapshot {source} holds {source.stat().st_size} bytes, the buffer {buffer.nbytes}")
+        raise ValueError(f"AQ-SGD buffer snapshot {source} holds {source.stat().st_size} bytes, "
+                         f"the buffer {buffer.nbytes}")
     saved = torch.from_file(str(source), shared=False, size=buffer.values.numel(), dtype=buffer.dtype)
     buffer.values.copy_(saved.view(buffer.values.shape))
 

@@ -1,29 +1,32 @@
-"""Run configuration: DeepSpeed's JSON plus aqpipe's blocks, overridden by flags, validated up front.
+"""Run configuration: DeepSpeed's JSON plus aqpipe's sections, overridden by flags, validated up front.
 
-Precedence: built-in defaults < `--deepspeed_config` file < command-line flags. The file
-uses DeepSpeed's keys (train_micro_batch_size_per_gpu, gradient_accumulation_steps,
-optimizer, scheduler, gradient_clipping, bf16, pipeline) and aqpipe's own blocks:
-"compression", "data_parallel" and "run" (model, dataset, seq_len, epochs, ...).
-Every value is checked before any process group starts; a bad one exits with status 2
-and one line naming it. That includes what needs a look at the model's config (stages
-against blocks, seq_len against positions), the data file, and a checkpoint to resume from
-(its manifest must match this run's settings).
+Precedence: the task's defaults < `--deepspeed_config` file < command-line flags. The file uses
+DeepSpeed's keys (train_micro_batch_size_per_gpu, gradient_accumulation_steps, optimizer, scheduler,
+gradient_clipping, bf16, pipeline) and aqpipe's own blocks: "compression" (the engine's
+`CompressionConfig`, its field names as keys), "data_parallel" (`DataParallelConfig`, likewise) and
+"run" (model, dataset, seq_len, epochs, ...). The two sections go whole to the objects that use them.
+`validate` checks every value and touches no file; the checks that read files (the model's config,
+the data file, a checkpoint to resume from) are `preflight.check`, run once by `resolve` before any
+process group starts. A bad value exits with status 2 and one line naming it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from compression import BACKWARD_MODES, FORWARD_MODES
+from data_parallel import DataParallelConfig
+from pipeline import BUFFER_DTYPES, CompressionConfig
 from pipeline.schedule import SCHEDULES
 from pipeline.ties import TIE_MODES
 
+from . import preflight
+
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-BUFFER_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass
@@ -37,7 +40,6 @@ class RunConfig:
     schedule: str = "1f1b"
     partition: str | list[int] = "parameters"
     activation_checkpointing: bool = False
-    replicas: int = 1
     micro_batch_size: int = 4
     num_micro_batches: int = 4
     epochs: int = 3
@@ -52,76 +54,97 @@ class RunConfig:
     scheduler: dict[str, Any] | None = None
     gradient_clipping: float = 1.0
     bf16: bool = False
-    forward_compress: str = "aqsgd"
-    forward_bits: int = 2
-    backward_compress: str = "direct"
-    backward_bits: int = 4
-    warmup_epochs: int = 0
-    tie_compress: str = "auto"  # tied weights' rows and gradients: auto (none iff both boundaries are), none, aqsgd
-    tie_bits: int = 8
-    buffer_dtype: str = "float16"
-    buffer_dir: str | None = None
     dist_timeout: float = 45.0  # a blocked collective or receive gives up after this (then ~6 s to exit)
     peer_timeout: float = 30.0  # a rank without heartbeat for this long is taken for dead
     save_every: int = 0  # checkpoint every N steps (0: never)
     save_total_limit: int | None = None  # keep the N newest checkpoints (None: all)
     resume: str | None = None  # latest | auto | a checkpoint path; resolved to the checkpoint directory
     skip_nonfinite: bool = False  # skip a step with NaN/inf (on every rank) instead of stopping
-    dp_algorithm: str = "allreduce"
-    dp_bits: int = 8
-    dp_warmup_steps: int = 100
-    dp_local_steps: int = 4
-    dp_topk_ratio: float = 0.01
-    dp_peer_selection: str = "shift_one"
-    dp_interval: int = 1
+    # the sections the engine and the data-parallel algorithms take whole
+    compression: CompressionConfig = field(default_factory=lambda: CompressionConfig(
+        forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4))
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+
+    @property
+    def replicas(self) -> int:
+        return self.data_parallel.replicas
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON values, the sections nested (a dtype by its name)."""
+        out = asdict(self)
+        out["compression"]["buffer_dtype"] = str(self.compression.buffer_dtype).removeprefix("torch.")
+        return out
 
 
-# flag name -> (type, help); every flag defaults to None so the file's value survives unless given
-FLAGS: dict[str, tuple[Any, str]] = {
-    "model": (str, "HF hub name, local model directory, or a config.json (random init); default: a tiny shape"),
-    "dataset": (str, "HF dataset name, local text/json/csv/parquet file, or a built-in name; default: built-in"),
-    "dataset_config": (str, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1"),
-    "seq_len": (int, "tokens per sample"),
-    "pipeline_stages": (str, "stages per pipeline, or auto = world size / replicas (world = stages x replicas)"),
-    "schedule": (str, f"one of {', '.join(SCHEDULES)}"),
-    "partition": (str, "parameters, uniform, or comma-separated block counts per stage"),
-    "replicas": (int, "data-parallel replicas of the pipeline"),
-    "micro_batch_size": (int, "samples per micro-batch"),
-    "num_micro_batches": (int, "micro-batches per optimizer step (gradient accumulation)"),
-    "epochs": (int, "passes over the training samples"),
-    "max_steps": (int, "stop after this many optimizer steps"),
-    "max_train_samples": (int, "use the first N training samples (0: all)"),
-    "max_eval_samples": (int, "use the first N evaluation samples (0: all)"),
-    "eval_every": (int, "evaluate every N steps (0: at the end only)"),
-    "lr": (float, "peak learning rate"),
-    "seed": (int, "seed of model init, data order and codecs"),
-    "output_dir": (str, "where metrics, summary and the fine-tuned model go"),
-    "forward_compress": (str, f"activations: one of {', '.join(FORWARD_MODES)}"),
-    "forward_bits": (int, "bits of forward compression (1-8)"),
-    "backward_compress": (str, f"gradients: one of {', '.join(BACKWARD_MODES)}"),
-    "backward_bits": (int, "bits of backward compression (1-8)"),
-    "warmup_epochs": (int, "epochs at full precision before compression starts"),
+def _group(text: str) -> int | str | None:
+    """A group size flag: a number, auto, or none (whole rows; kept as the word until the config is built, since
+    None means "not given" to argparse)."""
+    word = text.strip().lower()
+    return word if word in ("none", "auto") else int(text)
+
+
+# flag -> (type, help, where it lands: a RunConfig field, or "section.field"); every flag defaults to None so
+# the file's value survives unless the flag is given
+FLAGS: dict[str, tuple[Any, str, str]] = {
+    "model": (str, "HF hub name, local model directory, or a config.json (random init); default: a tiny shape",
+              "model"),
+    "dataset": (str, "HF dataset name, local text/json/csv/parquet file, or a built-in name; default: built-in",
+                "dataset"),
+    "dataset_config": (str, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1", "dataset_config"),
+    "seq_len": (int, "tokens per sample", "seq_len"),
+    "pipeline_stages": (str, "stages per pipeline, or auto = world size / replicas (world = stages x replicas)",
+                        "pipeline_stages"),
+    "schedule": (str, f"one of {', '.join(SCHEDULES)}", "schedule"),
+    "partition": (str, "parameters, uniform, or comma-separated block counts per stage", "partition"),
+    "micro_batch_size": (int, "samples per micro-batch", "micro_batch_size"),
+    "num_micro_batches": (int, "micro-batches per optimizer step (gradient accumulation)", "num_micro_batches"),
+    "epochs": (int, "passes over the training samples", "epochs"),
+    "max_steps": (int, "stop after this many optimizer steps", "max_steps"),
+    "max_train_samples": (int, "use the first N training samples (0: all)", "max_train_samples"),
+    "max_eval_samples": (int, "use the first N evaluation samples (0: all)", "max_eval_samples"),
+    "eval_every": (int, "evaluate every N steps (0: at the end only)", "eval_every"),
+    "lr": (float, "peak learning rate", "lr"),
+    "seed": (int, "seed of model init, data order and codecs", "seed"),
+    "output_dir": (str, "where metrics, summary and the fine-tuned model go", "output_dir"),
+    "gradient_clipping": (float, "clip the global gradient norm to this (0: off)", "gradient_clipping"),
+    "dist_timeout": (float, "seconds a collective or receive may wait for a peer before the run stops",
+                     "dist_timeout"),
+    "peer_timeout": (float, "seconds without a peer's heartbeat before it is taken for dead and the run stops",
+                     "peer_timeout"),
+    "save_every": (int, "write a resumable checkpoint every N steps and at the end (0: never)", "save_every"),
+    "save_total_limit": (int, "keep only the N newest checkpoints", "save_total_limit"),
+    # the compression section (the engine's CompressionConfig)
+    "forward_compress": (str, f"activations: one of {', '.join(FORWARD_MODES)}", "compression.forward"),
+    "forward_bits": (int, "bits of forward compression (1-8)", "compression.forward_bits"),
+    "backward_compress": (str, f"gradients: one of {', '.join(BACKWARD_MODES)}", "compression.backward"),
+    "backward_bits": (int, "bits of backward compression (1-8)", "compression.backward_bits"),
+    "group_size": (_group, "elements per quantization group on both boundaries (each group's min and step: 8 "
+                           "bytes), auto, or none for whole rows; sets --forward_group_size and --backward_group_size",
+                   "compression.group_size"),
+    "forward_group_size": (_group, "the forward quantizer's group: N, auto (64 at 2 bits or fewer, else rows) or "
+                                   "none (whole rows)", "compression.forward_group_size"),
+    "backward_group_size": (_group, "the backward quantizer's group: N, auto or none",
+                            "compression.backward_group_size"),
+    "warmup_epochs": (int, "epochs at full precision before compression starts", "compression.warmup_epochs"),
     "tie_compress": (str, f"tied weights (GPT2's embedding / LM head): auto, {', '.join(TIE_MODES)} (auto: none "
-                          "when both boundary codecs are none, else aqsgd)"),
-    "tie_bits": (int, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd (1-8)"),
-    "buffer_dtype": (str, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}"),
-    "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM"),
-    "gradient_clipping": (float, "clip the global gradient norm to this (0: off)"),
-    "dist_timeout": (float, "seconds a collective or receive may wait for a peer before the run stops"),
-    "peer_timeout": (float, "seconds without a peer's heartbeat before it is taken for dead and the run stops"),
-    "save_every": (int, "write a resumable checkpoint every N steps and at the end (0: never)"),
-    "save_total_limit": (int, "keep only the N newest checkpoints"),
-    "dp_algorithm": (str, "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, qsparse_local_sgd"),
-    "dp_bits": (int, "bits of compressed data-parallel traffic (1-8)"),
-    "dp_warmup_steps": (int, "qadam: full-precision Adam steps before compressed momentum"),
-    "dp_local_steps": (int, "qsparse_local_sgd: local steps between synchronizations"),
-    "dp_topk_ratio": (float, "qsparse_local_sgd: fraction of entries kept (0, 1]"),
-    "dp_peer_selection": (str, "decentralized: shift_one or all"),
-    "dp_interval": (int, "decentralized: communicate every N steps"),
+                          "when both boundary codecs are none, else aqsgd)", "compression.tie"),
+    "tie_bits": (int, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd (1-8)",
+                 "compression.tie_bits"),
+    "buffer_dtype": (str, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}", "compression.buffer_dtype"),
+    "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM", "compression.buffer_dir"),
+    # the data-parallel section (data_parallel.DataParallelConfig)
+    "replicas": (int, "data-parallel replicas of the pipeline", "data_parallel.replicas"),
+    "dp_algorithm": (str, "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
+                          "qsparse_local_sgd", "data_parallel.algorithm"),
+    "dp_bits": (int, "bits of compressed data-parallel traffic (1-8)", "data_parallel.bits"),
+    "dp_warmup_steps": (int, "qadam: full-precision Adam steps before compressed momentum",
+                        "data_parallel.warmup_steps"),
+    "dp_local_steps": (int, "qsparse_local_sgd: local steps between synchronizations", "data_parallel.local_steps"),
+    "dp_topk_ratio": (float, "qsparse_local_sgd: fraction of entries kept (0, 1]", "data_parallel.topk_ratio"),
+    "dp_peer_selection": (str, "decentralized: shift_one or all", "data_parallel.peer_selection"),
+    "dp_interval": (int, "decentralized: communicate every N steps", "data_parallel.interval"),
 }
+SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
 
 
 def build_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
@@ -129,8 +152,12 @@ def build_parser(description: str, prog: str | None = None) -> argparse.Argument
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    for name, (kind, text) in FLAGS.items():
+    for name, (kind, text, _) in FLAGS.items():
         p.add_argument(f"--{name}", type=kind, default=None, help=text)
+    p.add_argument("--stochastic", dest="stochastic", action="store_const", const=True, default=None,
+                   help="stochastic rounding in every quantizer (unbiased; the default)")
+    p.add_argument("--no_stochastic", dest="stochastic", action="store_const", const=False,
+                   help="round to nearest instead (biased; outside AQ-SGD's convergence theorem)")
     p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast and bf16 boundary activations")
     p.add_argument("--activation_checkpointing", action="store_true", default=None, help="recompute blocks in backward")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
@@ -141,8 +168,25 @@ def build_parser(description: str, prog: str | None = None) -> argparse.Argument
     return p
 
 
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given, as settings: top-level fields by name, section fields as {"section": {...}}."""
+    out: dict[str, Any] = {}
+    targets = {name: dest for name, (_, _, dest) in FLAGS.items()}
+    targets.update(stochastic="compression.stochastic", bf16="bf16", resume="resume",
+                   activation_checkpointing="activation_checkpointing", skip_nonfinite="skip_nonfinite")
+    for name, value in vars(args).items():
+        if value is None or name not in targets:
+            continue
+        section, _, key = targets[name].rpartition(".")
+        keys = ("forward_group_size", "backward_group_size") if key == "group_size" else (key,)
+        for key in keys:  # --group_size sets both boundaries' groups; the one-sided flags (after it) win
+            if key == name or vars(args).get(key) is None:
+                (out.setdefault(section, {}) if section else out)[key] = value
+    return out
+
+
 def _from_file(path: str) -> dict[str, Any]:
-    """Translate a DeepSpeed-style JSON file into RunConfig fields."""
+    """Translate a DeepSpeed-style JSON file into settings (sections as nested dicts)."""
     if not os.path.isfile(path):
         raise ValueError(f"--deepspeed_config {path}: no such file")
     try:
@@ -169,24 +213,44 @@ def _from_file(path: str) -> dict[str, Any]:
             out[ours] = pipe[theirs]
     if pipe.get("activation_checkpoint_interval", 0):
         out["activation_checkpointing"] = True
-    comp = raw.get("compression", {})
-    for key in ("forward", "backward"):
-        if key in comp:
-            out[f"{key}_compress"] = comp[key]
-        if f"{key}_bits" in comp:
-            out[f"{key}_bits"] = comp[f"{key}_bits"]
-    for key in ("tie", "tie_bits"):
-        if key in comp:
-            out["tie_compress" if key == "tie" else key] = comp[key]
-    for key in ("warmup_epochs", "buffer_dtype", "buffer_dir"):
-        if key in comp:
-            out[key] = comp[key]
-    for key, value in raw.get("data_parallel", {}).items():
-        out[key if key == "replicas" else f"dp_{key}"] = value
+    for section in SECTIONS:
+        if section in raw:
+            out[section] = dict(raw[section])
     out.update(raw.get("run", {}))
     if "train_batch_size" in raw:
         out["_train_batch_size"] = raw["train_batch_size"]
     return out
+
+
+def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Later layers win; the sections merge key by key."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            out[key] = {**out.get(key, {}), **value} if key in SECTIONS else value
+    return out
+
+
+def _build(task: str, values: dict[str, Any]) -> RunConfig:
+    """A RunConfig from merged settings; an unknown key is named with the block it came from."""
+    top = {f.name for f in fields(RunConfig)} - set(SECTIONS)
+    unknown = sorted(set(values) - top - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block")
+    cfg = RunConfig(task=task, **{k: v for k, v in values.items() if k not in SECTIONS})
+    for name, kind in SECTIONS.items():
+        given = dict(values.get(name, {}))
+        unknown = sorted(set(given) - {f.name for f in fields(kind)})
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's {name} block; expected "
+                             f"{', '.join(f.name for f in fields(kind))}")
+        for key in ("forward_group_size", "backward_group_size"):
+            if isinstance(given.get(key), str) and given[key].lower() == "none":
+                given[key] = None  # whole rows
+        if isinstance(given.get("buffer_dtype"), str):
+            given["buffer_dtype"] = BUFFER_DTYPES.get(given["buffer_dtype"], given["buffer_dtype"])
+        setattr(cfg, name, replace(getattr(cfg, name), **given))
+    return cfg
 
 
 def _positive(cfg: RunConfig, name: str, allow_zero: bool = False) -> None:
@@ -210,38 +274,26 @@ def _resolve_stages(cfg: RunConfig, world_size: int) -> None:
 
 
 def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
-    """Check every value; raises ValueError naming the first bad one and what is expected."""
-    _positive(cfg, "replicas")
+    """Check every value against its range, reading no file; raises ValueError naming the first bad one."""
+    cfg.data_parallel.validate()
     _resolve_stages(cfg, world_size)
     for name in ("seq_len", "pipeline_stages", "micro_batch_size", "num_micro_batches", "epochs"):
         _positive(cfg, name)
-    for name in ("eval_every", "warmup_epochs"):
-        _positive(cfg, name, allow_zero=True)
+    _positive(cfg, "eval_every", allow_zero=True)
     for name in ("max_steps", "max_train_samples", "max_eval_samples"):
         if getattr(cfg, name) is not None:
             _positive(cfg, name, allow_zero=name != "max_steps")
-    _check_data_parallel(cfg)
     if cfg.seq_len < 2:
         raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if cfg.forward_compress not in FORWARD_MODES:
-        raise ValueError(f"forward_compress={cfg.forward_compress!r}: expected one of {', '.join(FORWARD_MODES)}")
-    if cfg.backward_compress not in BACKWARD_MODES:
-        raise ValueError(f"backward_compress={cfg.backward_compress!r}: expected one of {', '.join(BACKWARD_MODES)}")
-    if cfg.tie_compress not in ("auto", *TIE_MODES):
-        raise ValueError(f"tie_compress={cfg.tie_compress!r}: expected auto or one of {', '.join(TIE_MODES)}")
-    for name in ("forward_bits", "backward_bits", "tie_bits"):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-            raise ValueError(f"{name}={value!r}: expected an integer from 1 to 8")
-    if cfg.buffer_dtype not in BUFFER_DTYPES:
-        raise ValueError(f"buffer_dtype={cfg.buffer_dtype!r}: expected one of {', '.join(BUFFER_DTYPES)}")
+    cfg.compression.validate()
     if isinstance(cfg.partition, str) and cfg.partition not in ("parameters", "uniform"):
         try:
             cfg.partition = [int(v) for v in cfg.partition.split(",")]
         except ValueError:
-            raise ValueError(f"partition={cfg.partition!r}: expected parameters, uniform, or block counts like 2,2") from None
+            raise ValueError(f"partition={cfg.partition!r}: expected parameters, uniform, "
+                             "or block counts like 2,2") from None
     if isinstance(cfg.partition, list) and len(cfg.partition) != cfg.pipeline_stages:
         raise ValueError(f"partition={cfg.partition}: expected {cfg.pipeline_stages} block counts, one per stage")
     if not cfg.lr > 0:
@@ -259,121 +311,34 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"optimizer type {opt_type!r}: expected one of {', '.join(OPTIMIZERS)}")
     if cfg.scheduler is not None and cfg.scheduler.get("type") not in SCHEDULERS:
         raise ValueError(f"scheduler type {cfg.scheduler.get('type')!r}: expected one of {', '.join(SCHEDULERS)}")
-    if cfg.model is not None and not _is_hub_name(cfg.model) and not os.path.exists(cfg.model):
-        raise ValueError(f"model={cfg.model!r}: no such file or directory (expected an HF name, a model directory or a config.json)")
-    if cfg.dataset is not None and not _is_hub_name(cfg.dataset) and not os.path.exists(cfg.dataset):
-        raise ValueError(f"dataset={cfg.dataset!r}: no such file (expected an HF dataset name, a built-in name, "
-                         "or a local text/json/csv/parquet file)")
-    _check_model_shape(cfg)
-    _check_resume(cfg)
     return cfg
-
-
-def _check_model_shape(cfg: RunConfig) -> None:
-    """Stages against the model's blocks and seq_len against its positions, from its config alone."""
-    from .models import TINY
-
-    blocks, positions, name = TINY["layers"], None, "the built-in shape"  # it grows its positions to seq_len
-    if cfg.model is not None:
-        from transformers import AutoConfig
-
-        try:  # a local directory or config.json, or a hub name already in the local cache
-            config = AutoConfig.from_pretrained(cfg.model, local_files_only=_is_hub_name(cfg.model))
-        except Exception:  # noqa: BLE001 - a hub name not cached here: the run checks once it has the model
-            return
-        blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
-        positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-        name = repr(cfg.model)
-    if blocks is not None and cfg.pipeline_stages > blocks:
-        raise ValueError(f"pipeline_stages={cfg.pipeline_stages}: model {name} has {blocks} blocks; expected at most "
-                         f"{blocks} stages (each stage holds at least one block)")
-    if blocks is not None and isinstance(cfg.partition, list) and sum(cfg.partition) != blocks:
-        raise ValueError(f"partition={cfg.partition}: sums to {sum(cfg.partition)}; expected the {blocks} blocks of "
-                         f"model {name}")
-    if positions is not None and cfg.seq_len > positions:
-        raise ValueError(f"seq_len={cfg.seq_len}: model {name} has {positions} positions; expected seq_len <= {positions}")
-
-
-def _check_resume(cfg: RunConfig) -> None:
-    """Resolve --resume to a checkpoint directory whose settings match this run's (None: auto, nothing saved)."""
-    from . import checkpoint, faults
-
-    faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
-    if cfg.resume is None:
-        return
-    found = checkpoint.find(cfg.resume, cfg.output_dir)
-    if found is not None:
-        checkpoint.check_compatible(found, cfg)
-    cfg.resume = None if found is None else str(found)
-
-
-def _check_data_parallel(cfg: RunConfig) -> None:
-    """The data-parallel options, checked before any process starts (the algorithms check them again)."""
-    import data_parallel
-
-    if cfg.dp_algorithm not in data_parallel.REGISTRY:
-        raise ValueError(f"dp_algorithm={cfg.dp_algorithm!r}: expected one of {', '.join(sorted(data_parallel.REGISTRY))}")
-    if isinstance(cfg.dp_bits, bool) or not isinstance(cfg.dp_bits, int) or not 1 <= cfg.dp_bits <= 8:
-        raise ValueError(f"dp_bits={cfg.dp_bits!r}: expected an integer from 1 to 8")
-    for name in ("dp_local_steps", "dp_interval"):
-        _positive(cfg, name)
-    _positive(cfg, "dp_warmup_steps", allow_zero=True)
-    if not 0 < cfg.dp_topk_ratio <= 1:
-        raise ValueError(f"dp_topk_ratio={cfg.dp_topk_ratio}: expected a fraction in (0, 1]")
-    if cfg.dp_peer_selection not in ("shift_one", "all"):
-        raise ValueError(f"dp_peer_selection={cfg.dp_peer_selection!r}: expected shift_one or all")
-    uses_pairs = cfg.dp_algorithm == "decentralized" and cfg.dp_peer_selection == "shift_one"
-    if uses_pairs and cfg.replicas > 1 and cfg.replicas % 2:
-        raise ValueError(f"replicas={cfg.replicas}: decentralized with shift_one pairs replicas, expected an even count")
-
-
-def dp_options(cfg: RunConfig) -> dict[str, Any]:
-    """The chosen algorithm's own options, from the dp_* settings."""
-    return {
-        "allreduce": {},
-        "decentralized": {"peer_selection": cfg.dp_peer_selection, "interval": cfg.dp_interval},
-        "low_precision_decentralized": {"bits": cfg.dp_bits, "seed": cfg.seed},
-        "qadam": {"warmup_steps": cfg.dp_warmup_steps, "bits": cfg.dp_bits, "seed": cfg.seed},
-        "qsparse_local_sgd": {"local_steps": cfg.dp_local_steps, "topk_ratio": cfg.dp_topk_ratio,
-                              "bits": cfg.dp_bits, "seed": cfg.seed},
-    }[cfg.dp_algorithm]
-
-
-def _is_hub_name(name: str) -> bool:
-    """'gpt2', 'microsoft/deberta-v2-xxlarge': no path separators beyond one org/name slash, nothing local."""
-    return not os.path.exists(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1 \
-        and not name.endswith((".json", ".txt", ".csv", ".parquet", ".jsonl"))
 
 
 def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[str, Any] | None = None,
             prog: str | None = None) -> RunConfig:
-    """Defaults < config file < flags, validated. Exits with status 2 and one line on bad input."""
+    """Defaults < config file < flags, validated, then the checks that read files (preflight).
+
+    Exits with status 2 and one line on bad input."""
     parser = build_parser(description, prog)
     args = parser.parse_args(argv)
     try:
-        values: dict[str, Any] = dict(defaults or {})
-        if args.deepspeed_config:
-            values.update(_from_file(args.deepspeed_config))
-        values.update({k: v for k, v in vars(args).items() if v is not None and k in RunConfig.__dataclass_fields__})
+        values = _merge(defaults or {}, _from_file(args.deepspeed_config) if args.deepspeed_config else {},
+                        _flag_values(args))
         batch = values.pop("_train_batch_size", None)
-        unknown = sorted(set(values) - set(RunConfig.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block")
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        cfg = validate(RunConfig(task=task, **values), world)
+        cfg = validate(_build(task, values), world)
         if world % cfg.pipeline_stages:
-            raise ValueError(f"pipeline_stages={cfg.pipeline_stages} does not divide the launcher's {world} processes: "
-                             "expected world size = pipeline_stages x replicas")
+            raise ValueError(f"pipeline_stages={cfg.pipeline_stages} does not divide the launcher's {world} "
+                             "processes: expected world size = pipeline_stages x replicas")
         if cfg.pipeline_stages * cfg.replicas != world:
-            raise ValueError(
-                f"pipeline_stages={cfg.pipeline_stages} x replicas={cfg.replicas} needs "
-                f"{cfg.pipeline_stages * cfg.replicas} processes; the launcher started {world}"
-            )
+            raise ValueError(f"pipeline_stages={cfg.pipeline_stages} x replicas={cfg.replicas} needs "
+                             f"{cfg.pipeline_stages * cfg.replicas} processes; the launcher started {world}")
         if batch is not None and batch != cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas:
             raise ValueError(
                 f"train_batch_size={batch}: expected micro_batch_size x num_micro_batches x replicas = "
                 f"{cfg.micro_batch_size} x {cfg.num_micro_batches} x {cfg.replicas}"
             )
+        preflight.check(cfg)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return cfg

@@ -28,13 +28,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data_parallel
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.partitioning import merge_into, partition, tie_groups
 
 from . import checkpoint
 from . import data as datalib
 from . import faults
-from .config import RunConfig, dp_options
+from .config import RunConfig
 from .models import build_model, model_positions
 from .tasks import Task
 from .watchdog import Watchdog
@@ -300,17 +300,12 @@ def _train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
     optimizer = _optimizer(cfg, owned_parameters(stage, ties))
-    compression = CompressionConfig(
-        forward=cfg.forward_compress, forward_bits=cfg.forward_bits, backward=cfg.backward_compress,
-        backward_bits=cfg.backward_bits, warmup_epochs=cfg.warmup_epochs, tie=cfg.tie_compress, tie_bits=cfg.tie_bits,
-        buffer_dtype=getattr(torch, cfg.buffer_dtype), buffer_dir=cfg.buffer_dir,
-    )
     algorithm = None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        algorithm = data_parallel.create(cfg.dp_algorithm, owned_parameters(stage, ties), comm, **dp_options(cfg))
+        algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed)
     engine = PipelineEngine(
-        stage, groups, optimizer, compression=compression,
+        stage, groups, optimizer, compression=cfg.compression,
         num_samples=datalib.shard_size(len(train_set), grid.replicas), seq_len=cfg.seq_len,
         lr_scheduler=None, gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule, ties=ties,
         device=world.device, bf16=cfg.bf16, seed=cfg.seed, data_parallel=algorithm,

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps = min(args.steps, 6)
         extra = ["--seq_len", "32", "--max_train_samples", "64", "--max_eval_samples", "8", "--micro_batch_size", "2",
-                 "--num_micro_batches", "2", "--dp_warmup_steps", "2", "--dp_local_steps", "2", "--dp_topk_ratio", "0.05"]
+                 "--num_micro_batches", "2", "--dp_warmup_steps", "2", "--dp_local_steps", "2",
+                 "--dp_topk_ratio", "0.05"]
     rows = []
     print(f"{'algorithm':<28} {'steps':>5} {'dp MB/step':>10} {'last MB':>8} {'vs allreduce':>12} "
           f"{'loss first5':>11} {'loss last5':>10} {'eval':>7}")

@@ -130,7 +130,8 @@ def markdown_table(model: str, runs: list[dict[str, Any]], metric: str) -> str:
     for r in runs:
         lines.append(
             f"| {r['label']} | {r['train_loss']:.3f} | {ratio(r['train_loss_ratio'])} | {r['eval_loss']:.3f} "
-            f"| {ratio(r['eval_loss_ratio'])} | {r[f'eval_{metric}']:.{1 if metric == 'perplexity' else 3}f} | {ratio(r[f'eval_{metric}_ratio'])} "
+            f"| {ratio(r['eval_loss_ratio'])} | {r[f'eval_{metric}']:.{1 if metric == 'perplexity' else 3}f} "
+            f"| {ratio(r[f'eval_{metric}_ratio'])} "
             f"| {r['fwd_bytes'] / 1e6:.1f} | {r['bwd_bytes'] / 1e6:.1f} |")
     return "\n".join(lines)
 
@@ -194,7 +195,8 @@ def _equal(stored: Any, given: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2,deberta", help=f"comma-separated, from {','.join(MODELS)}")
-    p.add_argument("--methods", default=None, help="comma-separated, from " + ",".join(m.name for m in METHODS + ABLATIONS))
+    p.add_argument("--methods", default=None,
+                   help="comma-separated, from " + ",".join(m.name for m in METHODS + ABLATIONS))
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--output_dir", default="runs/convergence", help="run directories go here")
     p.add_argument("--json", default=None, help="results file (default: benchmarks/results/convergence.json, "
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.output_dir)
     local = args.quick
-    json_path = Path(args.json) if args.json else (out if local else ROOT / "benchmarks" / "results") / "convergence.json"
+    json_path = (Path(args.json) if args.json
+                 else (out if local else ROOT / "benchmarks" / "results") / "convergence.json")
     plot_dir = Path(args.plot_dir) if args.plot_dir else (out if local else ROOT / "benchmarks" / "plots")
     if args.replot:
         results = json.loads(json_path.read_text())

@@ -153,7 +153,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     scheduler = _scheduler(cfg, optimizer, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg))
-    if world.rank == 0 and (cfg.forward_compress != "none" or cfg.backward_compress != "none"):
+    if world.rank == 0 and (cfg.compression.forward != "none" or cfg.compression.backward != "none"):
         print("deepspeed_pipeline: DeepSpeed sends FP32 activations; compression settings ignored", flush=True)
 
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches

@@ -128,7 +128,8 @@ class Network:
                   f"c=socket.create_connection(('{self.address(dst)}',{port}));d=b'x'*(1<<20);t=time.perf_counter()\n"
                   f"for _ in range({max(1, nbytes >> 20)}): c.sendall(d)\n"
                   "c.shutdown(socket.SHUT_WR);c.recv(1);print(time.perf_counter()-t)")
-        rx = subprocess.Popen([*self.exec_prefix(dst), sys.executable, "-c", receiver], stdout=subprocess.PIPE, text=True)
+        rx = subprocess.Popen([*self.exec_prefix(dst), sys.executable, "-c", receiver],
+                              stdout=subprocess.PIPE, text=True)
         try:
             rx.stdout.readline()  # 'ready'
             out = subprocess.run([*self.exec_prefix(src), sys.executable, "-c", sender], capture_output=True,

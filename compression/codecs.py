@@ -95,7 +95,8 @@ class _Codec:
 
     def _decode_dense(self, message: Message) -> torch.Tensor:
         shape = torch.Size(message.shape)
-        _check_payload(message, self._dense_nbytes(shape, message.dtype), f"for mode {self.mode!r} and shape {tuple(shape)}")
+        _check_payload(message, self._dense_nbytes(shape, message.dtype),
+                       f"for mode {self.mode!r} and shape {tuple(shape)}")
         if self.mode == "none":
             return _from_raw(message.payload, shape, message.dtype)
         q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size)
@@ -161,7 +162,8 @@ class ForwardCodec(_Codec):
         self.buffer: SampleBuffer | None = None
         if mode == "aqsgd":
             if num_samples is None or sample_shape is None:
-                raise ValueError("mode='aqsgd' needs num_samples (dataset size) and sample_shape (one sample's activation)")
+                raise ValueError("mode='aqsgd' needs num_samples (dataset size) "
+                                 "and sample_shape (one sample's activation)")
             self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path)
             if self.bits == 1:
                 warnings.warn(
@@ -172,7 +174,8 @@ class ForwardCodec(_Codec):
                 )
 
     # ------------------------------------------------------------------ aqsgd internals
-    def _split(self, sample_ids: Any, shape: torch.Size, refresh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(self, sample_ids: Any, shape: torch.Size,
+               refresh: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Validated ids, and the masks of samples sent whole (first visit / refresh) and as deltas."""
         buf = self.buffer
         if len(shape) < 1 or tuple(shape[1:]) != buf.sample_shape:

@@ -10,7 +10,7 @@ brings the CPU round trip within reach of memory bandwidth.
 no compiler. Both use the same counter-based dither (a hash of the element's
 index and a key drawn from the caller's torch.Generator) and the same float32
 operations in the same order, so codes and decoded values match bit for bit:
-tests/test_kernels.py holds them to it.
+tests/unit/test_kernels.py holds them to it.
 
 Choose with the environment variable AQPIPE_KERNELS=auto|native|torch.
 """

@@ -48,7 +48,8 @@ def _group_size(shape: torch.Size, group_size: int | None) -> int:
     if group_size is None:
         return shape[-1] if len(shape) else 1
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r}: expected a positive integer or None (a row of the last dimension)")
+        raise ValueError(f"group_size={group_size!r}: expected a positive integer "
+                         "or None (a row of the last dimension)")
     return group_size
 
 

@@ -36,7 +36,8 @@ class SparseTensor:
         value_bytes = values.nbytes if isinstance(values, QuantizedTensor) else values.numel() * values.element_size()
         return self.index_nbytes + value_bytes
 
-    def quantize(self, bits: int, *, stochastic: bool = True, generator: torch.Generator | None = None) -> "SparseTensor":
+    def quantize(self, bits: int, *, stochastic: bool = True,
+                 generator: torch.Generator | None = None) -> "SparseTensor":
         """Q ∘ Comp_k: the kept values quantized as one group."""
         if isinstance(self.values, QuantizedTensor):
             raise ValueError("values are already quantized")

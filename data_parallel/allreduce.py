@@ -24,6 +24,7 @@ class AllReduce(Algorithm):
     """g <- mean over replicas of g: R replicas at batch B/R each step like one replica at batch B."""
 
     name = "allreduce"
+    OPTIONS = ()
 
     def after_backward(self) -> None:
         if self.comm.size > 1 and self.params:

@@ -28,6 +28,7 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 
 class Algorithm:
     name: ClassVar[str] = ""
+    OPTIONS: ClassVar[tuple[str, ...]] = ()  # the options `DataParallelConfig.create` passes it
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, **options: Any) -> None:
         if options:

@@ -100,6 +100,7 @@ class DecentralizedSGD(Algorithm):
     """x <- (x + x_peer) / 2 before the local optimizer step; peers by `shift_one` or `all`."""
 
     name = "decentralized"
+    OPTIONS = ("peer_selection", "interval")
 
     def __init__(
         self, params: list[torch.nn.Parameter], comm: Comm, *, peer_selection: str = "shift_one",
@@ -165,6 +166,7 @@ class LowPrecisionDecentralizedSGD(Algorithm):
     """Ring-decentralized SGD that sends only Q(x_{t+1/2} - x_t) to its two neighbours (see the module doc)."""
 
     name = "low_precision_decentralized"
+    OPTIONS = ("bits", "seed")
 
     def __init__(
         self, params: list[torch.nn.Parameter], comm: Comm, *, bits: int = 8, seed: int = 0,

@@ -225,7 +225,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
             raise ValueError("qadam: the state dict has no 'qadam' entry: it was not saved by QAdamOptimizer")
         for key in ("warmup_steps", "bits", "group_size"):
             if extra[key] != getattr(self, key):
-                raise ValueError(f"qadam: the checkpoint has {key}={extra[key]!r}, this optimizer {getattr(self, key)!r}")
+                raise ValueError(f"qadam: the checkpoint has {key}={extra[key]!r}, "
+                                 f"this optimizer {getattr(self, key)!r}")
         super().load_state_dict(state_dict)
         self.step_id = int(extra["step_id"])
         self.generator.set_state(extra["generator"])
@@ -243,6 +244,7 @@ class QAdam(Algorithm):
     """
 
     name = "qadam"
+    OPTIONS = ("warmup_steps", "bits", "seed")
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, warmup_steps: int = 100, bits: int = 8,
                  seed: int = 0, group_size: int = DEFAULT_GROUP_SIZE, **options: Any) -> None:

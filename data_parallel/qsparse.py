@@ -64,6 +64,7 @@ class QsparseLocalSGD(Algorithm):
     sparsifier ("topk" or "randk"), bits (1..8, default 8; None: no quantization), seed (int >= 0)."""
 
     name = "qsparse_local_sgd"
+    OPTIONS = ("local_steps", "topk_ratio", "bits", "seed")
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, local_steps: int = 4,
                  topk_ratio: float = 0.01, sparsifier: str = "topk", bits: int | None = 8, seed: int = 0,
@@ -125,7 +126,8 @@ class QsparseLocalSGD(Algorithm):
 
     def encode(self, sparse: SparseTensor) -> torch.Tensor:
         values = sparse.values
-        value_bytes = values.to_bytes() if isinstance(values, QuantizedTensor) else values.to(torch.float32).view(torch.uint8)
+        value_bytes = (values.to_bytes() if isinstance(values, QuantizedTensor)
+                       else values.to(torch.float32).view(torch.uint8))
         payload = torch.cat([encode_indices(sparse.indices, self.index_width), value_bytes.reshape(-1)])
         assert payload.numel() == sparse.nbytes == self.message_nbytes(), (payload.numel(), sparse.nbytes)
         return payload

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .engine import CompressionConfig, PipelineEngine, StepCounters, followed_parameters, owned_parameters
+from .compression_config import BUFFER_DTYPES, CompressionConfig
+from .engine import PipelineEngine, StepCounters, followed_parameters, owned_parameters
 from .schedule import SCHEDULES, Action, gpipe, in_flight, one_f_one_b, simulate, train_schedule
 from .ties import TIE_MODES, Tie
 from .topology import Grid, Groups, build_groups
@@ -27,7 +28,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine", "PipelineStage",
+    "BUFFER_DTYPES", "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine",
+    "PipelineStage",
     "StageOutput", "StepCounters", "Tie", "build_groups", "followed_parameters", "gpipe", "in_flight", "merge_into",
     "one_f_one_b", "owned_parameters", "partition", "simulate", "tie_groups", "train_schedule",
 ]

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from compression import BackwardCodec, BufferRangeError, ForwardCodec
 
 from . import schedule as sched
-from .ties import TIE_MODES, Tie, TiedWeights, remember_rows
+from .compression_config import CompressionConfig
+from .ties import Tie, TiedWeights, remember_rows
 from .topology import Groups
 from .transport import Boundary, Wire
 
@@ -54,35 +55,6 @@ class Stage(Protocol):
     def __call__(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> Any: ...
     def parameters(self) -> Any: ...
     def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...
-
-
-@dataclass
-class CompressionConfig:
-    """Per boundary: forward none|direct|aqsgd, backward none|direct, warm-up epochs at full precision.
-
-    `tie`: how tied weights' rows and gradients travel (ties.py): `none` exactly, `aqsgd` as `tie_bits`
-    changes against the follower's rows and `tie_bits` gradients; `auto` is `none` when both boundary
-    codecs are and `aqsgd` otherwise.
-    """
-
-    forward: str = "none"
-    forward_bits: int | None = None
-    backward: str = "none"
-    backward_bits: int | None = None
-    warmup_epochs: int = 0
-    buffer_dtype: torch.dtype = torch.float16
-    buffer_dir: str | None = None  # disk-backed AQ-SGD buffers: one file per boundary side
-    group_size: int | None = None
-    stochastic: bool = True
-    tie: str = "auto"
-    tie_bits: int = 8
-
-    def tie_mode(self) -> str:
-        if self.tie == "auto":
-            return "none" if self.forward == "none" and self.backward == "none" else "aqsgd"
-        if self.tie not in TIE_MODES:
-            raise ValueError(f"tie={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
-        return self.tie
 
 
 @dataclass
@@ -141,7 +113,7 @@ class PipelineEngine:
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
         self.optimizer = data_parallel.wrap_optimizer(optimizer) if data_parallel is not None else optimizer
         self.lr_scheduler, self.gradient_clipping, self.schedule = lr_scheduler, gradient_clipping, schedule
-        self.compression = compression or CompressionConfig()
+        self.compression = (compression or CompressionConfig()).validate()
         self.device, self.bf16 = torch.device(device), bf16
         self.wire_dtype = torch.bfloat16 if bf16 else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
@@ -170,9 +142,9 @@ class PipelineEngine:
               "buffer_path": path} if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
         forward = ForwardCodec(c.forward, c.forward_bits, stochastic=c.stochastic, seed=codec_seed,
-                               group_size=c.group_size, **kw)
+                               group_size=c.group_size("forward", shape[-1]), **kw)
         backward = BackwardCodec(c.backward, c.backward_bits, stochastic=c.stochastic, seed=codec_seed + 1,
-                                 group_size=c.group_size)
+                                 group_size=c.group_size("backward", shape[-1]))
         return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"))
 
     # ------------------------------------------------------------------ one batch

@@ -1,0 +1,64 @@
+"""The data-parallel section of a run's settings, checked without building anything.
+
+One object holds the replica count, the algorithm and every algorithm's options; `create` passes
+each algorithm the options it takes (`Algorithm.OPTIONS`), so a trainer forwards the section as is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import REGISTRY, Algorithm
+from .comm import Comm
+
+PEER_SELECTIONS = ("shift_one", "all")
+
+
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        expected = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ValueError(f"dp_{name}={value!r}: expected an integer {expected}")
+
+
+@dataclass
+class DataParallelConfig:
+    replicas: int = 1  # data-parallel replicas of the pipeline (world size = stages x replicas)
+    algorithm: str = "allreduce"
+    bits: int = 8  # low_precision_decentralized, qadam, qsparse_local_sgd
+    warmup_steps: int = 100  # qadam: full-precision Adam steps before compressed momentum
+    local_steps: int = 4  # qsparse_local_sgd: local steps between synchronizations
+    topk_ratio: float = 0.01  # qsparse_local_sgd: fraction of entries kept
+    peer_selection: str = "shift_one"  # decentralized: shift_one or all
+    interval: int = 1  # decentralized: communicate every N steps
+
+    def validate(self) -> "DataParallelConfig":
+        """Every value against its range (one line naming it); no I/O."""
+        _integer("replicas", self.replicas, 1)
+        if self.algorithm not in REGISTRY:
+            raise ValueError(f"dp_algorithm={self.algorithm!r}: expected one of {', '.join(sorted(REGISTRY))}")
+        _integer("bits", self.bits, 1, 8)
+        _integer("local_steps", self.local_steps, 1)
+        _integer("interval", self.interval, 1)
+        _integer("warmup_steps", self.warmup_steps, 0)
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) \
+                or not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected a fraction in (0, 1]")
+        if self.peer_selection not in PEER_SELECTIONS:
+            raise ValueError(f"dp_peer_selection={self.peer_selection!r}: expected shift_one or all")
+        pairs = self.algorithm == "decentralized" and self.peer_selection == "shift_one"
+        if pairs and self.replicas > 1 and self.replicas % 2:
+            raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "
+                             "expected an even count")
+        return self
+
+    def options(self, seed: int) -> dict[str, Any]:
+        """The keyword options the chosen algorithm takes, from this section (and the run's seed)."""
+        values = {"bits": self.bits, "warmup_steps": self.warmup_steps, "local_steps": self.local_steps,
+                  "topk_ratio": self.topk_ratio, "peer_selection": self.peer_selection, "interval": self.interval,
+                  "seed": seed}
+        return {name: values[name] for name in REGISTRY[self.algorithm].OPTIONS}
+
+    def create(self, params: list[torch.nn.Parameter], comm: Comm, seed: int) -> Algorithm:
+        return REGISTRY[self.algorithm](params, comm, **self.options(seed))

@@ -1,0 +1,88 @@
+"""What every stage boundary and tied weight sends, as one section of settings the engine takes whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compression import BACKWARD_MODES, FORWARD_MODES
+
+from .ties import TIE_MODES
+
+BUFFER_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# "auto" groups: a quantizer at 2 bits or fewer takes groups of this many elements (where rows are wider),
+# wider quantizers whole rows (chosen by measurement: benchmarks/RESULTS.md, "Groups for 2-bit quantizers")
+AUTO_GROUP_SIZE = 64
+AUTO_GROUP_BITS = 2
+
+
+def _bits(name: str, value: object, needed: bool) -> None:
+    if value is None and not needed:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+        raise ValueError(f"{name}={value!r}: expected an integer from 1 to 8")
+
+
+@dataclass
+class CompressionConfig:
+    """Per boundary: forward none|direct|aqsgd, backward none|direct, warm-up epochs at full precision.
+
+    `forward_group_size` / `backward_group_size`: elements per quantization group (its min and step
+    travel as 8 bytes); None: a whole row of the last dimension; "auto": AUTO_GROUP_SIZE for a quantizer
+    at AUTO_GROUP_BITS bits or fewer on rows wider than that (whose error over whole rows breaks AQ-SGD's
+    c_Q bound), else rows. `stochastic`: unbiased stochastic rounding (AQ-SGD's theorem assumes
+    it), else round to nearest. `tie`: how tied weights' rows and gradients travel (ties.py): `none`
+    exactly, `aqsgd` as `tie_bits` changes against the follower's rows and `tie_bits` gradients;
+    `auto` is `none` when both boundary codecs are and `aqsgd` otherwise.
+    """
+
+    forward: str = "none"
+    forward_bits: int | None = None
+    backward: str = "none"
+    backward_bits: int | None = None
+    warmup_epochs: int = 0
+    buffer_dtype: torch.dtype = torch.float16
+    buffer_dir: str | None = None  # disk-backed AQ-SGD buffers: one file per boundary side
+    forward_group_size: int | str | None = "auto"
+    backward_group_size: int | str | None = "auto"
+    stochastic: bool = True
+    tie: str = "auto"
+    tie_bits: int = 8
+
+    def validate(self) -> "CompressionConfig":
+        """Every value against its range, one line naming the setting as its flag does; no I/O."""
+        if self.forward not in FORWARD_MODES:
+            raise ValueError(f"forward_compress={self.forward!r}: expected one of {', '.join(FORWARD_MODES)}")
+        if self.backward not in BACKWARD_MODES:
+            raise ValueError(f"backward_compress={self.backward!r}: expected one of {', '.join(BACKWARD_MODES)}")
+        if self.tie != "auto" and self.tie not in TIE_MODES:
+            raise ValueError(f"tie_compress={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
+        _bits("forward_bits", self.forward_bits, self.forward != "none")
+        _bits("backward_bits", self.backward_bits, self.backward != "none")
+        _bits("tie_bits", self.tie_bits, self.tie_mode() != "none")
+        for name in ("forward_group_size", "backward_group_size"):
+            value = getattr(self, name)
+            if value not in (None, "auto") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: expected a positive integer, auto, or none for whole rows")
+        if isinstance(self.warmup_epochs, bool) or not isinstance(self.warmup_epochs, int) or self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs={self.warmup_epochs!r}: expected an integer >= 0")
+        if self.buffer_dtype not in BUFFER_DTYPES.values():
+            raise ValueError(f"buffer_dtype={self.buffer_dtype!r}: expected one of {', '.join(BUFFER_DTYPES)}")
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic={self.stochastic!r}: expected true or false")
+        return self
+
+    def group_size(self, direction: str, width: int) -> int | None:
+        """The group the `direction` ("forward" or "backward") quantizer uses on rows of `width`, auto resolved."""
+        value, bits = getattr(self, f"{direction}_group_size"), getattr(self, f"{direction}_bits")
+        if value == "auto":
+            small = bits is not None and bits <= AUTO_GROUP_BITS and width > AUTO_GROUP_SIZE
+            return AUTO_GROUP_SIZE if small else None
+        return value
+
+    def tie_mode(self) -> str:
+        if self.tie == "auto":
+            return "none" if self.forward == "none" and self.backward == "none" else "aqsgd"
+        if self.tie not in TIE_MODES:
+            raise ValueError(f"tie={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
+        return self.tie
