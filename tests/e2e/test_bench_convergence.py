@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from benchmarks import convergence  # noqa: E402
 from benchmarks.convergence_plot import smooth  # noqa: E402
@@ -37,8 +37,9 @@ def test_quick_study_records_every_method_with_finite_figures(quick):
         assert [step for step, _, _ in r["eval_curve"]] == [8, 16]  # once an epoch
         assert r["eval_curve"][-1][1] == pytest.approx(r["eval_loss"])
     assert runs["fp32"]["eval_loss_ratio"] == 1.0
-    # same seed and data order: before any update both see the same batch through a full-precision first visit
-    assert runs["aqsgd_2_4"]["loss"][0] == pytest.approx(runs["fp32"]["loss"][0], abs=1e-3)
+    # same seed and data order: before any update both compute the same batch, AQ-SGD's boundary through a
+    # full-precision first visit, so the first losses are equal to the bit
+    assert runs["aqsgd_2_4"]["loss"][0] == runs["fp32"]["loss"][0]
     # AQ-SGD's second epoch sends 2-bit deltas: fewer forward bytes than FP32 in all
     assert runs["aqsgd_2_4"]["fwd_bytes"] < runs["fp32"]["fwd_bytes"]
     assert block["goal"]["aqsgd_2_4_eval_ratio"] == runs["aqsgd_2_4"]["eval_loss_ratio"]

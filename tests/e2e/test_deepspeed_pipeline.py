@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Config
 
-from distributed_helpers import free_port
+from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SHAPE = ["--seq_len", "32", "--max_train_samples", "32", "--micro_batch_size", "2", "--num_micro_batches", "2",
          "--max_steps", "4"]
 STEP_KEYS = {"step", "loss", "seconds", "samples_per_s", "fwd_bytes", "bwd_bytes", "time"}
@@ -32,7 +32,8 @@ def tiny_config(tmp_path: Path) -> str:
     return str(path)
 
 
-def start(prefix: list[str], script: list[str], out: Path, model: str, *flags: str) -> tuple[list[str], subprocess.Popen]:
+def start(prefix: list[str], script: list[str], out: Path, model: str,
+          *flags: str) -> tuple[list[str], subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [*prefix, "--master_port", str(free_port()), *script, "--model", model, *SHAPE,
            "--output_dir", str(out), *flags]
@@ -50,7 +51,8 @@ def test_deepspeed_pipeline_matches_our_engine_on_the_same_model_and_data(tmp_pa
     model = tiny_config(tmp_path)
     ds_out, ours_out = tmp_path / "deepspeed", tmp_path / "ours"
     ds = start(["deepspeed", "--num_gpus", "2"], ["--module", "benchmarks.deepspeed_pipeline"], ds_out, model)
-    ours = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], [str(ROOT / "recipes/finetune_gpt2.py")],
+    ours = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+                 [str(ROOT / "recipes/finetune_gpt2.py")],
                  ours_out, model, "--forward_compress", "none", "--backward_compress", "none",
                  "--max_eval_samples", "2")
     ds_steps, ds_summary = finish(*ds, ds_out)

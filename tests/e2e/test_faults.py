@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed_helpers import free_port, spawn
+from tests.conftest import free_port, spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from aqpipe import faults
-from toy_stages import toy_batches, toy_stages, toy_ties
+from tests.conftest import toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -147,7 +147,7 @@ def test_fault_specs_are_checked():
 
 
 # ---------------------------------------------------------------------- the recipe, killed and resumed
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
 FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "3", "--forward_compress", "aqsgd",
@@ -202,6 +202,7 @@ def test_a_rank_killed_mid_run_stops_its_peer_and_the_run_resumes_exactly(tmp_pa
                 assert b[key] == pytest.approx(a[key], rel=1e-6)
         assert (b.get("fwd_bytes"), b.get("bwd_bytes")) == (a.get("fwd_bytes"), a.get("bwd_bytes"))
     assert got[5]["fwd_bytes"] * 8 < got[0]["fwd_bytes"]  # step 6: deltas of samples seen before the kill
-    ref_w, res_w = load_file(tmp_path / "ref" / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    ref_w = load_file(tmp_path / "ref" / "model" / "model.safetensors")
+    res_w = load_file(out / "model" / "model.safetensors")
     for key, value in ref_w.items():
         assert torch.allclose(res_w[key], value, rtol=1e-6, atol=0), key

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
 
-from distributed_helpers import free_port
+from aqpipe import data
+from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 QUICK = ["--seq_len", "32", "--max_train_samples", "32", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2"]
 STEP_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "fwd_bytes", "bwd_bytes", "dp_bytes", "time"}
@@ -54,17 +55,40 @@ def test_python_and_torchrun_give_the_same_losses_and_a_loadable_model(tmp_path)
     assert lm(ids).logits.shape == (1, ids.shape[1], len(tok))
 
 
+def test_group_size_sets_the_bytes_on_both_boundary_wires(tmp_path):
+    """--group_size reaches the quantizers: every group's min and step (8 bytes) is on the wire."""
+    rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
+                  tmp_path / "g16", "--model", no_dropout_config(tmp_path), "--max_steps", "1",
+                  "--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
+                  "--backward_bits", "4", "--group_size", "16")
+    step = next(r for r in rows if "loss" in r)
+    elements = 2 * 32 * 64  # a micro-batch's boundary activation: 2 samples x 32 tokens x width 64
+    scales = 8 * elements // 16
+    assert step["fwd_bytes"] == 2 * (elements * 2 // 8 + scales + 2 * 8)  # two micro-batches, codes, scales, ids
+    assert step["bwd_bytes"] == 2 * (elements * 4 // 8 + scales)
+
+
 def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
     rows = launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], "finetune_deberta.py",
                   tmp_path / "ds", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2",
-                  "--backward_compress", "direct", "--backward_bits", "4")
+                  "--backward_compress", "direct", "--backward_bits", "4", "--tie_compress", "none")
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 * 32 // 4  # two epochs of 32 samples, 4 per step
-    first, later = steps[0]["fwd_bytes"], steps[-1]["fwd_bytes"]
-    assert later * 12 <= first  # every sample seen: deltas at 2 bits against full precision
-    assert 0.0 <= rows[-1]["eval_accuracy"] <= 1.0
-    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model")
-    assert clf.num_labels == 2
+    # a micro-batch: 2 samples x 32 tokens x width 128; first visits in fp32, later ones as 2-bit changes with a
+    # min and a step per group of 64 (the "auto" group at 2 bits), and 8 bytes per sample id
+    elements = 2 * 32 * 128
+    assert steps[0]["fwd_bytes"] == 2 * (4 * elements + 16)
+    assert steps[-1]["fwd_bytes"] == 2 * (elements // 4 + 8 * elements // 64 + 16)
+    # the reported accuracy is the merged model's on the same 8 eval samples (eval crosses the boundary in
+    # full precision; --tie_compress none keeps every stage's copy of the shared weights exact)
+    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "ds" / "model")
+    evaluation = data.limit(data.classification_dataset("acceptability", tok, 32, split="eval", seed=42), 8)
+    batch = evaluation.batch(range(8))
+    with torch.no_grad():
+        logits = clf(**{k: v for k, v in batch.items() if k not in ("sample_id", "labels")}).logits
+    correct = (logits.argmax(-1) == batch["labels"]).float().mean().item()
+    assert rows[-1]["eval_accuracy"] == pytest.approx(correct, abs=1e-6)
 
 
 @pytest.mark.parametrize("flags,message", [

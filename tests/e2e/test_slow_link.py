@@ -12,7 +12,7 @@ import torch
 from benchmarks import netns, slow_link
 from pipeline import transport
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 
 def test_rate_parsing_names_the_bad_value() -> None:
@@ -28,7 +28,8 @@ def test_steady_figures_skip_the_first_epoch(tmp_path: Path) -> None:
     shape = slow_link.Shape(micro_batch_size=2, num_micro_batches=2, samples=8, epochs=2)  # 2 steps an epoch
     rows = [{"step": s, "loss": 5.0 - s, "samples_per_s": 4 / secs, "fwd_bytes": fb, "bwd_bytes": 10, "tie_bytes": 6,
              "dp_bytes": 0} for s, secs, fb in ((1, 9.0, 1000), (2, 8.0, 1000), (3, 1.0, 100), (4, 3.0, 300))]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps({"step": 4, "eval_loss": 1}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n"
+                                            + json.dumps({"step": 4, "eval_loss": 1}))
     fig = slow_link.steady_figures(tmp_path, shape)
     assert fig["steady_steps"] == 2  # steps 1-2 are the first epoch: full-precision first visits for AQ-SGD
     assert fig["seconds_per_step"] == pytest.approx(2.0)
@@ -75,7 +76,8 @@ def test_link_latency_delays_every_receive(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def _namespaces() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if netns.can_build() is None else ""
+    return (subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            if netns.can_build() is None else "")
 
 
 def test_network_is_torn_down_after_a_failure() -> None:
@@ -103,7 +105,8 @@ def test_quick_run_writes_figures_json_and_plot(tmp_path: Path) -> None:
     """The --quick mode end to end: shaped namespaces as root (loopback otherwise), two methods."""
     root = netns.can_build() is None
     rates = "20mbit" if root else "unshaped"
-    cmd = [sys.executable, "-m", "benchmarks.slow_link", "--quick", "--engines", "aqpipe", "--methods", "fp32,aqsgd_2_4",
+    cmd = [sys.executable, "-m", "benchmarks.slow_link", "--quick", "--engines", "aqpipe",
+           "--methods", "fp32,aqsgd_2_4",
            "--rates", rates, "--output_dir", str(tmp_path), *([] if root else ["--no_netns"])]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -114,7 +117,10 @@ def test_quick_run_writes_figures_json_and_plot(tmp_path: Path) -> None:
         assert r["seconds_per_step"] > 0 and r["steady_steps"] == slow_link.QUICK.steps_per_epoch
     # AQ-SGD's steady state sends 2-bit changes and 4-bit gradients: far fewer bytes than FP32
     assert rows["aqsgd_2_4"]["wire_bytes_per_step"] < rows["fp32"]["wire_bytes_per_step"] / 5
-    assert result["ratios"]["speedup_vs_fp32"]["aqsgd_2_4"][rates] > 0
+    # the reported speed-up is FP32's time per step over AQ-SGD's, as measured in these rows (no timing bound:
+    # the machines are shared; benchmarks/RESULTS.md holds the figures)
+    speedup = rows["fp32"]["seconds_per_step"] / rows["aqsgd_2_4"]["seconds_per_step"]
+    assert result["ratios"]["speedup_vs_fp32"]["aqsgd_2_4"][rates] == pytest.approx(speedup, rel=1e-12)
     assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if root:
         assert 5 < result["measured_mbit"]["20mbit"] < 22  # the qdisc shapes what TCP gets through

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import data_parallel
-from distributed_helpers import spawn
+from tests.conftest import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from aqpipe import checkpoint
 from aqpipe.config import RunConfig, validate
 from aqpipe import data
-from toy_stages import toy_dataset, toy_stages, toy_ties
+from tests.conftest import toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -98,8 +98,8 @@ def _single_engine():
 
 
 def _cfg(tmp_path, **kw):
-    values = {"output_dir": str(tmp_path / "out"), "forward_compress": "none", "backward_compress": "none", **kw}
-    return validate(RunConfig(task="causal_lm", **values))
+    return validate(RunConfig(task="causal_lm", output_dir=str(tmp_path / "out"),
+                              compression=CompressionConfig(), **kw))
 
 
 def _save(tmp_path, engine, cfg, step):
@@ -136,10 +136,11 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
 def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tmp_path):
     engine, cfg = _single_engine(), _cfg(tmp_path)
     ckpt = _save(tmp_path, engine, cfg, 1)
-    other = _cfg(tmp_path, forward_compress="direct", forward_bits=4, seq_len=64)
+    other = _cfg(tmp_path, seq_len=64)
+    other.compression = CompressionConfig(forward="direct", forward_bits=4)
     with pytest.raises(ValueError) as info:
         checkpoint.check_compatible(ckpt, other)
     text = str(info.value)
-    assert "forward_compress='none' in the checkpoint, 'direct' in this run" in text
+    assert "compression.forward='none' in the checkpoint, 'direct' in this run" in text
     assert "seq_len=128 in the checkpoint, 64 in this run" in text and "epochs" not in text
     assert checkpoint.find("auto", str(tmp_path / "elsewhere")) is None  # auto: nothing saved, start fresh

@@ -9,8 +9,8 @@ from data_parallel import qadam  # noqa: F401  (registers "qadam")
 from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.qadam import QAdam, QAdamOptimizer
-from distributed_helpers import spawn
-from dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
+from tests.conftest import spawn
+from tests.conftest import flat, loss_of, restored, straight_and_saved, train_steps
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 GROUP = 1024  # the default quantization group size

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from distributed_helpers import spawn
+from tests.conftest import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
-from toy_stages import toy_batches, toy_stages, toy_ties
+from pipeline.compression_config import AUTO_GROUP_SIZE
+from tests.conftest import VOCAB, ToyStage, toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
@@ -58,13 +59,17 @@ def test_uncompressed_pipeline_matches_one_process(world, schedule):
     assert 0 < rows.numel() < 40 and step["tie_bytes"] == 16 + 2 * rows.numel() * 16 * 4
 
 
-def test_aqsgd_sends_a_twelfth_after_the_first_epoch_and_learns():
+def test_aqsgd_sends_2_bit_changes_in_groups_after_the_first_epoch_and_learns():
     cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
     log = spawn(train, 2, cfg, 3, "1f1b", None, 128)[0]["log"]  # hidden 128: rows of 512 fp32 bytes
     per_epoch = {}
     for s in log:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["fwd_bytes"]
-    assert per_epoch[1] <= per_epoch[0] / 12 and per_epoch[2] <= per_epoch[0] / 12
+    steps, elements, ids = SAMPLES // (MBS * MICRO), MBS * SEQ * 128, 8 * MBS  # per epoch; per micro-batch
+    assert per_epoch[0] == steps * MICRO * (4 * elements + ids)  # first visits: fp32
+    # then 2-bit codes and, by default ("auto"), a min and a step per group of 64 (rows of 128 are wider)
+    assert per_epoch[1] == per_epoch[2] == steps * MICRO * (elements // 4 + 8 * elements // AUTO_GROUP_SIZE + ids)
+    assert per_epoch[1] * 10 < per_epoch[0]
     losses = [s["loss"] for s in log]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 * 0.8
 
@@ -92,3 +97,80 @@ def test_bf16_halves_the_boundary_bytes_and_tracks_fp32():
     per_mb = MBS * SEQ * 16
     assert bf16[0]["fwd_bytes"] == MICRO * (per_mb * 2 + 8 * MBS) and bf16[0]["bwd_bytes"] == MICRO * per_mb * 2
     assert [s["loss"] for s in bf16] == pytest.approx([s["loss"] for s in fp32], rel=3e-2)
+
+
+class Recording(ToyStage):
+    """A toy stage that notes, per micro-batch, what it computed with and the gradients at its two ends."""
+
+    def __init__(self, stage: ToyStage) -> None:
+        super().__init__(stage.stage_index, stage.num_stages, list(stage.blocks), stage.embed.detach()
+                         if stage.embed is not None else torch.zeros(VOCAB, stage.hidden_size))
+        self.notes: list[dict] = []
+
+    def forward(self, hidden, batch):
+        note = {"sample_id": batch["sample_id"].clone()}
+        if hidden is not None:
+            note["input"] = hidden.detach().clone()
+            hidden.register_hook(lambda g: note.__setitem__("input_grad", g.detach().clone()))
+        out = super().forward(hidden, batch)
+        if not self.is_last:
+            note["output"] = out.detach().clone()
+            out.register_hook(lambda g: note.__setitem__("output_grad", g.detach().clone()))
+        self.notes.append(note)
+        return out
+
+
+def recorded_aqsgd(rank, world, epochs=2):
+    """2 stages, AQ-SGD 2-bit forward, exact backward: the last step's notes, weights before it, the buffers."""
+    stage = Recording(toy_stages(world)[rank])
+    groups = build_groups(Grid.for_world(world, world), rank)
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), num_samples=SAMPLES,
+                            seq_len=SEQ, ties=toy_ties(world), compression=CompressionConfig(
+                                forward="aqsgd", forward_bits=2, backward="none", tie="none"))
+    batches = [(epoch, mbs) for epoch in range(epochs) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch)]
+    for epoch, mbs in batches[:-1]:
+        engine.train_batch(mbs, epoch)
+    before = {k: v.detach().clone() for k, v in stage.state_dict().items()}
+    stage.notes.clear()
+    engine.train_batch(*reversed(batches[-1]))
+    codecs = engine.state_dict()["codecs"]
+    side = "next.forward" if rank == 0 else "prev.forward"
+    return {"notes": stage.notes, "before": before, "buffer": codecs[side]["buffer"], "batch": batches[-1][1]}
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return spawn(recorded_aqsgd, 2)
+
+
+def test_aqsgd_buffers_stay_bit_identical_on_both_sides_of_a_real_run(recorded):
+    sender, receiver = recorded[0]["buffer"], recorded[1]["buffer"]
+    assert bool(sender["seen"].all())  # two epochs: every sample visited, later visits as 2-bit changes
+    assert torch.equal(sender["seen"], receiver["seen"])
+    assert torch.equal(sender["values"], receiver["values"])
+    # and the receiver computed with exactly those rows: m[ξ] after this step's update
+    for note in recorded[1]["notes"]:
+        assert torch.equal(note["input"], receiver["values"][note["sample_id"]].float())
+
+
+def test_the_gradient_sent_back_is_taken_at_what_the_receiver_computed_with(recorded):
+    first, last = recorded
+    for sent, got in zip(last["notes"], first["notes"]):
+        assert torch.equal(sent["sample_id"], got["sample_id"])
+        assert torch.equal(got["output_grad"], sent["input_grad"])  # backward "none": the wire is exact
+        assert not torch.equal(got["output"], sent["input"])  # m[ξ] is not the sender's activation a
+    # recompute stage 1's gradient from its weights before the step, at m[ξ] and at a
+    stage = toy_stages(2)[1]
+    stage.load_state_dict(last["before"])
+    mbs = {int(mb["sample_id"][0]): mb for mb in last["batch"]}
+    for sent, got in zip(last["notes"], first["notes"]):
+        mb = mbs[int(sent["sample_id"][0])]
+
+        def grad_at(x):
+            x = x.clone().requires_grad_(True)
+            (stage(x, mb).loss / MICRO).backward()
+            return x.grad
+
+        at_m, at_a = grad_at(sent["input"]), grad_at(got["output"])
+        torch.testing.assert_close(sent["input_grad"], at_m, rtol=1e-5, atol=1e-7)
+        assert (at_a - sent["input_grad"]).abs().max() > 100 * (at_m - sent["input_grad"]).abs().max() + 1e-7

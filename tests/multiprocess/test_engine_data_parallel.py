@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import data_parallel
-from distributed_helpers import spawn
+from tests.conftest import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from aqpipe import data
-from toy_stages import toy_batches, toy_dataset, toy_stages, toy_ties
+from tests.conftest import toy_batches, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
@@ -96,7 +96,10 @@ def runs():
 def test_every_algorithm_learns_on_two_stages_by_two_replicas(runs, name):
     loss = runs[0][name]["loss"]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 * 0.9, loss
-    assert all(b > 0 for b in runs[0][name]["dp"]) or name == "qsparse_local_sgd"
+    # bytes cross between replicas on every step, but for Qsparse-local-SGD: only every local_steps-th
+    every = OPTIONS[name].get("local_steps", 1)
+    dp = runs[0][name]["dp"]
+    assert [b > 0 for b in dp] == [(t + 1) % every == 0 for t in range(len(dp))], dp
 
 
 @pytest.mark.parametrize("name", ["allreduce", "qadam", "qsparse_local_sgd"])
@@ -142,11 +145,31 @@ def aqsgd_on_shards(rank, world, epochs=3):
                                       shard=(groups.replica, grid.replicas)):
             engine.train_batch(mbs, epoch)
             log.append(engine.last_metrics)
-    return log
+    side = "next.forward" if groups.stage == 0 else "prev.forward"
+    return {"log": log, "buffer": engine.state_dict()["codecs"][side]["buffer"],
+            "params": torch.cat([p.detach().reshape(-1) for p in owned_parameters(stage, toy_ties(2))])}
 
 
-def test_aqsgd_with_replicas_resends_nothing_whole_after_the_first_epoch():
-    one, two = spawn(aqsgd_on_shards, 2)[0], spawn(aqsgd_on_shards, 4)[0]
+@pytest.fixture(scope="module")
+def sharded():
+    return {1: spawn(aqsgd_on_shards, 2), 2: spawn(aqsgd_on_shards, 4)}
+
+
+def test_aqsgd_with_replicas_over_epochs_keeps_each_boundarys_buffers_identical_and_learns(sharded):
+    ranks = sharded[2]  # rank = replica x 2 + stage
+    for replica in (0, 1):
+        sender, receiver = ranks[2 * replica]["buffer"], ranks[2 * replica + 1]["buffer"]
+        assert bool(sender["seen"].all()) and torch.equal(sender["seen"], receiver["seen"])
+        assert torch.equal(sender["values"], receiver["values"])
+    # each replica's buffer holds its own shard's activations; the replicas' weights agree (allreduce)
+    assert not torch.equal(ranks[0]["buffer"]["values"], ranks[2]["buffer"]["values"])
+    assert torch.equal(ranks[0]["params"], ranks[2]["params"]) and torch.equal(ranks[1]["params"], ranks[3]["params"])
+    losses = [s["loss"] for s in ranks[0]["log"]]
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 * 0.8, losses
+
+
+def test_aqsgd_with_replicas_resends_nothing_whole_after_the_first_epoch(sharded):
+    one, two = sharded[1][0]["log"], sharded[2][0]["log"]
     whole = MICRO * MBS * (SEQ * 16 * 4 + 8)  # one replica's step of first visits: fp32 rows + ids
     change = MICRO * MBS * (SEQ * (16 * 2 // 8 + 8) + 8)  # every sample a 2-bit change of its 16 values
     for log, replicas in ((one, 1), (two, 2)):

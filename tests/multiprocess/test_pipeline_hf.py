@@ -3,8 +3,9 @@ import pytest
 import torch
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from distributed_helpers import spawn
+from tests.conftest import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, partition, tie_groups
+from pipeline.compression_config import AUTO_GROUP_SIZE
 
 SEQ, MBS, MICRO, SAMPLES, VOCAB = 16, 2, 2, 16, 96
 
@@ -82,7 +83,7 @@ def test_two_stages_match_one_process_for_three_steps(family):
     assert two[0]["tied"], "the partition must tie something across the two stages"
 
 
-def test_gpt2_aqsgd_2_4_sends_a_twelfth_after_the_first_epoch_and_learns():
+def test_gpt2_aqsgd_2_4_sends_a_tenth_after_the_first_epoch_and_learns():
     cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)  # tie: aqsgd, 8 bits
     log = spawn(train, 2, "gpt2", cfg, 4, None, 128, True)[0]["log"]
     # every wire, exactly, once each sample and token has been seen (epochs 1-3): B x T rows of 128 per step
@@ -91,7 +92,8 @@ def test_gpt2_aqsgd_2_4_sends_a_twelfth_after_the_first_epoch_and_learns():
     steps = [s for s in log if s["epoch"] >= 1]
     for s, mbs in zip(steps, [mbs for epoch in (1, 2, 3) for mbs in batches(epoch, False, True)]):
         tokens = torch.unique(torch.cat([mb["input_ids"].reshape(-1) for mb in mbs])).numel()
-        assert s["fwd_bytes"] == rows * (width * 2 // 8 + 8) + 8 * MICRO * MBS  # 2-bit changes + ids
+        # 2-bit changes, a min and a step per group of 64 ("auto": rows of 128 are wider), ids
+        assert s["fwd_bytes"] == rows * width * 2 // 8 + 8 * rows * width // AUTO_GROUP_SIZE + 8 * MICRO * MBS
         assert s["bwd_bytes"] == rows * (width * 4 // 8 + 8)  # 4-bit gradients
         assert s["tie_bytes"] == 16 + 2 * tokens * (width + 8)  # the step's rows at 8 bits, there and back
         # the targets: all wires at most 1/4 of FP32's activations, the tie at most FP32's forward
@@ -101,6 +103,6 @@ def test_gpt2_aqsgd_2_4_sends_a_twelfth_after_the_first_epoch_and_learns():
     per_epoch = {}
     for s in log:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["fwd_bytes"]
-    assert all(per_epoch[e] <= per_epoch[0] / 12 for e in (1, 2, 3)), per_epoch
+    assert all(per_epoch[e] <= per_epoch[0] / 10 for e in (1, 2, 3)), per_epoch
     losses = [s["loss"] for s in log]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 * 0.9, losses

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from benchmarks import memory  # noqa: E402
 

@@ -226,7 +226,8 @@ def test_backward_codec(mode, bits):
         assert torch.equal(y, g)
     else:
         assert msg.nbytes == g.numel() // 2 + 8 * g.numel() // SHAPE[-1]  # 4-bit codes + 8 bytes of scales a row
-        assert float((y - g).abs().max()) <= float((g.amax(-1) - g.amin(-1)).max()) / 15 * 1.0001
+        step = (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15  # each row's own quantization step
+        assert ((y - g).abs() <= step * 1.0001).all()
 
 
 def test_codec_state_restores_the_dither_stream():

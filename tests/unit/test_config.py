@@ -7,6 +7,7 @@ import pytest
 from aqpipe import cli
 from aqpipe.config import resolve
 from aqpipe.tasks import TASKS
+from pipeline.compression_config import AUTO_GROUP_SIZE
 
 
 def run(argv, monkeypatch, world=1):
@@ -25,8 +26,8 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path, monkeypatch)
     }))
     cfg = run(["--deepspeed_config", str(path), "--forward_bits", "4", "--lr", "0.01"], monkeypatch, world=2)
     assert (cfg.micro_batch_size, cfg.num_micro_batches, cfg.pipeline_stages, cfg.schedule) == (3, 5, 2, "gpipe")
-    assert (cfg.forward_compress, cfg.forward_bits, cfg.backward_compress) == ("direct", 4, "none")
-    assert (cfg.tie_compress, cfg.tie_bits) == ("none", 5)
+    c = cfg.compression
+    assert (c.forward, c.forward_bits, c.backward, c.tie, c.tie_bits) == ("direct", 4, "none", "none", 5)
     assert (cfg.lr, cfg.optimizer["type"], cfg.seq_len, cfg.epochs) == (0.01, "SGD", 32, 7)
     assert cfg.activation_checkpointing
 
@@ -62,6 +63,8 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--dp_topk_ratio", "1.5"], "dp_topk_ratio=1.5: expected a fraction in (0, 1]"),
     (["--dp_peer_selection", "ring"], "dp_peer_selection='ring': expected shift_one or all"),
     (["--dp_local_steps", "0"], "dp_local_steps=0: expected an integer >= 1"),
+    (["--group_size", "0"], "forward_group_size=0: expected a positive integer, auto, or none"),
+    (["--backward_group_size", "-4"], "backward_group_size=-4: expected a positive integer, auto, or none"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, message, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -77,7 +80,8 @@ def test_inconsistent_train_batch_size_is_refused(tmp_path, monkeypatch, capsys)
                                 "gradient_accumulation_steps": 2}))
     with pytest.raises(SystemExit):
         run(["--deepspeed_config", str(path)], monkeypatch)
-    assert "train_batch_size=10: expected micro_batch_size x num_micro_batches x replicas = 4 x 2 x 1" in capsys.readouterr().err
+    assert ("train_batch_size=10: expected micro_batch_size x num_micro_batches x replicas = 4 x 2 x 1"
+            in capsys.readouterr().err)
 
 
 def test_unknown_run_setting_and_bad_json_are_refused(tmp_path, monkeypatch, capsys):
@@ -105,7 +109,8 @@ def test_data_parallel_block_of_the_config_file(tmp_path, monkeypatch):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"data_parallel": {"replicas": 2, "algorithm": "allreduce", "bits": 4}}))
     cfg = run(["--deepspeed_config", str(path), "--pipeline_stages", "2"], monkeypatch, world=4)
-    assert (cfg.replicas, cfg.dp_algorithm, cfg.dp_bits, cfg.pipeline_stages) == (2, "allreduce", 4, 2)
+    assert (cfg.replicas, cfg.data_parallel.algorithm, cfg.data_parallel.bits,
+            cfg.pipeline_stages) == (2, "allreduce", 4, 2)
 
 
 def _model_config(tmp_path, layers=2, positions=64):
@@ -159,7 +164,8 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
     (out / "checkpoints" / "latest").write_text(step.name)
     with pytest.raises(SystemExit):
         run(["--output_dir", str(out), "--resume", "latest"], monkeypatch)
-    assert "was written by a different run: pipeline_stages=2 in the checkpoint, 1 in this run" in capsys.readouterr().err
+    assert ("was written by a different run: pipeline_stages=2 in the checkpoint, 1 in this run"
+            in capsys.readouterr().err)
     assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).resume == str(step)
     assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).resume is None
 
@@ -169,7 +175,7 @@ def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch
     """`aqpipe NAME` (installed, no file) and recipes/finetune_NAME.py (its JSON) run the same settings."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     task = TASKS[name]
-    config = Path(__file__).resolve().parents[1] / "recipes" / "configs" / f"{name}.json"
+    config = Path(__file__).resolve().parents[2] / "recipes" / "configs" / f"{name}.json"
     assert resolve(task.kind, ["--deepspeed_config", str(config)], "t") == resolve(task.kind, [], "t", task.defaults)
 
 
@@ -177,3 +183,25 @@ def test_the_command_line_names_the_tasks(capsys):
     assert cli.main([]) == 2 and "usage: aqpipe {gpt2,deberta}" in capsys.readouterr().out
     assert cli.main(["--local_rank=0", "bert"]) == 2
     assert "task 'bert': expected one of gpt2, deberta" in capsys.readouterr().err
+
+
+def test_group_sizes_and_rounding_reach_the_compression_section(tmp_path, monkeypatch):
+    c = run(["--group_size", "32", "--backward_group_size", "none", "--no_stochastic"], monkeypatch).compression
+    assert (c.forward_group_size, c.backward_group_size, c.stochastic) == (32, None, False)
+    assert (c.group_size("forward", 768), c.group_size("backward", 768)) == (32, None)
+    c = run([], monkeypatch).compression  # auto: groups at 2 bits (the default forward), whole rows at 4
+    assert (c.stochastic, c.group_size("forward", 768), c.group_size("backward", 768)) == (True, AUTO_GROUP_SIZE, None)
+    assert c.group_size("forward", AUTO_GROUP_SIZE) is None  # rows no wider than a group stay rows
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"compression": {"forward_bits": 4, "backward_bits": 2, "forward_group_size": 128,
+                                                "stochastic": False}}))
+    c = run(["--deepspeed_config", str(path)], monkeypatch).compression
+    assert (c.group_size("forward", 768), c.group_size("backward", 768), c.stochastic) == (128, AUTO_GROUP_SIZE, False)
+
+
+def test_an_unknown_key_in_a_section_is_named(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"compression": {"forward_bit": 4}}))
+    with pytest.raises(SystemExit):
+        run(["--deepspeed_config", str(path)], monkeypatch)
+    assert "unknown setting(s) forward_bit in the config's compression block" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from aqpipe import data  # noqa: E402
 

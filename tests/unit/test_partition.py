@@ -1,4 +1,4 @@
-"""pipeline.partitioning: stages run in sequence reproduce the HF model's loss and gradients; balancing; ties; merging."""
+"""pipeline.partitioning: stages run in turn reproduce the HF model's loss and gradients; balancing; ties; merging."""
 from __future__ import annotations
 
 import itertools
@@ -222,7 +222,7 @@ def test_last_stage_without_labels_returns_logits_only():
 def test_stage_attributes_names_and_independence(kind):
     model = make_model(kind)
     stages = partition(model, 3)
-    expected = model.state_dict()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}  # clones: state_dict() shares storage
     seen: set[str] = set()
     for s in stages:
         assert s.num_stages == 3 and s.hidden_size == 64
@@ -234,10 +234,14 @@ def test_stage_attributes_names_and_independence(kind):
         seen |= set(sd)
     assert seen == set(expected)
     # Independent copies: changing a stage does not touch the model or another stage.
+    others = [{k: v.clone() for k, v in stages[i].hf_state_dict().items()} for i in (0, 2)]
     with torch.no_grad():
         for p in stages[1].parameters():
             p.add_(1.0)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in expected.items())
+    assert all(not torch.equal(v, expected[k]) for k, v in stages[1].hf_state_dict().items())
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    for i, before in zip((0, 2), others):
+        assert all(torch.equal(v, before[k]) for k, v in stages[i].hf_state_dict().items())
     for key, tie in tie_groups(stages).items():
         a, b = (stages[i].tied_parameters()[key] for i in tie.holders[:2])
         assert a is not b

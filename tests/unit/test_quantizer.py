@@ -161,7 +161,8 @@ def test_non_finite_input_is_refused_with_count_and_place(bad, count, nans):
     x = torch.randn(3, 4, 5)
     x[1, 2, 3] = bad
     x[2, 0, 0] = bad
-    with pytest.raises(ValueError, match=rf"{count} non-finite value\(s\) of 60 \({nans} NaN.*first at index \(1, 2, 3\)"):
+    with pytest.raises(ValueError,
+                       match=rf"{count} non-finite value\(s\) of 60 \({nans} NaN.*first at index \(1, 2, 3\)"):
         quantize(x, 4)
 
 

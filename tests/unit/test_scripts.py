@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from benchmarks import bench_quantize  # noqa: E402
 from recipes import codec_demo  # noqa: E402
