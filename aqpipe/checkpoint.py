@@ -181,53 +181,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
 
 
-# ---------------------------------------------------------------------- disk-backed AQ-SGD buffers
-def _external_buffers(engine: Any) -> dict[str, Any]:
-    """Codec name -> SampleBuffer for the buffers kept in files (buffer_dir), which the .pt does not copy."""
-    out = {}
-    for name, codec in engine._codecs().items():
-        buffer = getattr(codec, "buffer", None)
-        if buffer is not None and buffer.path is not None:
-            out[name] = buffer
-    return out
-
-
-def _snapshot_buffer(buffer: Any, target: Path) -> str:
-    """Copy the buffer's file (its mapped pages are the file's pages) atomically; returns the sha256."""
-    def fill(f: Any) -> None:
-        with open(buffer.path, "rb") as src:
-            for chunk in iter(lambda: src.read(1 << 22), b""):
-                f.write(chunk)
-    return _atomic(target, fill)
-
-
-def _restore_buffer(buffer: Any, source: Path, sha256: str) -> None:
-    if _sha256(source) != sha256:
-        raise ValueError(f"AQ-SGD buffer snapshot {source} does not match its checksum")
-    if source.stat().st_size != buffer.nbytes:
-        raise ValueError(f"AQ-SGD buffer snapshot {source} holds {source.stat().st_size} bytes, "
-                         f"the buffer {buffer.nbytes}")
-    saved = torch.from_file(str(source), shared=False, size=buffer.values.numel(), dtype=buffer.dtype)
-    buffer.values.copy_(saved.view(buffer.values.shape))
-
-
 # ---------------------------------------------------------------------- save and load
 def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", rank: int,
          world_size: int, barrier: Any, keep: int | None = None) -> Path:
     """Every rank calls this after step `step`; returns the checkpoint directory.
 
-    `progress` is the runner's own state (data position, totals, losses, metrics time).
+    `progress` is the training loop's own state (data position, totals, losses, metrics time).
     `barrier()` is the only collective: after it, every rank's file and its checksum note are
     complete, and rank 0 writes the manifest and moves the `latest` marker."""
     state = engine.state_dict()
     place = state["place"]
     partial = root / f"step_{step:08d}.partial"
     partial.mkdir(parents=True, exist_ok=True)
-    externals = {}
-    for name, buffer in _external_buffers(engine).items():
-        state["codecs"][name]["buffer"] = {"values": None, "seen": buffer.seen}
+    externals = {}  # AQ-SGD buffers kept in files: their rows are copied beside the .pt, not into it
+    for name, buffer in engine.file_buffers().items():
         target = partial / f"{Path(buffer.path).stem}.buf"
-        externals[name] = {"file": target.name, "sha256": _snapshot_buffer(buffer, target)}
+        externals[name] = {"file": target.name, "sha256": _atomic(target, buffer.write_rows)}
     record = {"fingerprint": fingerprint(cfg), "step": step, "engine": state, "progress": progress,
               "rng": rng_state(), "external_buffers": externals}
     name = rank_file(place["stage"], place["replica"])
@@ -263,7 +232,7 @@ def _prune(root: Path, keep: int | None, newest: Path) -> None:
 
 
 def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
-    """Load this rank's state into the engine and the global RNGs; returns the runner's progress."""
+    """Load this rank's state into the engine and the global RNGs; returns the training loop's progress."""
     manifest = check_compatible(directory, cfg)
     stage, replica = engine.groups.stage, engine.groups.replica
     name = rank_file(stage, replica)
@@ -271,15 +240,15 @@ def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
     if entry is None:
         raise ValueError(f"checkpoint {directory} has no {name} for stage {stage}, replica {replica}")
     record = read_state(directory / name, entry["sha256"])
-    externals = _external_buffers(engine)
+    externals = engine.file_buffers()
     if set(externals) != set(record["external_buffers"]):
         raise ValueError(f"checkpoint {directory}: buffers kept in files {sorted(record['external_buffers'])}, "
                          f"this run {sorted(externals)} (buffer_dir must be set alike)")
-    state = record["engine"]
-    for codec_name, buffer in externals.items():  # the .pt holds the seen bits; the rows come from the snapshot
+    for codec_name, buffer in externals.items():  # the .pt holds the seen bits; the rows come from the copy
         ref = record["external_buffers"][codec_name]
-        _restore_buffer(buffer, directory / ref["file"], ref["sha256"])
-        state["codecs"][codec_name]["buffer"]["values"] = buffer.values
-    engine.load_state_dict(state)
+        if _sha256(directory / ref["file"]) != ref["sha256"]:
+            raise ValueError(f"AQ-SGD buffer snapshot {directory / ref['file']} does not match its checksum")
+        buffer.read_rows(directory / ref["file"])
+    engine.load_state_dict(record["engine"])
     set_rng_state(record["rng"])
     return record["progress"]

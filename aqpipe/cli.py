@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import resolve
-from .runner import run
+from .train import run
 from .tasks import TASKS, Task
 
 USAGE = f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)"
@@ -44,7 +44,7 @@ def finetune(task: Task, argv: list[str], config_file: Path | None = None, descr
         argv = ["--deepspeed_config", str(config_file), *argv]
     cfg = resolve(task.kind, argv, description or task.summary, defaults=task.defaults, prog=prog)
     try:
-        return run(task, cfg)  # a multi-process run handles its own failures (runner._stop_after_failure)
+        return run(task, cfg)  # a multi-process run handles its own failures (world.stop_after_failure)
     except (ValueError, FileNotFoundError, FloatingPointError) as exc:  # one line: bad input found late, NaN/inf
         if os.environ.get("AQPIPE_TRACEBACK"):
             raise

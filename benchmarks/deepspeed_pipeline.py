@@ -51,7 +51,8 @@ from aqpipe import data as datalib  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
 from aqpipe.tasks import TASKS  # noqa: E402
 from aqpipe.models import build_model, model_positions  # noqa: E402
-from aqpipe.runner import World, _datasets, _optimizer, _scheduler  # noqa: E402
+from aqpipe.train import build_datasets, build_optimizer, build_scheduler  # noqa: E402
+from aqpipe.world import World  # noqa: E402
 
 TASK = TASKS["gpt2"]
 
@@ -133,7 +134,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     check_supported(cfg)
     world = init_world(cfg)
     torch.manual_seed(cfg.seed)
-    tokenizer, train_set, _ = _datasets(cfg, TASK, world)
+    tokenizer, train_set, _ = build_datasets(cfg, TASK, world)
     positions = model_positions(cfg.model, TASK.family)
     if positions is not None and cfg.seq_len > positions:
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
@@ -149,8 +150,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
-    optimizer = _optimizer(cfg, module.parameters())
-    scheduler = _scheduler(cfg, optimizer, total_steps)
+    optimizer = build_optimizer(cfg, module.parameters())
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg))
     if world.rank == 0 and (cfg.compression.forward != "none" or cfg.compression.backward != "none"):

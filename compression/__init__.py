@@ -8,13 +8,13 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
   `aqsgd` with per-sample buffers in memory or on disk).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
-from .buffers import BufferRangeError, SampleBuffer
+from .buffers import BufferRangeError, SampleBuffer, SampleIds
 from .codecs import BACKWARD_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
 from .quantizer import QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
     "BACKWARD_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message",
-    "QuantizedTensor", "SampleBuffer", "SparseTensor", "check_bits", "check_finite", "dequantize", "quantize",
-    "randk", "topk",
+    "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "check_bits", "check_finite", "dequantize",
+    "quantize", "randk", "topk",
 ]

@@ -10,13 +10,21 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 
 def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -> torch.Tensor:
-    """Validate dataset indices for one micro-batch; returns them as a CPU int64 vector."""
+    """Validate dataset indices for one micro-batch; returns them as a CPU int64 vector (at once for ids already
+    checked as `SampleIds` for buffers of this size)."""
+    if isinstance(sample_ids, SampleIds):
+        if sample_ids.num_samples != num_samples:  # checked for buffers of another size: check anew
+            return as_sample_ids(sample_ids.tensor, num_samples, batch)
+        if batch is not None and sample_ids.numel() != batch:
+            raise ValueError(f"{sample_ids.numel()} sample_ids for a micro-batch of {batch} samples: expected one per "
+                             "sample")
+        return sample_ids.tensor
     if sample_ids is None:
         raise ValueError("sample_ids is None: AQ-SGD buffers need each sample's dataset index")
     ids = torch.as_tensor(sample_ids)
@@ -35,6 +43,20 @@ def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -
         if torch.unique(ids).numel() != ids.numel():
             raise ValueError(f"sample_ids {ids.tolist()} repeat an index: each sample may appear once per micro-batch")
     return ids
+
+
+class SampleIds:
+    """One micro-batch's dataset indices, checked once for buffers of `num_samples` rows (a CPU int64 vector, in
+    range, no repeats): a pipeline stage hands the same ids to several codec and buffer calls, none checks again."""
+
+    __slots__ = ("tensor", "num_samples")
+
+    def __init__(self, sample_ids: Any, num_samples: int) -> None:
+        self.tensor = as_sample_ids(sample_ids, num_samples)
+        self.num_samples = num_samples
+
+    def numel(self) -> int:
+        return self.tensor.numel()
 
 
 class BufferRangeError(ValueError):
@@ -108,20 +130,36 @@ class SampleBuffer:
             self.seen[ids] = True
 
     def state_dict(self) -> dict[str, Any]:
-        """References to the rows and seen bits (as torch's state_dicts do: save, don't mutate)."""
-        return {"values": self.values, "seen": self.seen}
+        """References to the rows and seen bits (as torch's state_dicts do: save, don't mutate). A buffer kept in
+        a file leaves its rows there (`values` None): `write_rows` / `read_rows` copy them as bytes."""
+        return {"values": None if self.path is not None else self.values, "seen": self.seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The inverse of state_dict; `values` None keeps the rows this buffer holds (a file's, see read_rows)."""
         values, seen = state["values"], state["seen"]
-        if tuple(values.shape) != tuple(self.values.shape) or values.dtype != self.dtype:
+        if values is not None and (tuple(values.shape) != tuple(self.values.shape) or values.dtype != self.dtype):
             raise ValueError(
                 f"buffer state holds {tuple(values.shape)} {values.dtype}; this buffer is "
                 f"{tuple(self.values.shape)} {self.dtype}"
             )
         if tuple(seen.shape) != (self.num_samples,):
             raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
-        self.values.copy_(values)
+        if values is not None:
+            self.values.copy_(values)
         self.seen.copy_(seen)
+
+    def write_rows(self, f: BinaryIO, chunk_rows: int = 4096) -> None:
+        """Every row's bytes, in order, to a binary file: how a checkpoint copies a buffer too big for memory."""
+        for start in range(0, self.num_samples, chunk_rows):
+            f.write(self.values[start:start + chunk_rows].contiguous().view(torch.uint8).numpy().tobytes())
+
+    def read_rows(self, source: str | os.PathLike) -> None:
+        """The rows back from a file `write_rows` wrote; ValueError if its size is not this buffer's."""
+        size = Path(source).stat().st_size
+        if size != self.nbytes:
+            raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes, the buffer {self.nbytes}")
+        saved = torch.from_file(str(source), shared=False, size=self.values.numel(), dtype=self.dtype)
+        self.values.copy_(saved.view(self.values.shape))
 
     def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of the rows and seen bits of `ids`, to undo a step that must leave no trace."""

@@ -18,7 +18,8 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
@@ -256,6 +257,13 @@ class ForwardCodec(_Codec):
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta]).to(device=payload.device, dtype=torch.float32)
         return self._apply(ids, whole, delta, rows, m, dequantize(q), message.dtype)
+
+    def undo_point(self, sample_ids: Any) -> Callable[[], None]:
+        """A function that puts back the buffer rows and seen bits of `sample_ids` as they are now: how a step
+        that must leave no trace (a NaN, an overflow) is undone. Nothing to put back without a buffer."""
+        if self.buffer is None:
+            return lambda: None
+        return partial(self.buffer.restore, self.buffer.snapshot(self.buffer.check_ids(sample_ids)))
 
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict[str, Any]:

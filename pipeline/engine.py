@@ -23,17 +23,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from compression import BackwardCodec, BufferRangeError, ForwardCodec
+from compression import BackwardCodec, BufferRangeError, ForwardCodec, SampleIds
 
 from . import schedule as sched
 from .compression_config import CompressionConfig
-from .ties import Tie, TiedWeights, remember_rows
+from .ties import Tie, TiedWeights
 from .topology import Groups
 from .transport import Boundary, Wire
 
@@ -59,10 +59,47 @@ class Stage(Protocol):
 
 @dataclass
 class StepCounters:
+    """Bytes this rank sent in one step, by wire."""
+
     fwd_bytes: int = 0
     bwd_bytes: int = 0
     tie_bytes: int = 0
     dp_bytes: int = 0
+
+
+@dataclass
+class StepTotals(StepCounters):
+    """One step summed over the whole job, the same on every rank: the last stages' loss and eval counts, each
+    rank's bytes, and how many ranks saw a non-finite value."""
+
+    loss_sum: float = 0.0
+    correct: int = 0
+    counted: int = 0
+    nonfinite: int = 0
+
+
+@dataclass
+class StepMetrics:
+    """What `train_batch` returns, alike on every rank: the step's loss (NaN when skipped), its learning rate
+    and gradient norm, the bytes every wire carried over the whole job, and the step's time."""
+
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    grad_norm: float
+    fwd_bytes: int
+    bwd_bytes: int
+    tie_bytes: int
+    dp_bytes: int
+    phase: str
+    seconds: float
+    skipped: str | None = None  # why, for a step skipped on every rank (skip_nonfinite)
+
+    def record(self) -> dict[str, Any]:
+        """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
+        drop = ("skipped",) if self.skipped is None else ("loss", "grad_norm")
+        return {k: v for k, v in vars(self).items() if k not in drop}
 
 
 @dataclass
@@ -125,6 +162,7 @@ class PipelineEngine:
         self.global_step = 0
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
+        self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
         self.prev = self._boundary(groups.stage - 1, num_samples, seq_len, seed) if not stage.is_first else None
         self.next = self._boundary(groups.stage, num_samples, seq_len, seed) if not stage.is_last else None
 
@@ -170,19 +208,24 @@ class PipelineEngine:
         cls._note(kind, mb, flight)
         return False
 
+    def _sample_ids(self, sample_ids: Any, phase: str) -> Any:
+        """A micro-batch's ids, checked once per step where AQ-SGD buffers read them (sender, receiver, undo)."""
+        buffered = phase != "eval" and self.compression.forward == "aqsgd"
+        return SampleIds(sample_ids, self.num_samples) if buffered else sample_ids
+
     @staticmethod
     def _remember(boundary: Boundary, sample_ids: Any, phase: str, flight: _Flight) -> None:
         """Before an AQ-SGD update of a buffer, keep its rows so a rejected step can be undone."""
         if phase != "eval":
-            remember_rows(boundary, sample_ids, flight.undo)
+            flight.undo.append(boundary.forward.undo_point(sample_ids))
 
     def _run(self, actions: list[sched.Action], micro_batches: list[dict], phase: str, training: bool) -> _Flight:
         flight, counters, m = _Flight(), self._counters, len(micro_batches)
         undo = flight.undo if phase != "eval" else None  # a training step may be rejected: note what it changes
+        ids = [self._sample_ids(batch["sample_id"], phase) for batch in micro_batches]
 
         def recv_act(mb: int) -> None:
-            batch = micro_batches[mb]
-            self._remember(self.prev, batch["sample_id"], phase, flight)
+            self._remember(self.prev, ids[mb], phase, flight)
             x = self.prev.take_activation(posted.pop((sched.RECV_ACT, mb)))
             flight.inputs[mb] = x.requires_grad_(training)
 
@@ -199,17 +242,16 @@ class PipelineEngine:
 
         def send_act(mb: int) -> None:
             out = flight.outputs[mb] if training else flight.outputs.pop(mb)
-            batch = micro_batches[mb]
             x = out.detach().to(self.wire_dtype)
             if not self._finite(x, ACTIVATION, mb, flight):
                 x = torch.zeros_like(x)  # never send NaN/inf; the step is rejected after the schedule
-            self._remember(self.next, batch["sample_id"], phase, flight)
+            self._remember(self.next, ids[mb], phase, flight)
             try:
-                counters.fwd_bytes += self.next.send_activation(x, batch["sample_id"], phase)
+                counters.fwd_bytes += self.next.send_activation(x, ids[mb], phase)
             except BufferRangeError as exc:  # nothing stored or sent yet: the peer gets zeros, the step stops
                 self._note(BUFFER_RANGE, mb, flight)
                 flight.overflow = flight.overflow or exc
-                counters.fwd_bytes += self.next.send_activation(torch.zeros_like(x), batch["sample_id"], phase)
+                counters.fwd_bytes += self.next.send_activation(torch.zeros_like(x), ids[mb], phase)
 
         def recv_grad(mb: int) -> None:
             flight.grads[mb] = self.next.take_grad(posted.pop((sched.RECV_GRAD, mb)))
@@ -234,22 +276,23 @@ class PipelineEngine:
             sched.RECV_ACT: recv_act, sched.FORWARD: forward, sched.SEND_ACT: send_act,
             sched.RECV_GRAD: recv_grad, sched.BACKWARD: backward, sched.SEND_GRAD: send_grad,
         }
-        posted = self._post_receives(actions, micro_batches, phase)
+        posted = self._post_receives(actions, micro_batches, ids, phase)
         counters.tie_bytes += self.tied.start(micro_batches, phase, training, undo)
         for op, mb in actions:
             handlers[op](mb)
         self.wire.flush()
         return flight
 
-    def _post_receives(self, actions: list[sched.Action], micro_batches: list[dict], phase: str) -> dict:
+    def _post_receives(self, actions: list[sched.Action], micro_batches: list[dict], ids: list[Any],
+                       phase: str) -> dict:
         """Post every receive of the step up front, in schedule order: gloo starts a transfer only once
         its receive is posted, so this overlaps each message's flight with this stage's compute."""
         posted = {}
         for op, mb in actions:
             batch = micro_batches[mb]
             if op == sched.RECV_ACT:
-                posted[op, mb] = self.prev.post_activation(self._shape(batch), self.wire_dtype, batch["sample_id"],
-                                                           phase, self.device)
+                posted[op, mb] = self.prev.post_activation(self._shape(batch), self.wire_dtype, ids[mb], phase,
+                                                           self.device)
             elif op == sched.RECV_GRAD:
                 posted[op, mb] = self.next.post_grad(self._shape(batch), self.wire_dtype, phase, self.device)
         return posted
@@ -262,8 +305,8 @@ class PipelineEngine:
             flight.correct += int((logits.argmax(dim=-1) == labels.to(logits.device)).sum())
             flight.counted += labels.numel()
 
-    def train_batch(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int = 0) -> float:
-        """One optimizer step over the micro-batches; returns the mean micro-batch loss (on every stage)."""
+    def train_batch(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int = 0) -> StepMetrics:
+        """One optimizer step over the micro-batches; its metrics, the same on every stage."""
         if not micro_batches:
             raise ValueError("train_batch needs at least one micro-batch")
         start = time.perf_counter()
@@ -289,13 +332,14 @@ class PipelineEngine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_step += 1
-        loss, totals = self._reduce(flight, len(micro_batches))
-        self.last_metrics = {
-            "step": self.global_step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "fwd_bytes": totals[0], "bwd_bytes": totals[1], "tie_bytes": totals[2], "dp_bytes": totals[3],
-            "phase": phase, "seconds": time.perf_counter() - start,
-        }
-        return loss
+        totals = self._reduce(flight)
+        return self._metrics(totals, len(micro_batches), epoch, lr, grad_norm, phase, start)
+
+    def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
+                 skipped: str | None = None) -> StepMetrics:
+        loss = float("nan") if skipped is not None else t.loss_sum / (m * self.groups.grid.replicas)
+        return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
+                           t.dp_bytes, phase, time.perf_counter() - start, skipped)
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -311,6 +355,12 @@ class PipelineEngine:
             if boundary is not None:
                 out[f"{name}.forward"], out[f"{name}.backward"] = boundary.forward, boundary.backward
         return {**out, **self.tied.codecs()}
+
+    def file_buffers(self) -> dict[str, Any]:
+        """This rank's AQ-SGD buffers kept in files (buffer_dir), by codec name: `state_dict()` leaves their rows
+        in the files, which a checkpoint copies (`SampleBuffer.write_rows` / `read_rows`)."""
+        buffers = {name: getattr(codec, "buffer", None) for name, codec in self._codecs().items()}
+        return {name: b for name, b in buffers.items() if b is not None and b.path is not None}
 
     def _generator_states(self) -> dict[str, torch.Tensor]:
         return {name: codec.generator.get_state() for name, codec in self._codecs().items()}
@@ -350,27 +400,22 @@ class PipelineEngine:
         return f"non-finite values at step {self.global_step + 1}: " + "; ".join(found)
 
     def _reject(self, flight: _Flight, generators: dict[str, torch.Tensor], verdict: str, epoch: int, phase: str,
-                start: float, m: int) -> float:
+                start: float, m: int) -> StepMetrics:
         """Undo every trace of the step (codec buffers and dither, gradients); raise or skip as configured."""
         for restore in reversed(flight.undo):
             restore()
         for name, codec in self._codecs().items():
             codec.generator.set_state(generators[name])
         self._zero_grads()
-        _, totals = self._reduce(flight, m)  # the bytes did cross (as zeros where values were not finite)
+        totals = self._reduce(flight)  # the bytes did cross (as zeros where values were not finite)
         self.global_step += 1
         if flight.verdict_error is not None:
             raise flight.verdict_error
         if not self.skip_nonfinite:
             raise FloatingPointError(f"{verdict}; stopping (skip_nonfinite skips such steps instead)")
         self.skipped_steps += 1
-        self.last_metrics = {
-            "step": self.global_step, "epoch": epoch, "loss": float("nan"), "skipped": verdict,
-            "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": float("nan"),
-            "fwd_bytes": totals[0], "bwd_bytes": totals[1], "tie_bytes": totals[2], "dp_bytes": totals[3],
-            "phase": phase, "seconds": time.perf_counter() - start,
-        }
-        return float("nan")
+        return self._metrics(totals, m, epoch, self.optimizer.param_groups[0]["lr"], float("nan"), phase, start,
+                             skipped=verdict)
 
     # ------------------------------------------------------------------ checkpoints
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -429,10 +474,11 @@ class PipelineEngine:
         self.stage.eval()
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         flight = self._run(actions, micro_batches, "eval", training=False)
-        loss, totals = self._reduce(flight, len(micro_batches))
-        result = {"loss": loss if not totals[6] else float("nan")}  # some stage saw NaN/inf (zeros were sent)
-        if totals[5]:
-            result["accuracy"] = totals[4] / totals[5]
+        t = self._reduce(flight)
+        loss = t.loss_sum / (len(micro_batches) * self.groups.grid.replicas)
+        result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
+        if t.counted:
+            result["accuracy"] = t.correct / t.counted
         return result
 
     # ------------------------------------------------------------------ after backward
@@ -455,13 +501,13 @@ class PipelineEngine:
                 p.grad.mul_(scale)
         return norm
 
-    def _reduce(self, flight: _Flight, m: int) -> tuple[float, list[int]]:
-        """The mean loss over the last stages of all replicas, and byte counts summed over the whole job."""
-        c = self._counters
-        loss_sum = sum(flight.losses.values())
-        t = torch.tensor([loss_sum, c.fwd_bytes, c.bwd_bytes, c.tie_bytes, c.dp_bytes, flight.correct, flight.counted,
-                          int(flight.bad != 0)], dtype=torch.float64)
+    def _reduce(self, flight: _Flight) -> StepTotals:
+        """The step's loss, eval counts and bytes summed over the whole job (one small allreduce per group)."""
+        names = [f.name for f in fields(StepTotals)]
+        mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
+                          counted=flight.counted, nonfinite=int(flight.bad != 0))
+        t = torch.tensor([float(getattr(mine, n)) for n in names], dtype=torch.float64)
         for group in (self.groups.pipeline, self.groups.data_parallel):
             if group is not None and self.groups.grid.world_size > 1:
                 dist.all_reduce(t, group=group)
-        return float(t[0]) / (m * self.groups.grid.replicas), [int(v) for v in t[1:].tolist()]
+        return StepTotals(**{n: (float(v) if n == "loss_sum" else int(v)) for n, v in zip(names, t.tolist())})

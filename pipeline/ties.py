@@ -118,13 +118,6 @@ class _Link:
         return self.tie.rows(self.follower, micro_batches, as_matrix(self.param).shape[0])
 
 
-def remember_rows(boundary: Boundary, ids: Any, undo: list[Callable[[], None]]) -> None:
-    """Before the AQ-SGD buffer of `boundary` updates rows `ids`, note how to put them back."""
-    buffer = boundary.forward.buffer
-    if buffer is not None:
-        undo.append(partial(buffer.restore, buffer.snapshot(buffer.check_ids(ids))))
-
-
 def _header(rows: torch.Tensor) -> torch.Tensor:
     """16 bytes that precede a step's rows: their count and a digest of their ids. The follower checks it
     before it posts the rows' receive, whose size it computes itself: stages with different data would
@@ -188,7 +181,7 @@ class TiedWeights:
                 for rows in link.step.first:
                     if rows.numel():
                         if undo is not None:
-                            remember_rows(boundary, rows, undo)
+                            undo.append(boundary.forward.undo_point(rows))
                         sent += boundary.send_activation(matrix.index_select(0, rows.to(matrix.device)), rows, phase)
                 if training:
                     link.incoming = [boundary.post_grad(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype,
@@ -220,7 +213,7 @@ class TiedWeights:
                     continue
                 index = rows.to(matrix.device)
                 if undo is not None:
-                    remember_rows(link.boundary, rows, undo)
+                    undo.append(link.boundary.forward.undo_point(rows))
                     undo.append(partial(matrix.index_copy_, 0, index, matrix.index_select(0, index)))
                 matrix.index_copy_(0, index, link.boundary.take_activation(posted))
 
@@ -267,4 +260,4 @@ def _add_rows(param: torch.nn.Parameter, rows: torch.Tensor, values: torch.Tenso
     as_matrix(param.grad).index_add_(0, rows.to(param.device), values.to(param.grad.dtype))
 
 
-__all__ = ["TIE_MODES", "TIE_TAG", "Tie", "TiedWeights", "as_matrix", "remember_rows"]
+__all__ = ["TIE_MODES", "TIE_TAG", "Tie", "TiedWeights", "as_matrix"]

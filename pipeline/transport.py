@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from compression import BackwardCodec, ForwardCodec, Message
+from compression import BackwardCodec, ForwardCodec, Message, SampleIds
 
 
 class Incoming:
@@ -87,8 +87,12 @@ def link_latency_s() -> float:
     return ms / 1000.0
 
 
-def _ids_bytes(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return ids.to(device=device, dtype=torch.int64).contiguous().view(torch.uint8)
+def _ids_tensor(ids: torch.Tensor | SampleIds) -> torch.Tensor:
+    return ids.tensor if isinstance(ids, SampleIds) else ids
+
+
+def _ids_bytes(ids: torch.Tensor | SampleIds, device: torch.device) -> torch.Tensor:
+    return _ids_tensor(ids).to(device=device, dtype=torch.int64).contiguous().view(torch.uint8)
 
 
 class Boundary:
@@ -139,9 +143,10 @@ class Boundary:
         """Wait for a posted activation, check its sample ids, decode it."""
         buf, nbytes, ids = posted.incoming.wait(), posted.nbytes, posted.sample_ids
         sent_ids = buf[nbytes:].clone().view(torch.int64).cpu() if self.send_ids else None
-        if sent_ids is not None and not torch.equal(sent_ids, ids.cpu().to(torch.int64)):
+        loaded = _ids_tensor(ids).cpu().to(torch.int64) if ids is not None else None
+        if sent_ids is not None and not torch.equal(sent_ids, loaded):
             raise RuntimeError(
-                f"received sample ids {sent_ids.tolist()} but this stage loaded {ids.tolist()}: "
+                f"received sample ids {sent_ids.tolist()} but this stage loaded {loaded.tolist()}: "
                 "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
             )
         codec, kw = self._forward_codec(posted.phase)

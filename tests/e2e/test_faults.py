@@ -79,9 +79,10 @@ def nonfinite(rank, world):
     for step, (epoch, mbs) in enumerate(plan):
         poison["on"] = step == 5  # epoch 2: every sample seen, AQ-SGD sends deltas
         before = _copy(engine.state_dict())
-        out["losses"].append(engine.train_batch(mbs, epoch))
+        metrics = engine.train_batch(mbs, epoch)
+        out["losses"].append(metrics.loss)
         if step == 5:
-            out["skipped"] = engine.last_metrics.get("skipped")
+            out["skipped"] = metrics.skipped
             after = _copy(engine.state_dict())
             out["untouched"] = {k: _same(before[k], after[k]) for k in ("model", "optimizer", "codecs")}
     out["wire_finite"] = all(wire_finite) and len(wire_finite) > 0
@@ -97,11 +98,11 @@ def nonfinite(rank, world):
         engine.train_batch(plan[0][1], 0)
     except ValueError as exc:
         out["overflow"] = str(exc)
-    buffer = (engine.prev or engine.next).forward.buffer
-    out["overflow_stored"] = bool(buffer.seen.any()) or bool(buffer.values.abs().max() > 0)
+    buffer = next(c["buffer"] for c in engine.state_dict()["codecs"].values() if "buffer" in c)
+    out["overflow_stored"] = bool(buffer["seen"].any()) or bool(buffer["values"].abs().max() > 0)
     out["overflow_sample"] = int(plan[0][1][0]["sample_id"][0])
     roomy = make(skip=False, compression=replace(AQSGD, buffer_dtype=torch.bfloat16))  # the remedy
-    out["bfloat16_loss"] = roomy.train_batch(plan[0][1], 0)
+    out["bfloat16_loss"] = roomy.train_batch(plan[0][1], 0).loss
     return out
 
 

@@ -58,8 +58,8 @@ def resume_every_algorithm(rank, world, tmp):
                     record = checkpoint.read_state(path)  # weights_only=True
                     engine.load_state_dict(record["engine"])
                     checkpoint.set_rng_state(record["rng"])
-                engine.train_batch(mbs, epoch)
-                log.append({k: engine.last_metrics[k] for k in ("loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
+                m = engine.train_batch(mbs, epoch).record()
+                log.append({k: m[k] for k in ("loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
             runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
                          "buffer": engine.state_dict()["codecs"].get("next.forward", engine.state_dict()["codecs"]
                                                                       .get("prev.forward"))["buffer"]["values"].clone()})

@@ -21,8 +21,7 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
     log = []
     for epoch in range(epochs):
         for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
-            loss = engine.train_batch(mbs, epoch)
-            log.append({**engine.last_metrics, "loss": loss})
+            log.append(engine.train_batch(mbs, epoch).record())
     evaluation = engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}  # after eval: rows it read are current
     return {"log": log, "tied": tied, "eval": evaluation}

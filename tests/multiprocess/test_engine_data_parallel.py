@@ -27,8 +27,7 @@ def train(rank, world, stages, algorithm, options, steps=4):
         if len(log) == steps:
             break
         mine = mbs[groups.replica * per_replica:(groups.replica + 1) * per_replica]
-        engine.train_batch(mine, 0)
-        log.append(engine.last_metrics)
+        log.append(engine.train_batch(mine, 0).record())
     return {"log": log, "params": [p.detach().clone() for p in owned_parameters(stage, toy_ties(stages))]}
 
 
@@ -76,8 +75,8 @@ def every_algorithm(rank, world, steps=10):
         for epoch in range(steps):
             for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, epoch):
                 if len(log) < steps:
-                    engine.train_batch(mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO], epoch)
-                    log.append(engine.last_metrics)
+                    mine = mbs[groups.replica * MICRO:(groups.replica + 1) * MICRO]
+                    log.append(engine.train_batch(mine, epoch).record())
         params = torch.cat([p.detach().reshape(-1) for p in owned_parameters(stage, toy_ties(2))])
         probe = next(toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, 0))[groups.replica * MICRO:(groups.replica + 1) * MICRO]
         engine.eval_batch(probe)  # the follower takes its owner's rows of these tokens
@@ -143,8 +142,7 @@ def aqsgd_on_shards(rank, world, epochs=3):
     for epoch in range(epochs):
         for mbs in data.micro_batches(toy_dataset(SAMPLES, SEQ), MBS, MICRO, epoch, seed=5,
                                       shard=(groups.replica, grid.replicas)):
-            engine.train_batch(mbs, epoch)
-            log.append(engine.last_metrics)
+            log.append(engine.train_batch(mbs, epoch).record())
     side = "next.forward" if groups.stage == 0 else "prev.forward"
     return {"log": log, "buffer": engine.state_dict()["codecs"][side]["buffer"],
             "params": torch.cat([p.detach().reshape(-1) for p in owned_parameters(stage, toy_ties(2))])}

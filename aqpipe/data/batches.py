@@ -1,0 +1,135 @@
+"""Sample ids and batches: each replica's fixed shard, shuffled by (seed, epoch) identically in every process,
+so every stage of a replica loads the same micro-batches without talking; evaluation in index order."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .datasets import TensorDictDataset
+
+
+def shard_size(num_samples: int, count: int) -> int:
+    """Samples in each of `count` replicas' fixed shards (the rows of its AQ-SGD buffers): equal for
+    all, so every replica takes as many steps; the last `num_samples % count` are not trained on."""
+    for name, value, low in (("num_samples", num_samples, 0), ("count", count, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+    return num_samples // count
+
+
+def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, shard_count: int = 1,
+                    *, drop_last: bool = True) -> int:
+    """Optimizer steps in one epoch: one global batch (micro_batch_size x num_micro_batches x
+    shard_count samples) per step, each replica's part taken from its own shard (`shard_size`); a
+    partial last batch is dropped, or with drop_last=False filled up from the start of the shard's
+    epoch order. The same for every replica, so they stay in step."""
+    for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
+                        ("shard_count", shard_count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    size = micro_batch_size * num_micro_batches * shard_count
+    if len(dataset) < size:
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {size} "
+                         f"(micro_batch_size={micro_batch_size} x num_micro_batches={num_micro_batches} x "
+                         f"shard_count={shard_count}): expected a larger dataset or smaller batches")
+    shard, per_replica = shard_size(len(dataset), shard_count), micro_batch_size * num_micro_batches
+    return shard // per_replica if drop_last else math.ceil(shard / per_replica)
+
+
+def sequential_batches(dataset: Dataset, micro_batch_size: int,
+                       num_micro_batches: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Every sample once, in index order, for evaluation: the last step and micro-batch may be short."""
+    for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    n, per_step = len(dataset), micro_batch_size * num_micro_batches
+    for start in range(0, n, per_step):
+        chunk = range(start, min(start + per_step, n))
+        yield [_gather(dataset, chunk[i:i + micro_batch_size]) for i in range(0, len(chunk), micro_batch_size)]
+
+
+def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, epoch: int, seed: int,
+                  shard: tuple[int, int] = (0, 1), drop_last: bool = True, *,
+                  shuffle: bool = True) -> Iterator[list[dict[str, Any]]]:
+    """Per optimizer step, this replica's `num_micro_batches` micro-batches of `micro_batch_size`.
+
+    `shard=(index, count)`: replica `index` of `count` trains on a fixed shard of
+    `shard_size(len(dataset), count)` samples drawn from `seed` alone, so a sample stays in one
+    replica's AQ-SGD buffers for the whole run (one new to a replica's buffers is sent whole); the
+    `len(dataset) % count` samples left over are not trained on. Each epoch the shard is shuffled
+    by (seed, epoch), the same in every process that asks (`shuffle=False`: dataset order within
+    the shard, for evaluation); with one replica the shard is the whole dataset, in the order
+    earlier versions gave. `sample_id` is the sample's position in the shard, its row in this
+    replica's buffers (with one replica, the dataset index). Arguments are checked here, not at the
+    first `next()`.
+    """
+    index, count = _check_shard(shard)
+    for name, value in (("epoch", epoch), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected an int >= 0")
+    steps = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, count, drop_last=drop_last)
+    members = _shard_members(len(dataset), seed, index, count)
+    order = np.random.default_rng([seed, epoch]).permutation(len(members)) if shuffle else np.arange(len(members))
+    size = micro_batch_size * num_micro_batches
+    order = np.concatenate([order, order[: steps * size - len(order)]]) if steps * size > len(order) else order
+    return _steps(dataset, members, order, steps, micro_batch_size, num_micro_batches)
+
+
+def _shard_members(num_samples: int, seed: int, index: int, count: int) -> np.ndarray:
+    """Dataset indices of replica `index`'s shard, sorted; never the epoch's, so shards stay put.
+    With one replica: every index. The draw's entropy is not [seed] alone, which numpy pads to
+    [seed, 0], the stream of epoch 0's order."""
+    size = shard_size(num_samples, count)
+    drawn = np.random.default_rng([seed, 0, 1]).permutation(num_samples)
+    return np.sort(drawn[index * size: (index + 1) * size])
+
+
+def _check_shard(shard: tuple[int, int]) -> tuple[int, int]:
+    try:
+        index, count = shard
+    except (TypeError, ValueError):
+        raise ValueError(f"shard={shard!r}: expected (index, count)") from None
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (index, count)) or not 0 <= index < count:
+        raise ValueError(f"shard={shard!r}: expected (index, count) with integers 0 <= index < count")
+    return index, count
+
+
+def _steps(dataset: Dataset, members: np.ndarray, order: np.ndarray, steps: int, micro_batch_size: int,
+           num_micro_batches: int) -> Iterator[list[dict[str, Any]]]:
+    """Consecutive slices of `order` (positions in the shard `members`), one per step."""
+    per_replica = micro_batch_size * num_micro_batches
+    for step in range(steps):
+        mine = order[step * per_replica: (step + 1) * per_replica]
+        yield [_shard_batch(dataset, members, mine[m * micro_batch_size: (m + 1) * micro_batch_size])
+               for m in range(num_micro_batches)]
+
+
+def _shard_batch(dataset: Dataset, members: np.ndarray, positions: np.ndarray) -> dict[str, Any]:
+    """The shard's samples at `positions`; `sample_id` is overwritten with those positions, their
+    rows in this replica's AQ-SGD buffers (a dataset's own sample_id is its global index)."""
+    batch = _gather(dataset, members[positions])
+    batch["sample_id"] = torch.tensor(positions, dtype=torch.int64)
+    return batch
+
+
+def _gather(dataset: Dataset, indices: np.ndarray) -> dict[str, Any]:
+    """The samples at `indices` stacked per field; `sample_id` added where a dataset lacks it."""
+    if isinstance(dataset, TensorDictDataset):
+        return dataset.batch(indices)
+    items = [dataset[int(i)] for i in indices]
+    batch = {key: _stack([item[key] for item in items]) for key in items[0]}
+    batch.setdefault("sample_id", torch.as_tensor(indices, dtype=torch.int64))
+    return batch
+
+
+def _stack(values: Iterable[Any]) -> Any:
+    values = list(values)
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack(values)
+    if all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
+        return torch.as_tensor(values)
+    return values

@@ -1,0 +1,61 @@
+"""metrics.jsonl (one JSON object per step, kept across a resume) and the progress bar, on rank 0."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from .config import RunConfig
+from .world import World
+
+
+class MetricsWriter:
+    """metrics.jsonl (one object per step) and a progress bar, on rank 0 only."""
+
+    def __init__(self, cfg: RunConfig, world: World, total_steps: int, resumed_step: int | None = None,
+                 elapsed: float = 0.0) -> None:
+        """`resumed_step`: keep the records up to that step (a resumed run appends from there)."""
+        self.active = world.rank == 0
+        self.start = time.perf_counter() - elapsed  # times continue across a resume
+        self.path = Path(cfg.output_dir) / "metrics.jsonl"
+        if self.active:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = self._records_until(resumed_step) if resumed_step is not None else []
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+            self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="train", unit="step",
+                            dynamic_ncols=True)
+
+    def _records_until(self, step: int) -> list[str]:
+        """The training records of steps <= step: no duplicates once the resumed run writes its own."""
+        if not self.path.is_file():
+            return []
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the crash
+                continue
+            if record.get("step", 0) < step or (record.get("step") == step and "lr" in record):
+                kept.append(line)
+        return kept
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        record = {**record, "time": round(time.perf_counter() - self.start, 3)}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if "lr" in record:  # a training step (eval-only records have no lr)
+            self.bar.update(1)
+            if "loss" in record:
+                self.bar.set_postfix(loss=f"{record['loss']:.4f}", fwd_MB=f"{record['fwd_bytes'] / 1e6:.2f}")
+
+    def close(self) -> None:
+        if self.active:
+            self.bar.close()

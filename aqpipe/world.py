@@ -1,0 +1,100 @@
+"""The process group a launcher describes, and what a rank does when another fails.
+
+`deepspeed --num_gpus N`, `torchrun --nproc_per_node N` and plain `python` all come here: the launchers set
+RANK / WORLD_SIZE / MASTER_ADDR (deepspeed also passes --local_rank), plain python runs one process holding
+the whole model as a single stage. In a multi-process run a watchdog (watchdog.py) and `stop_after_failure`
+make every rank stop within a bounded time, naming the rank that failed, when one dies or raises.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .config import RunConfig
+from .watchdog import Watchdog
+
+SETUP_SECONDS = 1800  # barriers around work one rank does for all (data caches, the merged model)
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def init_world(cfg: RunConfig) -> World:
+    """Join the process group the launcher described (gloo on CPU, NCCL on GPU), or run alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))  # config.resolve checked it is stages x replicas
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    if size > 1:
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
+    return World(rank, size, local_rank, device)
+
+
+def barrier(world: World, timeout: float | None = None) -> None:
+    """A barrier; `timeout` (gloo) outlasts the collective timeout while one rank works for all."""
+    if not world.distributed:
+        return
+    if timeout is not None and dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    else:
+        dist.barrier()
+
+
+def describer(cfg: RunConfig) -> Callable[[int], str]:
+    stages = int(cfg.pipeline_stages)
+    return lambda rank: f"stage {rank % stages}, replica {rank // stages}"
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    """A failed send, receive or collective: usually the consequence of another rank's failure."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+                            "timed out", "gloo/transport", "NCCL"))
+
+
+def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdog: Watchdog | None,
+                        prog: str) -> None:
+    """Tell the other ranks, say what failed where in one line, and end this process (status 2 for bad input
+    found late, 1 otherwise) without waiting on peers that may never answer."""
+    me = f"rank {world.rank} ({describer(cfg)(world.rank)})"
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    code = 1
+    if _is_comm_error(exc) and watchdog is not None:
+        watchdog.wait_for_verdict()  # exits this process once it names the rank that failed
+        line = f"{me} stopping: communication with its peers failed and no peer reported a failure: {first_line}"
+        watchdog.report(f"stopped after a communication error: {first_line}")
+    else:
+        if watchdog is not None:
+            watchdog.report(f"{type(exc).__name__}: {first_line}")
+        expected = isinstance(exc, (ValueError, FileNotFoundError, FloatingPointError, KeyboardInterrupt))
+        if not expected or os.environ.get("AQPIPE_TRACEBACK"):
+            traceback.print_exception(exc)
+        code = 2 if isinstance(exc, (ValueError, FileNotFoundError)) else 1
+        line = f"{me} failed: {type(exc).__name__}: {first_line}"
+    print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
