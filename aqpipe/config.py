@@ -236,7 +236,10 @@ def _build(task: str, values: dict[str, Any]) -> RunConfig:
     top = {f.name for f in fields(RunConfig)} - set(SECTIONS)
     unknown = sorted(set(values) - top - set(SECTIONS))
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block")
+        moved = [f"{k} is {FLAGS[k][2].replace('.', ' block key ')}" for k in unknown
+                 if k in FLAGS and "." in FLAGS[k][2]]  # a setting that lives in a section now
+        hint = f" ({'; '.join(moved)})" if moved else ""
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block{hint}")
     cfg = RunConfig(task=task, **{k: v for k, v in values.items() if k not in SECTIONS})
     for name, kind in SECTIONS.items():
         given = dict(values.get(name, {}))

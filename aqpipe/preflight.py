@@ -10,7 +10,6 @@ import os
 from typing import TYPE_CHECKING
 
 from . import checkpoint, faults
-from .models import TINY
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -37,6 +36,8 @@ def is_hub_name(name: str) -> bool:
 
 def _check_model_shape(cfg: "RunConfig") -> None:
     """Stages against the model's blocks and seq_len against its positions, from its config alone."""
+    from .models import TINY  # imports transformers: only once a run is checked
+
     blocks, positions, name = TINY["layers"], None, "the built-in shape"  # it grows its positions to seq_len
     if cfg.model is not None:
         from transformers import AutoConfig

@@ -93,10 +93,10 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> 
     return out
 
 
-def run(task: Task, cfg: RunConfig) -> dict[str, Any]:
+def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
     """One run; in a multi-process run any failure ends this process with a line naming rank and stage."""
     world = init_world(cfg)
-    prog = Path(sys.argv[0]).name or "aqpipe"
+    prog = prog or Path(sys.argv[0]).name or "aqpipe"  # the name failure lines start with
     watchdog = None
     try:
         if world.distributed:

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.convergence_plot import plot_model  # noqa: E402
-from benchmarks.recipe_runs import ROOT, read_run, run_recipe  # noqa: E402
+from aqpipe.config import FLAGS
+from benchmarks.convergence_plot import plot_model
+from benchmarks.recipe_runs import ROOT, read_run, run_recipe
 
 BIT_PAIRS = ((2, 4), (3, 6), (4, 8))
 
@@ -180,10 +181,20 @@ def _same_config(run_dir: Path, args: list[str]) -> bool:
     """Whether a finished run used these flags (so --reuse never mixes settings)."""
     config = json.loads((run_dir / "summary.json").read_text())["config"]
     given = {flag[2:]: value for flag, value in zip(args, args[1:]) if flag.startswith("--")}  # the last wins
-    return all(_equal(config[key], value) for key, value in given.items() if key in config)
+    targets = {name: dest for name, (_, _, dest) in FLAGS.items()}  # a flag -> its field, "section.field" nested
+    targets["group_size"] = "compression.forward_group_size"  # sets both boundaries; forward stands for them
+    stored = {}
+    for key in given:
+        section, _, field = targets.get(key, key).rpartition(".")
+        place = config.get(section, {}) if section else config
+        if field in place:
+            stored[key] = place[field]
+    return all(_equal(stored[key], value) for key, value in given.items() if key in stored)
 
 
 def _equal(stored: Any, given: str) -> bool:
+    if stored is None:
+        return given.lower() == "none"
     if isinstance(stored, (int, float)) and not isinstance(stored, bool):
         try:
             return float(stored) == float(given)

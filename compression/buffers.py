@@ -144,14 +144,20 @@ class SampleBuffer:
             )
         if tuple(seen.shape) != (self.num_samples,):
             raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
+        if values is None and self.path is None:
+            raise ValueError("buffer state without rows: only a buffer kept in a file leaves its rows out")
         if values is not None:
             self.values.copy_(values)
         self.seen.copy_(seen)
 
-    def write_rows(self, f: BinaryIO, chunk_rows: int = 4096) -> None:
-        """Every row's bytes, in order, to a binary file: how a checkpoint copies a buffer too big for memory."""
-        for start in range(0, self.num_samples, chunk_rows):
-            f.write(self.values[start:start + chunk_rows].contiguous().view(torch.uint8).numpy().tobytes())
+    def write_rows(self, f: BinaryIO, chunk_bytes: int = 4 << 20) -> None:
+        """Every row's bytes, in order, to a binary file, a few MB at a time: how a checkpoint copies a buffer
+        too big for memory."""
+        row_bytes = self.nbytes // self.num_samples
+        step = max(1, chunk_bytes // row_bytes)
+        for start in range(0, self.num_samples, step):
+            chunk = self.values[start:start + step].contiguous().view(torch.uint8)
+            f.write(memoryview(chunk.numpy()))
 
     def read_rows(self, source: str | os.PathLike) -> None:
         """The rows back from a file `write_rows` wrote; ValueError if its size is not this buffer's."""

@@ -210,7 +210,8 @@ class PipelineEngine:
 
     def _sample_ids(self, sample_ids: Any, phase: str) -> Any:
         """A micro-batch's ids, checked once per step where AQ-SGD buffers read them (sender, receiver, undo)."""
-        buffered = phase != "eval" and self.compression.forward == "aqsgd"
+        has_boundary = self.prev is not None or self.next is not None
+        buffered = phase != "eval" and self.compression.forward == "aqsgd" and has_boundary
         return SampleIds(sample_ids, self.num_samples) if buffered else sample_ids
 
     @staticmethod
@@ -222,7 +223,7 @@ class PipelineEngine:
     def _run(self, actions: list[sched.Action], micro_batches: list[dict], phase: str, training: bool) -> _Flight:
         flight, counters, m = _Flight(), self._counters, len(micro_batches)
         undo = flight.undo if phase != "eval" else None  # a training step may be rejected: note what it changes
-        ids = [self._sample_ids(batch["sample_id"], phase) for batch in micro_batches]
+        ids = [self._sample_ids(batch.get("sample_id"), phase) for batch in micro_batches]
 
         def recv_act(mb: int) -> None:
             self._remember(self.prev, ids[mb], phase, flight)
@@ -427,7 +428,8 @@ class PipelineEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the engine needs to continue exactly: weights, optimizer, LR scheduler, step,
-        codecs (dither generators, AQ-SGD buffers and seen bits), data-parallel algorithm."""
+        codecs (dither generators, AQ-SGD buffers and seen bits), data-parallel algorithm. The rows of buffers
+        kept in files stay in the files (`file_buffers()`: a checkpoint copies them)."""
         grid = self.groups.grid
         return {
             "place": {"stage": self.groups.stage, "replica": self.groups.replica, "stages": grid.stages,

@@ -29,7 +29,7 @@ LAYERS = ("unit", "multiprocess", "e2e")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test with its folder's name (unit, multiprocess, e2e)."""
     for item in items:
-        layer = Path(str(item.fspath)).parent.name
+        layer = item.path.parent.name
         if layer in LAYERS:
             item.add_marker(getattr(pytest.mark, layer))
 

@@ -50,7 +50,7 @@ def test_the_wheel_holds_every_package_and_runs_both_fine_tunes_from_elsewhere(t
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         return proc
 
-    where = run(str(python), "-c", "import aqpipe, pipeline.stages; print(aqpipe.__file__)").stdout
+    where = run(str(python), "-c", "import aqpipe; print(aqpipe.__file__)").stdout
     assert where.startswith(str(venv)), where  # the wheel's copy, not the checkout's
     assert "usage: aqpipe {gpt2,deberta}" in run(str(venv / "bin" / "aqpipe"), "--help").stdout
 

@@ -86,9 +86,10 @@ def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
     evaluation = data.limit(data.classification_dataset("acceptability", tok, 32, split="eval", seed=42), 8)
     batch = evaluation.batch(range(8))
     with torch.no_grad():
-        logits = clf(**{k: v for k, v in batch.items() if k not in ("sample_id", "labels")}).logits
-    correct = (logits.argmax(-1) == batch["labels"]).float().mean().item()
+        out = clf(**{k: v for k, v in batch.items() if k != "sample_id"})
+    correct = (out.logits.argmax(-1) == batch["labels"]).float().mean().item()
     assert rows[-1]["eval_accuracy"] == pytest.approx(correct, abs=1e-6)
+    assert rows[-1]["eval_loss"] == pytest.approx(out.loss.item(), rel=1e-4)  # two equal batches: the same mean
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from compression import BackwardCodec, BufferRangeError, ForwardCodec, Message, QuantizedTensor, SampleIds
+from compression import (BackwardCodec, BufferRangeError, ForwardCodec, Message, QuantizedTensor, SampleBuffer,
+                         SampleIds)
 
 N, SHAPE = 24, (4, 64)  # dataset size, one sample's activation (seq, hidden)
 
@@ -281,3 +282,33 @@ def test_sample_ids_checked_once_serve_every_call_alike():
         s.encode(torch.randn(3, 3), ids)
     with pytest.raises(ValueError, match="repeat an index"):
         SampleIds([2, 2], 8)
+    # checked once: the calls trust it (a repeat written in after the check is not looked for again)
+    ids.tensor[0] = 1
+    assert s.payload_nbytes(x.shape, x.dtype, ids) == s.payload_nbytes(x.shape, x.dtype, torch.tensor([5, 1]))
+    with pytest.raises(ValueError, match="repeat an index"):
+        s.payload_nbytes(x.shape, x.dtype, ids.tensor)
+
+
+def test_a_buffer_kept_in_a_file_leaves_its_rows_there_and_copies_them_as_bytes(tmp_path):
+    import io
+
+    a = SampleBuffer(6, (2, 3), torch.bfloat16, path=tmp_path / "a.buf")
+    a.store(torch.tensor([4, 1]), torch.randn(2, 2, 3))
+    state = a.state_dict()
+    assert state["values"] is None and state["seen"].nonzero().flatten().tolist() == [1, 4]
+    rows = io.BytesIO()
+    a.write_rows(rows, chunk_bytes=20)  # chunks of 1 row of 12 bytes: the loop, not one copy
+    (tmp_path / "copy.buf").write_bytes(rows.getvalue())
+    b = SampleBuffer(6, (2, 3), torch.bfloat16, path=tmp_path / "b.buf")
+    b.read_rows(tmp_path / "copy.buf")
+    b.load_state_dict(state)
+    assert torch.equal(b.values, a.values) and torch.equal(b.seen, a.seen)
+    with pytest.raises(ValueError, match="hold 12 bytes, the buffer 72"):
+        b.read_rows(_file(tmp_path / "short.buf", rows.getvalue()[:12]))
+    with pytest.raises(ValueError, match="only a buffer kept in a file leaves its rows out"):
+        SampleBuffer(6, (2, 3)).load_state_dict(state)  # an in-memory buffer never takes a state without rows
+
+
+def _file(path, data: bytes):
+    path.write_bytes(data)
+    return path

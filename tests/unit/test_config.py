@@ -205,3 +205,13 @@ def test_an_unknown_key_in_a_section_is_named(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run(["--deepspeed_config", str(path)], monkeypatch)
     assert "unknown setting(s) forward_bit in the config's compression block" in capsys.readouterr().err
+
+
+def test_a_setting_from_before_the_sections_names_its_new_place(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"run": {"forward_compress": "none", "dp_bits": 4}}))
+    with pytest.raises(SystemExit):
+        run(["--deepspeed_config", str(path)], monkeypatch)
+    err = capsys.readouterr().err
+    assert "unknown setting(s) dp_bits, forward_compress in the config's run block" in err
+    assert "dp_bits is data_parallel block key bits; forward_compress is compression block key forward" in err
