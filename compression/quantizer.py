@@ -18,9 +18,10 @@ from . import kernels
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_bits(bits: int) -> int:
+def check_bits(bits: int, name: str = "bits") -> int:
+    """`bits` if it is an integer from 1 to 8; else ValueError naming it as `name` (a flag, a field)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits={bits!r}: expected an integer from 1 to 8")
+        raise ValueError(f"{name}={bits!r}: expected an integer from 1 to 8")
     return bits
 
 

@@ -10,16 +10,10 @@ from typing import Any
 
 import torch
 
-from .base import REGISTRY, Algorithm
+from .base import REGISTRY, Algorithm, check_int
 from .comm import Comm
 
 PEER_SELECTIONS = ("shift_one", "all")
-
-
-def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        expected = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise ValueError(f"dp_{name}={value!r}: expected an integer {expected}")
 
 
 @dataclass
@@ -35,13 +29,13 @@ class DataParallelConfig:
 
     def validate(self) -> "DataParallelConfig":
         """Every value against its range (one line naming it); no I/O."""
-        _integer("replicas", self.replicas, 1)
+        check_int("dp_replicas", self.replicas, 1)
         if self.algorithm not in REGISTRY:
             raise ValueError(f"dp_algorithm={self.algorithm!r}: expected one of {', '.join(sorted(REGISTRY))}")
-        _integer("bits", self.bits, 1, 8)
-        _integer("local_steps", self.local_steps, 1)
-        _integer("interval", self.interval, 1)
-        _integer("warmup_steps", self.warmup_steps, 0)
+        check_int("dp_bits", self.bits, 1, 8)
+        check_int("dp_local_steps", self.local_steps, 1)
+        check_int("dp_interval", self.interval, 1)
+        check_int("dp_warmup_steps", self.warmup_steps, 0)
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) \
                 or not 0 < self.topk_ratio <= 1:
             raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected a fraction in (0, 1]")

@@ -45,7 +45,7 @@ import torch
 
 from compression import QuantizedTensor, check_bits, dequantize, quantize
 
-from .base import Algorithm, register
+from .base import Algorithm, check_int, register
 from .comm import Comm
 
 PEER_SELECTIONS = ("shift_one", "all")
@@ -87,14 +87,6 @@ def shift_one_peer(rank: int, size: int, comm_round: int) -> int:
     return h + (rank + s) % h if rank < h else (rank - h - s) % h
 
 
-def check_int(value: Any, what: str, low: int, high: int | None = None) -> int:
-    ok = not isinstance(value, bool) and isinstance(value, int) and value >= low and (high is None or value <= high)
-    if not ok:
-        expected = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-        raise ValueError(f"{what}={value!r}: expected {expected}")
-    return value
-
-
 @register
 class DecentralizedSGD(Algorithm):
     """x <- (x + x_peer) / 2 before the local optimizer step; peers by `shift_one` or `all`."""
@@ -110,7 +102,7 @@ class DecentralizedSGD(Algorithm):
             raise ValueError(
                 f"{self.name}: peer_selection={peer_selection!r}: expected one of {', '.join(PEER_SELECTIONS)}"
             )
-        check_int(interval, f"{self.name}: interval", 1)
+        check_int(f"{self.name}: interval", interval, 1)
         if peer_selection == "shift_one" and comm.size > 1 and comm.size % 2:
             raise ValueError(
                 f"{self.name}: peer_selection='shift_one' pairs the two halves of the replicas and needs an "
@@ -176,8 +168,8 @@ class LowPrecisionDecentralizedSGD(Algorithm):
             check_bits(bits)
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
-        check_int(seed, f"{self.name}: seed", 0, (1 << 64) - 1)
-        check_int(group_size, f"{self.name}: group_size", 1)
+        check_int(f"{self.name}: seed", seed, 0, (1 << 64) - 1)
+        check_int(f"{self.name}: group_size", group_size, 1)
         super().__init__(params, comm, **options)
         self.bits, self.seed, self.group_size = bits, seed, group_size
         self.dtype = flat_dtype(self.params)

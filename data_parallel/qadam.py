@@ -47,17 +47,10 @@ import torch
 from compression import QuantizedTensor, dequantize, quantize
 
 from .allreduce import flat_grads, set_flat_grads
-from .base import Algorithm, register
+from .base import Algorithm, check_int, register
 from .comm import Comm
 
 DEFAULT_GROUP_SIZE = 1024  # elements per quantization group: 8 bytes of min/step per 1024 codes (<1% at 8 bits)
-
-
-def _check_int(name: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        expected = what or (f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}")
-        raise ValueError(f"qadam: {name}={value!r}: expected {expected}")
-    return value
 
 
 def worker_seed(seed: int, rank: int) -> int:
@@ -87,10 +80,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
             raise ValueError(f"qadam: eps={eps!r}: expected a number >= 0")
         if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
             raise ValueError(f"qadam: weight_decay={weight_decay!r}: expected a number >= 0")
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.bits = _check_int("bits", bits, 1, 8)
-        self.seed = _check_int("seed", seed, 0, 2**32 - 1)
-        self.group_size = _check_int("group_size", group_size, 1)
+        self.warmup_steps = check_int("qadam: warmup_steps", warmup_steps, 0)
+        self.bits = check_int("qadam: bits", bits, 1, 8)
+        self.seed = check_int("qadam: seed", seed, 0, 2**32 - 1)
+        self.group_size = check_int("qadam: group_size", group_size, 1)
         if self.warmup_steps == 0:
             warnings.warn("qadam: warmup_steps=0 freezes the variance at zero, so every update is lr*m/eps; "
                           "use a warm-up of some steps", stacklevel=2)
@@ -249,10 +242,10 @@ class QAdam(Algorithm):
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, warmup_steps: int = 100, bits: int = 8,
                  seed: int = 0, group_size: int = DEFAULT_GROUP_SIZE, **options: Any) -> None:
         super().__init__(params, comm, **options)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.bits = _check_int("bits", bits, 1, 8)
-        self.seed = _check_int("seed", seed, 0, 2**32 - 1)
-        self.group_size = _check_int("group_size", group_size, 1)
+        self.warmup_steps = check_int("qadam: warmup_steps", warmup_steps, 0)
+        self.bits = check_int("qadam: bits", bits, 1, 8)
+        self.seed = check_int("qadam: seed", seed, 0, 2**32 - 1)
+        self.group_size = check_int("qadam: group_size", group_size, 1)
         self.optimizer: QAdamOptimizer | None = None
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

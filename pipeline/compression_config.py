@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression import BACKWARD_MODES, FORWARD_MODES
+from compression import BACKWARD_MODES, FORWARD_MODES, check_bits
 
 from .ties import TIE_MODES
 
@@ -17,10 +17,8 @@ AUTO_GROUP_BITS = 2
 
 
 def _bits(name: str, value: object, needed: bool) -> None:
-    if value is None and not needed:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-        raise ValueError(f"{name}={value!r}: expected an integer from 1 to 8")
+    if value is not None or needed:
+        check_bits(value, name)
 
 
 @dataclass
