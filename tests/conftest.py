@@ -80,6 +80,17 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[An
     return [results[r] for r in range(world)]
 
 
+def tiny_gpt2_config(tmp_path: Path) -> str:
+    """A 2-block, width-64 GPT2 config.json without dropout (runs compare losses exactly), for --model."""
+    from transformers import GPT2Config  # here: spawned workers import this module and need no transformers
+
+    path = tmp_path / "gpt2-tiny" / "config.json"
+    path.parent.mkdir(parents=True)
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0).to_json_file(path)
+    return str(path)
+
+
 # ---------------------------------------------------------------------------------------------- a toy pipeline
 VOCAB, HIDDEN = 40, 16
 

@@ -5,11 +5,9 @@ each torchrun launch costs seconds of imports.
 """
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from benchmarks import convergence  # noqa: E402
 from benchmarks.convergence_plot import smooth  # noqa: E402

@@ -13,23 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import GPT2Config
 
-from tests.conftest import free_port
+from tests.conftest import ROOT, free_port, tiny_gpt2_config
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SHAPE = ["--seq_len", "32", "--max_train_samples", "32", "--micro_batch_size", "2", "--num_micro_batches", "2",
          "--max_steps", "4"]
 STEP_KEYS = {"step", "loss", "seconds", "samples_per_s", "fwd_bytes", "bwd_bytes", "time"}
 SUMMARY_KEYS = {"steps", "final_loss", "seconds", "samples_per_s", "world_size"}
-
-
-def tiny_config(tmp_path: Path) -> str:
-    path = tmp_path / "gpt2-tiny" / "config.json"
-    path.parent.mkdir(parents=True)
-    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-               attn_pdrop=0.0).to_json_file(path)
-    return str(path)
 
 
 def start(prefix: list[str], script: list[str], out: Path, model: str,
@@ -48,7 +38,7 @@ def finish(cmd: list[str], proc: subprocess.Popen, out: Path) -> tuple[list[dict
 
 
 def test_deepspeed_pipeline_matches_our_engine_on_the_same_model_and_data(tmp_path):
-    model = tiny_config(tmp_path)
+    model = tiny_gpt2_config(tmp_path)
     ds_out, ours_out = tmp_path / "deepspeed", tmp_path / "ours"
     ds = start(["deepspeed", "--num_gpus", "2"], ["--module", "benchmarks.deepspeed_pipeline"], ds_out, model)
     ours = start([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],

@@ -8,16 +8,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import free_port, spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from aqpipe import faults
-from tests.conftest import toy_batches, toy_stages, toy_ties
+from tests.conftest import ROOT, free_port, spawn, toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -148,7 +146,6 @@ def test_fault_specs_are_checked():
 
 
 # ---------------------------------------------------------------------- the recipe, killed and resumed
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
 FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "3", "--forward_compress", "aqsgd",

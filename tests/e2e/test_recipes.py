@@ -10,9 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
 
 from aqpipe import data
-from tests.conftest import free_port
+from tests.conftest import ROOT, free_port, tiny_gpt2_config
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 QUICK = ["--seq_len", "32", "--max_train_samples", "32", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2"]
 STEP_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "fwd_bytes", "bwd_bytes", "dp_bytes", "time"}
@@ -26,16 +25,8 @@ def launch(prefix: list[str], recipe: str, out: Path, *flags: str, timeout: int 
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def no_dropout_config(tmp_path: Path) -> str:
-    path = tmp_path / "gpt2-tiny" / "config.json"
-    path.parent.mkdir(parents=True)
-    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-               attn_pdrop=0.0).to_json_file(path)
-    return str(path)
-
-
 def test_python_and_torchrun_give_the_same_losses_and_a_loadable_model(tmp_path):
-    model = no_dropout_config(tmp_path)
+    model = tiny_gpt2_config(tmp_path)
     common = ["--model", model, "--max_steps", "3", "--forward_compress", "none", "--backward_compress", "none"]
     one = launch([sys.executable], "finetune_gpt2.py", tmp_path / "one", *common)
     two = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
@@ -58,7 +49,7 @@ def test_python_and_torchrun_give_the_same_losses_and_a_loadable_model(tmp_path)
 def test_group_size_sets_the_bytes_on_both_boundary_wires(tmp_path):
     """--group_size reaches the quantizers: every group's min and step (8 bytes) is on the wire."""
     rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
-                  tmp_path / "g16", "--model", no_dropout_config(tmp_path), "--max_steps", "1",
+                  tmp_path / "g16", "--model", tiny_gpt2_config(tmp_path), "--max_steps", "1",
                   "--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
                   "--backward_bits", "4", "--group_size", "16")
     step = next(r for r in rows if "loss" in r)

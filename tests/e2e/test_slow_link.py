@@ -12,7 +12,7 @@ import torch
 from benchmarks import netns, slow_link
 from pipeline import transport
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
+from tests.conftest import ROOT
 
 
 def test_rate_parsing_names_the_bad_value() -> None:

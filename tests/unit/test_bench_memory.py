@@ -1,12 +1,11 @@
 """benchmarks/memory.py: the buffers the engine allocates are exactly the formula's bytes."""
 import json
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from benchmarks import memory  # noqa: E402
+
 
 
 def test_quick_memory_table_measures_what_the_formula_says(tmp_path, capsys):

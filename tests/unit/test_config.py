@@ -1,6 +1,5 @@
 """Run configuration: file < flags precedence, DeepSpeed keys, and one clear line for each bad value."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -8,6 +7,7 @@ from aqpipe import cli
 from aqpipe.config import resolve
 from aqpipe.tasks import TASKS
 from pipeline.compression_config import AUTO_GROUP_SIZE
+from tests.conftest import ROOT
 
 
 def run(argv, monkeypatch, world=1):
@@ -175,7 +175,7 @@ def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch
     """`aqpipe NAME` (installed, no file) and recipes/finetune_NAME.py (its JSON) run the same settings."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     task = TASKS[name]
-    config = Path(__file__).resolve().parents[2] / "recipes" / "configs" / f"{name}.json"
+    config = ROOT / "recipes" / "configs" / f"{name}.json"
     assert resolve(task.kind, ["--deepspeed_config", str(config)], "t") == resolve(task.kind, [], "t", task.defaults)
 
 

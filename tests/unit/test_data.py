@@ -21,8 +21,8 @@ import torch
 from aqpipe import data
 from aqpipe.data import corpus as corpus_module
 from aqpipe.data import datasets as sources
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 SEQ = 32
 

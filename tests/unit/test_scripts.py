@@ -2,12 +2,12 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 from benchmarks import bench_quantize  # noqa: E402
 from recipes import codec_demo  # noqa: E402
+
+from tests.conftest import ROOT
 
 
 def test_codec_demo_aqsgd_tracks_fp32_where_directq_falls_behind(tmp_path):
