@@ -77,6 +77,10 @@ class StepTotals(StepCounters):
     counted: int = 0
     nonfinite: int = 0
 
+    def mean_loss(self, micro_batches: int, replicas: int) -> float:
+        """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
+        return self.loss_sum / (micro_batches * replicas)
+
 
 @dataclass
 class StepMetrics:
@@ -338,7 +342,7 @@ class PipelineEngine:
 
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  skipped: str | None = None) -> StepMetrics:
-        loss = float("nan") if skipped is not None else t.loss_sum / (m * self.groups.grid.replicas)
+        loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
                            t.dp_bytes, phase, time.perf_counter() - start, skipped)
 
@@ -477,7 +481,7 @@ class PipelineEngine:
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         flight = self._run(actions, micro_batches, "eval", training=False)
         t = self._reduce(flight)
-        loss = t.loss_sum / (len(micro_batches) * self.groups.grid.replicas)
+        loss = t.mean_loss(len(micro_batches), self.groups.grid.replicas)
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if t.counted:
             result["accuracy"] = t.correct / t.counted
