@@ -74,26 +74,26 @@ def test_bad_values_exit_2_with_one_line(argv, message, monkeypatch, capsys):
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
-def test_inconsistent_train_batch_size_is_refused(tmp_path, monkeypatch, capsys):
+def refusal(config, tmp_path, monkeypatch, capsys) -> str:
+    """What resolving with `config` (a dict, or raw text) as the config file prints as it exits with status 2."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
-                                "gradient_accumulation_steps": 2}))
-    with pytest.raises(SystemExit):
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
         run(["--deepspeed_config", str(path)], monkeypatch)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_inconsistent_train_batch_size_is_refused(tmp_path, monkeypatch, capsys):
+    config = {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
     assert ("train_batch_size=10: expected micro_batch_size x num_micro_batches x replicas = 4 x 2 x 1"
-            in capsys.readouterr().err)
+            in refusal(config, tmp_path, monkeypatch, capsys))
 
 
 def test_unknown_run_setting_and_bad_json_are_refused(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"run": {"sequence_length": 64}}))
-    with pytest.raises(SystemExit):
-        run(["--deepspeed_config", str(path)], monkeypatch)
-    assert "unknown setting(s) sequence_length" in capsys.readouterr().err
-    path.write_text("{not json")
-    with pytest.raises(SystemExit):
-        run(["--deepspeed_config", str(path)], monkeypatch)
-    assert "not valid JSON" in capsys.readouterr().err
+    unknown = refusal({"run": {"sequence_length": 64}}, tmp_path, monkeypatch, capsys)
+    assert "unknown setting(s) sequence_length" in unknown
+    assert "not valid JSON" in refusal("{not json", tmp_path, monkeypatch, capsys)
 
 
 def test_odd_replicas_for_shift_one_are_refused_before_starting(monkeypatch, capsys):
@@ -200,18 +200,11 @@ def test_group_sizes_and_rounding_reach_the_compression_section(tmp_path, monkey
 
 
 def test_an_unknown_key_in_a_section_is_named(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"compression": {"forward_bit": 4}}))
-    with pytest.raises(SystemExit):
-        run(["--deepspeed_config", str(path)], monkeypatch)
-    assert "unknown setting(s) forward_bit in the config's compression block" in capsys.readouterr().err
+    err = refusal({"compression": {"forward_bit": 4}}, tmp_path, monkeypatch, capsys)
+    assert "unknown setting(s) forward_bit in the config's compression block" in err
 
 
 def test_a_setting_from_before_the_sections_names_its_new_place(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"run": {"forward_compress": "none", "dp_bits": 4}}))
-    with pytest.raises(SystemExit):
-        run(["--deepspeed_config", str(path)], monkeypatch)
-    err = capsys.readouterr().err
+    err = refusal({"run": {"forward_compress": "none", "dp_bits": 4}}, tmp_path, monkeypatch, capsys)
     assert "unknown setting(s) dp_bits, forward_compress in the config's run block" in err
     assert "dp_bits is data_parallel block key bits; forward_compress is compression block key forward" in err
