@@ -35,6 +35,9 @@ class RunConfig:
     model: str | None = None  # None: the built-in tiny shape
     dataset: str | None = None  # None: the built-in corpus / task
     dataset_config: str | None = None  # an HF dataset's configuration (wikitext: wikitext-2-raw-v1)
+    text_column: str | None = None  # a local table's columns; None: inferred (GLUE's layouts, 'label')
+    text_pair_column: str | None = None
+    label_column: str | None = None
     seq_len: int = 128
     pipeline_stages: int | str = "auto"  # "auto": world size / replicas
     schedule: str = "1f1b"
@@ -91,6 +94,13 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "dataset": (str, "HF dataset name, local text/json/csv/parquet file, or a built-in name; default: built-in",
                 "dataset"),
     "dataset_config": (str, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1", "dataset_config"),
+    "text_column": (str, "a local table's text column; default: GLUE's layouts (sentence, sentence1+sentence2, "
+                         "question+sentence, ..., text), for causal LM 'text' or the one string column",
+                    "text_column"),
+    "text_pair_column": (str, "a local table's second text column (sentence pairs); default: from the layout",
+                         "text_pair_column"),
+    "label_column": (str, "a local table's label column (integers 0..K-1 or strings); default: label, else labels",
+                     "label_column"),
     "seq_len": (int, "tokens per sample", "seq_len"),
     "pipeline_stages": (str, "stages per pipeline, or auto = world size / replicas (world = stages x replicas)",
                         "pipeline_stages"),
@@ -299,6 +309,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
                              "or block counts like 2,2") from None
     if isinstance(cfg.partition, list) and len(cfg.partition) != cfg.pipeline_stages:
         raise ValueError(f"partition={cfg.partition}: expected {cfg.pipeline_stages} block counts, one per stage")
+    for name in ("text_column", "text_pair_column", "label_column"):
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ValueError(f"{name}={value!r}: expected a column name")
     if not cfg.lr > 0:
         raise ValueError(f"lr={cfg.lr}: expected a positive learning rate")
     if cfg.gradient_clipping < 0:

@@ -13,17 +13,18 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 TINY = {"width": 128, "layers": 4, "heads": 4}
 
 
-def _tiny_config(family: str, vocab: int, seq_len: int, num_labels: int | None, pad_id: int | None) -> PretrainedConfig:
+def _tiny_config(family: str, vocab: int, seq_len: int, num_labels: int | None, pad_id: int | None,
+                 **labels: Any) -> PretrainedConfig:
     positions = max(seq_len, 128)
     if family == "gpt2":
         return GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=TINY["width"], n_layer=TINY["layers"],
                           n_head=TINY["heads"], num_labels=num_labels or 2, pad_token_id=pad_id,
-                          bos_token_id=pad_id, eos_token_id=pad_id)
+                          bos_token_id=pad_id, eos_token_id=pad_id, **labels)
     return DebertaV2Config(vocab_size=vocab, hidden_size=TINY["width"], num_hidden_layers=TINY["layers"],
                            num_attention_heads=TINY["heads"], intermediate_size=4 * TINY["width"],
                            max_position_embeddings=positions, relative_attention=True, position_buckets=32,
                            pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True,
-                           num_labels=num_labels or 2, pad_token_id=pad_id or 0, type_vocab_size=0)
+                           num_labels=num_labels or 2, pad_token_id=pad_id or 0, type_vocab_size=0, **labels)
 
 
 def _is_config_file(model: str | None) -> bool:
@@ -45,15 +46,24 @@ def model_positions(model: str | None, family: str) -> int | None:
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
+def label_maps(label_names: list[str] | None) -> dict[str, dict]:
+    """A config's `id2label` / `label2id` for the data's label names (nothing for None)."""
+    if not label_names:
+        return {}
+    return {"id2label": dict(enumerate(label_names)), "label2id": {name: i for i, name in enumerate(label_names)}}
+
+
 def build_model(model: str | None, family: str, kind: str, tokenizer: Any, seq_len: int,
-                num_labels: int | None, seed: int) -> PreTrainedModel:
-    """The full HF model every rank partitions; identical on every rank (same seed or same weights)."""
+                num_labels: int | None, seed: int, label_names: list[str] | None = None) -> PreTrainedModel:
+    """The full HF model every rank partitions; identical on every rank (same seed or same weights).
+    A classifier's config maps label ids to `label_names` (the data's, e.g. a CSV's string labels) where given."""
     auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForSequenceClassification
-    extra = {"num_labels": num_labels} if kind == "classification" and num_labels else {}
+    labels = label_maps(label_names) if kind == "classification" else {}
+    extra = {"num_labels": num_labels, **labels} if kind == "classification" and num_labels else labels
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
     if model is None:
-        config = _tiny_config(family, len(tokenizer), seq_len, num_labels, pad_id)
+        config = _tiny_config(family, len(tokenizer), seq_len, num_labels, pad_id, **labels)
         net = auto.from_config(config, attn_implementation="sdpa" if family == "gpt2" else None)
     elif _is_config_file(model):
         config = AutoConfig.from_pretrained(model, **extra)

@@ -42,12 +42,14 @@ def build_datasets(cfg: RunConfig, task: Task, world: World) -> tuple[Any, Any, 
         corpus = None if own is not None and os.path.isdir(own) else datalib.fetch_shakespeare()
         tokenizer = datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification")
         if task.kind == "causal_lm":
-            kw = {"dataset_config": cfg.dataset_config}
+            kw = {"dataset_config": cfg.dataset_config, "text_column": cfg.text_column}
             train = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="train", **kw)
             evaluation = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="eval", **kw)
         else:
-            train = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="train", seed=cfg.seed)
-            evaluation = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="eval", seed=cfg.seed)
+            kw = {"seed": cfg.seed, "text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
+                  "label_column": cfg.label_column}
+            train = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="train", **kw)
+            evaluation = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="eval", **kw)
         return tokenizer, datalib.limit(train, cfg.max_train_samples or None), \
             datalib.limit(evaluation, cfg.max_eval_samples or None)  # 0: all
 
@@ -118,12 +120,14 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world)
     num_labels = getattr(train_set, "num_labels", None)
+    label_names = getattr(train_set, "label_names", None)  # the saved model's id2label
     positions = model_positions(cfg.model, task.family)
     if positions is not None and cfg.seq_len > positions:  # a hub model not cached when the config was checked
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
 
     def model_factory() -> Any:
-        return build_model(cfg.model, task.family, task.kind, tokenizer, cfg.seq_len, num_labels, cfg.seed)
+        return build_model(cfg.model, task.family, task.kind, tokenizer, cfg.seq_len, num_labels, cfg.seed,
+                           label_names=label_names)
 
     stages = partition(model_factory(), cfg.pipeline_stages, cfg.partition, cfg.activation_checkpointing)
     grid = Grid.for_world(world.size, cfg.pipeline_stages)

@@ -35,6 +35,20 @@ GLUE_TASKS: dict[str, tuple[str, str | None, int, str]] = {
     "rte": ("sentence1", "sentence2", 2, "validation"),
     "wnli": ("sentence1", "sentence2", 2, "validation"),
 }
+# the columns of a local table's text, tried in this order (pairs before singles): GLUE's own layouts
+TEXT_LAYOUTS: tuple[tuple[str, str | None], ...] = (
+    ("sentence1", "sentence2"),  # MRPC, RTE, WNLI
+    ("question", "sentence"),  # QNLI
+    ("question1", "question2"),  # QQP
+    ("premise", "hypothesis"),  # MNLI
+    ("text", "text_pair"),
+    ("sentence", None),  # CoLA, SST-2
+    ("text", None),
+)
+LABEL_COLUMNS = ("label", "labels")  # the first one present
+COLUMN_FLAGS = "--text_column, --text_pair_column, --label_column"
+# the built-in tasks' label names, by label id
+BUILTIN_LABEL_NAMES = {"acceptability": ["unacceptable", "acceptable"], "next_line": ["not_next", "next"]}
 _TABLE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _TEXT_SUFFIXES = frozenset({".txt", ".text"})
 _HUB_DEFAULT_CONFIGS = {"wikitext": "wikitext-2-raw-v1"}
@@ -44,19 +58,22 @@ _CHUNK_CHARS = 2000  # plain text is tokenized in line-aligned chunks, in parall
 class TensorDictDataset(Dataset):
     """Samples as rows of equally long tensors; `batch()` gathers many rows with one index per field.
 
-    `seq_len`, `split`, and for classification `num_labels` and `examples` (the texts and labels
-    before tokenization, in sample_id order) describe what it holds.
+    `seq_len`, `split`, and for classification `num_labels`, `examples` (the texts and labels
+    before tokenization, in sample_id order) and `label_names` (the name of each label id, where the
+    data has names: string labels, a ClassLabel feature, the built-in tasks; None for bare integers)
+    describe what it holds.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], *, seq_len: int, split: str,
-                 num_labels: int | None = None, examples: list[tuple[str, str | None, int]] | None = None):
+                 num_labels: int | None = None, examples: list[tuple[str, str | None, int]] | None = None,
+                 label_names: list[str] | None = None):
         lengths = {name: len(t) for name, t in tensors.items()}
         if "sample_id" not in tensors:
             raise ValueError(f"fields {sorted(tensors)}: expected a 'sample_id' field")
         if len(set(lengths.values())) != 1:
             raise ValueError(f"fields of different lengths {lengths}: expected one row per sample in each")
         self.tensors, self.seq_len, self.split = tensors, seq_len, split
-        self.num_labels, self.examples = num_labels, examples
+        self.num_labels, self.examples, self.label_names = num_labels, examples, label_names
 
     def __len__(self) -> int:
         return len(self.tensors["sample_id"])
@@ -83,16 +100,18 @@ def limit(dataset: Dataset, max_samples: int | None) -> Dataset:
         return torch.utils.data.Subset(dataset, range(max_samples))
     examples = dataset.examples[:max_samples] if dataset.examples is not None else None
     return TensorDictDataset({name: t[:max_samples] for name, t in dataset.tensors.items()}, seq_len=dataset.seq_len,
-                             split=dataset.split, num_labels=dataset.num_labels, examples=examples)
+                             split=dataset.split, num_labels=dataset.num_labels, examples=examples,
+                             label_names=dataset.label_names)
 
 
 def lm_dataset(text_path_or_name: str | Path | None, tokenizer: PreTrainedTokenizerBase, seq_len: int,
-               split: str = "train", eval_fraction: float = 0.05, *, text_column: str = "text",
+               split: str = "train", eval_fraction: float = 0.05, *, text_column: str | None = None,
                dataset_config: str | None = None) -> TensorDictDataset:
     """Causal-LM samples: the text tokenized and cut into blocks of exactly `seq_len` tokens.
 
     Sources: None or "shakespeare" (built in), a local .txt, .json/.jsonl, .csv or .parquet file
-    (text from `text_column`; each row is a document, followed by the eos token), or a hub dataset
+    (text from `text_column`; None: 'text', else the table's one string column; each row is a
+    document, followed by the eos token), or a hub dataset
     name with `dataset_config` (wikitext defaults to wikitext-2-raw-v1). The last `eval_fraction`
     of the blocks form the "eval" split (a hub dataset's own validation split where it has one).
     Items: input_ids, attention_mask (ones), labels (= input_ids; the model shifts), sample_id.
@@ -153,7 +172,7 @@ def _local_file(source: str | Path) -> Path | None:
     return None
 
 
-def _lm_documents(source: str | Path | None, split: str, text_column: str,
+def _lm_documents(source: str | Path | None, split: str, text_column: str | None,
                   dataset_config: str | None) -> tuple[str | list[str], bool]:
     """The source's text (one string) or rows (a list), and whether they already are the requested
     split (a hub dataset's own split)."""
@@ -206,11 +225,30 @@ def _hub_split(splits: Any, split: str, name: str) -> tuple[Any, bool]:
     raise ValueError(f"dataset {name!r} has splits {sorted(splits)}: expected 'validation' or 'test' for eval")
 
 
-def _text_column(table: Any, column: str, source: str) -> list[str]:
-    if column not in table.column_names:
-        raise ValueError(f"{source}: no column {column!r} (columns: {table.column_names}); "
-                         "expected a text column, name it with text_column=")
+def _text_column(table: Any, column: str | None, source: str) -> list[str]:
+    """The non-empty texts of `column`; None: 'text', else the table's one string column."""
+    columns = table.column_names
+    if column is None:
+        strings = [name for name in columns if _is_string_column(table, name)]
+        column = "text" if "text" in columns else strings[0] if len(strings) == 1 else None
+        if column is None:
+            raise ValueError(f"{source}: no column 'text' and {len(strings)} string columns {strings} "
+                             f"(columns found: {columns}); expected a 'text' column or exactly one string "
+                             "column, or name it with --text_column")
+    if column not in columns:
+        raise ValueError(f"{source}: no column {column!r} (columns found: {columns}); name the text column "
+                         "with --text_column")
     return [text for text in table[column] if isinstance(text, str) and text.strip()]
+
+
+def _is_string_column(table: Any, name: str) -> bool:
+    """Whether a table's column holds text: its feature is a string Value (or, untyped, its values are str)."""
+    feature = getattr(table, "features", {}).get(name)
+    dtype = getattr(feature, "dtype", None)
+    if isinstance(dtype, str) and not hasattr(feature, "names"):
+        return dtype in ("string", "large_string")
+    values = [v for v in table[:100][name] if v is not None]
+    return bool(values) and all(isinstance(v, str) for v in values)
 
 
 def _token_stream(documents: str | list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
@@ -295,40 +333,44 @@ def _line_chunks(text: str, size: int = _CHUNK_CHARS) -> Iterator[str]:
 
 
 Example = tuple[str, str | None, int]
+Labeled = tuple[list[Example], int, list[str] | None]  # examples, number of labels, label names by id
 
 
 def classification_dataset(task: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, split: str = "train",
                            *, seed: int = 0, eval_fraction: float = 0.05, max_samples: int | None = None,
-                           text_path: str | Path | None = None, text_column: str = "text",
-                           text_pair_column: str | None = None, label_column: str = "label") -> TensorDictDataset:
+                           text_path: str | Path | None = None, text_column: str | None = None,
+                           text_pair_column: str | None = None, label_column: str | None = None) -> TensorDictDataset:
     """Sequence-classification samples padded (or truncated) to exactly `seq_len` tokens.
 
     `task`: "acceptability" (CoLA-like: a line of verse, label 1, or the same line's words
     shuffled, label 0) or "next_line" (QNLI-like pairs: label 1 if B follows A in the play, 0 if B
     is another line), both built from the Shakespeare corpus (or `text_path`), balanced and
     deterministic given `seed`; "glue/<name>" (cola, qnli, ... from the hub); or a local
-    .csv/.json/.jsonl/.parquet file with `text_column` (or sentence1/sentence2, or
-    `text_pair_column`) and `label_column`. `max_samples` caps the split.
+    .csv/.json/.jsonl/.parquet file. A file's columns are found by GLUE's layouts (`TEXT_LAYOUTS`:
+    sentence1+sentence2, question+sentence, ..., sentence, text) and its labels in 'label' (else
+    'labels'); `text_column`, `text_pair_column` and `label_column` name others. Labels are
+    integers 0..K-1 or strings (numbered in sorted order). `max_samples` caps the split.
     Items: input_ids, attention_mask, labels, sample_id, and token_type_ids where the tokenizer
-    makes them. `num_labels` and `examples` are attributes of the result.
+    makes them. `num_labels`, `examples` and `label_names` are attributes of the result.
     """
     _check_seq_len(seq_len)
     _check_split(split, eval_fraction)
     if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
                                     or max_samples < 2):
         raise ValueError(f"max_samples={max_samples!r}: expected None or an int >= 2")
-    examples, num_labels = _classification_examples(task, split, seed, eval_fraction, max_samples, text_path,
-                                                    text_column, text_pair_column, label_column)
+    examples, num_labels, names = _classification_examples(task, split, seed, eval_fraction, max_samples, text_path,
+                                                           text_column, text_pair_column, label_column)
     if not examples:
         raise ValueError(f"task {task!r} has no samples in the {split!r} split: expected a larger source "
                          "or a different eval_fraction")
     tensors = _encode_examples(examples, tokenizer, seq_len)
-    return TensorDictDataset(tensors, seq_len=seq_len, split=split, num_labels=num_labels, examples=examples)
+    return TensorDictDataset(tensors, seq_len=seq_len, split=split, num_labels=num_labels, examples=examples,
+                             label_names=names)
 
 
 def _classification_examples(task: str, split: str, seed: int, eval_fraction: float, max_samples: int | None,
-                             text_path: str | Path | None, text_column: str, text_pair_column: str | None,
-                             label_column: str) -> tuple[list[Example], int]:
+                             text_path: str | Path | None, text_column: str | None, text_pair_column: str | None,
+                             label_column: str | None) -> Labeled:
     if task in BUILTIN_TASKS:
         corpus = Path(text_path).expanduser() if text_path is not None else fetch_shakespeare()
         if not corpus.is_file():
@@ -336,21 +378,22 @@ def _classification_examples(task: str, split: str, seed: int, eval_fraction: fl
         runs = _corpus_runs(str(corpus.resolve()), corpus.stat().st_mtime_ns, corpus.stat().st_size)
         rng = random.Random(f"{task}:{split}:{seed}")  # str seeds hash with SHA-512: same in every process
         build = _acceptability if task == "acceptability" else _next_line
-        return build(runs[_split_slice(len(runs), split, eval_fraction)], runs, rng, max_samples), 2
+        examples = build(runs[_split_slice(len(runs), split, eval_fraction)], runs, rng, max_samples)
+        return examples, 2, BUILTIN_LABEL_NAMES[task]
     if task.startswith("glue/"):
-        examples, num_labels = _glue_examples(task, split)
+        examples, num_labels, names = _glue_examples(task, split)
     elif Path(task).suffix.lower() in _TABLE_FORMATS or _local_file(task) is not None:
         path = _local_file(task)
         if path.suffix.lower() not in _TABLE_FORMATS:
             raise ValueError(f"task file {task!r}: expected a .csv, .json, .jsonl or .parquet file")
-        examples, num_labels = _table_examples(_load_table(path), str(path), text_column, text_pair_column,
-                                               label_column)
+        examples, num_labels, names = _table_examples(_load_table(path), str(path), text_column, text_pair_column,
+                                                      label_column)
         order = np.random.default_rng([seed, 1]).permutation(len(examples))  # files are often sorted by label
         examples = [examples[i] for i in order[_split_slice(len(order), split, eval_fraction)]]
     else:
         raise ValueError(f"unknown classification task {task!r}: expected one of {BUILTIN_TASKS}, "
                          f"'glue/<name>' with name in {sorted(GLUE_TASKS)}, or a local .csv/.json/.jsonl/.parquet file")
-    return examples[:max_samples] if max_samples else examples, num_labels
+    return (examples[:max_samples] if max_samples else examples), num_labels, names
 
 
 @functools.lru_cache(maxsize=4)
@@ -419,44 +462,71 @@ def _other_line(line: str, pool: list[str], followers: set[str], rng: random.Ran
     return None
 
 
-def _glue_examples(task: str, split: str) -> tuple[list[Example], int]:
+def _glue_examples(task: str, split: str) -> Labeled:
     name = task.split("/", 1)[1]
     if name not in GLUE_TASKS:
         raise ValueError(f"unknown GLUE task {task!r}: expected 'glue/<name>' with name in {sorted(GLUE_TASKS)}")
     first, second, num_labels, eval_split = GLUE_TASKS[name]
     splits = _load_hub("glue", name)
     table = splits["train" if split == "train" else eval_split]
-    examples, _ = _table_examples(table, task, first, second, "label")
-    return examples, num_labels
+    examples, _, names = _table_examples(table, task, first, second, "label")
+    return examples, num_labels, names
 
 
-def _table_examples(table: Any, source: str, text_column: str, text_pair_column: str | None,
-                    label_column: str) -> tuple[list[Example], int]:
-    """(text, pair or None, label id) rows of a table, and the number of labels."""
-    columns = table.column_names
-    if text_pair_column is None and text_column not in columns and {"sentence1", "sentence2"} <= set(columns):
-        text_column, text_pair_column = "sentence1", "sentence2"
-    for column in (text_column, text_pair_column, label_column):
-        if column is not None and column not in columns:
-            raise ValueError(f"{source}: no column {column!r} (columns: {columns}); expected text in "
-                             "'text' (or 'sentence1' and 'sentence2') and labels in 'label', or name them "
-                             "with text_column=, text_pair_column=, label_column=")
-    labels, num_labels = _label_ids(list(table[label_column]), source)
-    pairs = table[text_pair_column] if text_pair_column else [None] * len(labels)
-    rows = zip(table[text_column], pairs, labels)
-    return [(str(a), None if b is None else str(b), y) for a, b, y in rows], num_labels
+def table_columns(columns: Sequence[str], source: str, text_column: str | None = None,
+                  text_pair_column: str | None = None, label_column: str | None = None) -> tuple[str, str | None, str]:
+    """(text, pair or None, label) columns of a table: those named, the others found by `TEXT_LAYOUTS` (the
+    first layout whose columns are all present; a named pair replaces the layout's) and `LABEL_COLUMNS`."""
+    present = set(columns)
+    text, pair, label = text_column, text_pair_column, label_column
+    if text is None:
+        layout = next(((a, b) for a, b in TEXT_LAYOUTS if a in present and (b is None or b in present)), None)
+        if layout is not None:
+            text, pair = layout[0], pair if pair is not None else layout[1]
+    if label is None:
+        label = next((c for c in LABEL_COLUMNS if c in present), None)
+    missing = [f"{what} column {name!r}" if name is not None else f"{what} column"
+               for what, name in (("text", text), ("pair", pair), ("label", label))
+               if (name is not None and name not in present) or (name is None and what != "pair")]
+    if missing:
+        layouts = ", ".join("+".join(c for c in layout if c) for layout in TEXT_LAYOUTS)
+        raise ValueError(f"{source}: no {' and no '.join(missing)} (columns found: {list(columns)}); tried the "
+                         f"layouts {layouts} with labels in {' or '.join(LABEL_COLUMNS)}; name other columns with "
+                         f"{COLUMN_FLAGS}")
+    if len({text, pair, label} - {None}) < (3 if pair is not None else 2):
+        raise ValueError(f"{source}: text {text!r}, pair {pair!r} and label {label!r} name the same column twice; "
+                         f"expected different columns ({COLUMN_FLAGS})")
+    return text, pair, label
 
 
-def _label_ids(values: list[Any], source: str) -> tuple[list[int], int]:
-    """Integer labels as they are (0..K-1); string labels numbered in sorted order."""
+def _table_examples(table: Any, source: str, text_column: str | None, text_pair_column: str | None,
+                    label_column: str | None) -> Labeled:
+    """(text, pair or None, label id) rows of a table, the number of labels and their names (None: bare
+    integers without a ClassLabel feature)."""
+    text, pair, label = table_columns(table.column_names, source, text_column, text_pair_column, label_column)
+    feature = getattr(table, "features", {}).get(label)
+    labels, num_labels, names = _label_ids(list(table[label]), source, getattr(feature, "names", None))
+    pairs = table[pair] if pair else [None] * len(labels)
+    rows = zip(table[text], pairs, labels)
+    return [(str(a), None if b is None else str(b), y) for a, b, y in rows], num_labels, names
+
+
+def _label_ids(values: list[Any], source: str,
+               names: list[str] | None = None) -> tuple[list[int], int, list[str] | None]:
+    """Integer labels as they are (0..K-1; named by a ClassLabel's `names` where given); string labels
+    numbered in sorted order and named by themselves."""
     if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
         if values and min(values) < 0:
             raise ValueError(f"{source}: label {min(values)} is negative: expected labels 0..K-1 "
                              "(a test split without labels cannot be trained on)")
-        return [int(v) for v in values], (max(values) + 1 if values else 0)
+        count = max(values) + 1 if values else 0
+        if names and len(names) >= count:
+            return [int(v) for v in values], len(names), list(names)
+        return [int(v) for v in values], count, None
     if all(isinstance(v, str) for v in values):
         names = sorted(set(values))
-        return [names.index(v) for v in values], len(names)
+        index = {name: i for i, name in enumerate(names)}
+        return [index[v] for v in values], len(names), names
     raise ValueError(f"{source}: labels of types {sorted({type(v).__name__ for v in values})}: "
                      "expected all integers or all strings")
 

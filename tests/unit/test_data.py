@@ -289,10 +289,14 @@ def test_lm_from_local_tables_joins_rows_with_eos(tok, tmp_path, suffix):
 
 
 def test_lm_text_column_is_chosen_and_checked(tok, tmp_path):
-    path = _write_table(tmp_path / "b.jsonl", [{"body": "Once more unto the breach, dear friends"}] * 50)
-    with pytest.raises(ValueError, match=r"no column 'text'.*'body'"):
-        data.lm_dataset(path, tok, 8)
-    assert len(data.lm_dataset(path, tok, 8, text_column="body")) > 0
+    path = _write_table(tmp_path / "b.jsonl", [{"body": "Once more unto the breach, dear friends", "n": 1}] * 50)
+    assert len(data.lm_dataset(path, tok, 8)) == len(data.lm_dataset(path, tok, 8, text_column="body")) > 0
+    two = _write_table(tmp_path / "c.jsonl", [{"body": "Once more unto the breach", "title": "Henry V"}] * 50)
+    with pytest.raises(ValueError, match=r"no column 'text' and 2 string columns.*--text_column"):
+        data.lm_dataset(two, tok, 8)
+    with pytest.raises(ValueError, match=r"no column 'lines' \(columns found: \['body', 'title'\]\)"):
+        data.lm_dataset(two, tok, 8, text_column="lines")
+    assert len(data.lm_dataset(two, tok, 8, text_column="title")) > 0
 
 
 def test_lm_bad_inputs_are_named(tok, tmp_path, offline_hub):
@@ -427,11 +431,11 @@ def test_classification_bad_inputs_are_named(cls_tok, tmp_path, offline_hub):
         data.classification_dataset("glue/cola", cls_tok, SEQ)
     with pytest.raises(FileNotFoundError, match="labels.csv"):
         data.classification_dataset("labels.csv", cls_tok, SEQ)
-    path = _write_table(tmp_path / "t.csv", [{"sentence": "a b", "label": 1}] * 20)
-    with pytest.raises(ValueError, match=r"no column 'text'"):
+    path = _write_table(tmp_path / "t.csv", [{"body": "a b", "label": 1}] * 20)
+    with pytest.raises(ValueError, match=r"no text column \(columns found: \['body', 'label'\]\)"):
         data.classification_dataset(str(path), cls_tok, SEQ)
     path = _write_table(tmp_path / "u.csv", [{"text": "a b", "y": 1}] * 20)
-    with pytest.raises(ValueError, match=r"no column 'label'"):
+    with pytest.raises(ValueError, match=r"no label column \(columns found"):
         data.classification_dataset(str(path), cls_tok, SEQ)
     with pytest.raises(ValueError, match="seq_len=1"):
         data.classification_dataset("acceptability", cls_tok, 1)
