@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"
 FINGERPRINT = (
     "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "partition",
     "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr", "gradient_clipping",
+    "text_column", "text_pair_column", "label_column",
     "bf16", "compression", "data_parallel",
 )
 

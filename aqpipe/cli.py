@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import speaks
 from .tasks import TASKS, Task
 
 USAGE = f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)"
@@ -23,10 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words = [a for a in argv if not a.startswith("--local_rank")]
     if not words or words[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + "\n".join(f"  {t.name:8} {t.summary}" for t in TASKS.values()))
+        if speaks():
+            print(USAGE + "\n\n" + "\n".join(f"  {t.name:8} {t.summary}" for t in TASKS.values()))
         return 0 if words else 2
     if words[0] not in TASKS:
-        print(f"{USAGE}\naqpipe: error: task {words[0]!r}: expected one of {', '.join(TASKS)}", file=sys.stderr)
+        if speaks():
+            print(f"aqpipe: error: task {words[0]!r}: expected one of {', '.join(TASKS)} ({USAGE})", file=sys.stderr)
         return 2
     task = TASKS[words[0]]
     rest = list(argv)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from pipeline import BUFFER_DTYPES, CompressionConfig
 from pipeline.schedule import SCHEDULES
 from pipeline.ties import TIE_MODES
 
-from . import preflight
+from . import preflight, speaks
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -60,7 +61,8 @@ class RunConfig:
     dist_timeout: float = 45.0  # a blocked collective or receive gives up after this (then ~6 s to exit)
     peer_timeout: float = 30.0  # a rank without heartbeat for this long is taken for dead
     save_every: int = 0  # checkpoint every N steps (0: never)
-    save_total_limit: int | None = None  # keep the N newest checkpoints (None: all)
+    save_total_limit: int = 2  # keep the N newest checkpoints (0: all)
+    overwrite_output_dir: bool = False  # replace another run's results in output_dir instead of refusing
     resume: str | None = None  # latest | auto | a checkpoint path; resolved to the checkpoint directory
     skip_nonfinite: bool = False  # skip a step with NaN/inf (on every rank) instead of stopping
     # the sections the engine and the data-parallel algorithms take whole
@@ -84,6 +86,10 @@ def _group(text: str) -> int | str | None:
     None means "not given" to argparse)."""
     word = text.strip().lower()
     return word if word in ("none", "auto") else int(text)
+
+
+def _count_or_auto(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else int(text)
 
 
 # flag -> (type, help, where it lands: a RunConfig field, or "section.field"); every flag defaults to None so
@@ -122,7 +128,7 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "peer_timeout": (float, "seconds without a peer's heartbeat before it is taken for dead and the run stops",
                      "peer_timeout"),
     "save_every": (int, "write a resumable checkpoint every N steps and at the end (0: never)", "save_every"),
-    "save_total_limit": (int, "keep only the N newest checkpoints", "save_total_limit"),
+    "save_total_limit": (int, "keep only the N newest checkpoints (default 2; 0: all)", "save_total_limit"),
     # the compression section (the engine's CompressionConfig)
     "forward_compress": (str, f"activations: one of {', '.join(FORWARD_MODES)}", "compression.forward"),
     "forward_bits": (int, "bits of forward compression (1-8)", "compression.forward_bits"),
@@ -147,7 +153,8 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "dp_algorithm": (str, "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
                           "qsparse_local_sgd", "data_parallel.algorithm"),
     "dp_bits": (int, "bits of compressed data-parallel traffic (1-8)", "data_parallel.bits"),
-    "dp_warmup_steps": (int, "qadam: full-precision Adam steps before compressed momentum",
+    "dp_warmup_steps": (_count_or_auto, "qadam: full-precision Adam steps before compressed momentum (default "
+                                        "auto: a tenth of the run's steps)",
                         "data_parallel.warmup_steps"),
     "dp_local_steps": (int, "qsparse_local_sgd: local steps between synchronizations", "data_parallel.local_steps"),
     "dp_topk_ratio": (float, "qsparse_local_sgd: fraction of entries kept (0, 1]", "data_parallel.topk_ratio"),
@@ -157,9 +164,28 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
 SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
 
 
+QUIET_EXIT_DELAY = 3.0  # seconds a quiet rank waits before exiting on bad input
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a bad flag in one line (no usage block), said by rank 0 alone; every rank exits alike."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if status and not speaks():  # a launcher stops every rank once one exits: let rank 0 say why first
+            time.sleep(QUIET_EXIT_DELAY)
+        super().exit(status, message if speaks() else None)
+
+    def print_help(self, file: Any = None) -> None:
+        if speaks():
+            super().print_help(file)
+
+
 def build_parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=prog, usage="%(prog)s [flags]", description=description,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     for name, (kind, text, _) in FLAGS.items():
@@ -173,6 +199,8 @@ def build_parser(description: str, prog: str | None = None) -> argparse.Argument
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="continue from a checkpoint: latest (under --output_dir; the default with no value), "
                         "auto (latest if there is one, else start fresh), or a checkpoint directory")
+    p.add_argument("--overwrite_output_dir", action="store_true", default=None,
+                   help="replace another run's results (summary, metrics, model, checkpoints) in --output_dir")
     p.add_argument("--skip_nonfinite", action="store_true", default=None,
                    help="skip a step whose loss, activations or gradients hold NaN/inf instead of stopping")
     return p
@@ -183,7 +211,8 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     targets = {name: dest for name, (_, _, dest) in FLAGS.items()}
     targets.update(stochastic="compression.stochastic", bf16="bf16", resume="resume",
-                   activation_checkpointing="activation_checkpointing", skip_nonfinite="skip_nonfinite")
+                   activation_checkpointing="activation_checkpointing", skip_nonfinite="skip_nonfinite",
+                   overwrite_output_dir="overwrite_output_dir")
     for name, value in vars(args).items():
         if value is None or name not in targets:
             continue
@@ -321,8 +350,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name}={getattr(cfg, name)}: expected a positive number of seconds")
     _positive(cfg, "save_every", allow_zero=True)
-    if cfg.save_total_limit is not None:
-        _positive(cfg, "save_total_limit")
+    _positive(cfg, "save_total_limit", allow_zero=True)
+    if cfg.overwrite_output_dir and cfg.resume is not None:
+        raise ValueError(f"--overwrite_output_dir with --resume {cfg.resume}: expected one of them (replace the "
+                         "results in output_dir, or continue the run that wrote them)")
     opt_type = cfg.optimizer.get("type")
     if opt_type not in OPTIMIZERS:
         raise ValueError(f"optimizer type {opt_type!r}: expected one of {', '.join(OPTIMIZERS)}")

@@ -11,7 +11,7 @@ from pipeline.partitioning import merge_into
 
 from . import checkpoint
 from .config import RunConfig
-from .world import SETUP_SECONDS, World, barrier
+from .world import World, barrier
 
 
 def save_merged_model(model_factory: Callable[[], Any], engine: PipelineEngine, tokenizer: Any, cfg: RunConfig,
@@ -28,12 +28,15 @@ def save_merged_model(model_factory: Callable[[], Any], engine: PipelineEngine, 
         parts.mkdir(parents=True, exist_ok=True)
         checkpoint.write_state(parts / f"stage{groups.stage}.pt",
                                {k: v.detach().cpu() for k, v in engine.hf_state_dict().items()})
-    barrier(world, SETUP_SECONDS)
+    barrier(world)
     if world.rank != 0:
         return None
     pieces = [checkpoint.read_state(parts / f"stage{s}.pt") for s in range(groups.grid.stages)]
     target, tmp = out / "model", out / "model.partial"
     model = merge_into(model_factory(), pieces)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for writing one small file is noise after the run's own bar
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if target.exists():

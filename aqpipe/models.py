@@ -72,6 +72,12 @@ def build_model(model: str | None, family: str, kind: str, tokenizer: Any, seq_l
         net = auto.from_pretrained(model, **extra)
     if net.get_input_embeddings().num_embeddings != len(tokenizer):
         net.resize_token_embeddings(len(tokenizer))
+        # a config written for another vocabulary (GPT2's 50256) names special tokens this tokenizer has elsewhere
+        for name in ("bos_token_id", "eos_token_id"):
+            for config in (net.config, getattr(net, "generation_config", None)):
+                value = getattr(config, name, None)
+                if isinstance(value, int) and value >= len(tokenizer):
+                    setattr(config, name, getattr(tokenizer, name))
     if getattr(net.config, "pad_token_id", None) is None:
         net.config.pad_token_id = pad_id
     return net

@@ -23,15 +23,103 @@ def check(cfg: "RunConfig") -> None:
     if cfg.dataset is not None and not is_hub_name(cfg.dataset) and not os.path.exists(cfg.dataset):
         raise ValueError(f"dataset={cfg.dataset!r}: no such file (expected an HF dataset name, a built-in name, "
                          "or a local text/json/csv/parquet file)")
+    _check_hub(cfg)
     _check_model_shape(cfg)
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
+    _check_gpus()
+    _check_output_dir(cfg)
     _check_resume(cfg)
+
+
+def _check_gpus() -> None:
+    """NCCL takes one GPU per process: more processes on this machine than GPUs cannot run (one line, not a CUDA
+    error on some ranks while the others wait)."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if torch.cuda.is_available() and local > torch.cuda.device_count():
+        raise ValueError(f"{local} processes on this machine but {torch.cuda.device_count()} GPU(s): expected one GPU "
+                         "per process (NCCL); start fewer processes per machine, or hide the GPUs "
+                         "(CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+
+
+RESULTS = ("summary.json", "metrics.jsonl", "model", "checkpoints")  # what a run writes into its output_dir
+
+
+def previous_results(output_dir: str) -> list[str]:
+    """The entries of `output_dir` that another run wrote (nothing else there is ours to judge or remove)."""
+    return [name for name in RESULTS if os.path.exists(os.path.join(output_dir, name))]
+
+
+def _check_output_dir(cfg: "RunConfig") -> None:
+    """Refuse to write over another run's results unless told to replace them or to continue that run."""
+    found = previous_results(cfg.output_dir)
+    if found and cfg.resume is None and not cfg.overwrite_output_dir:
+        raise ValueError(f"output_dir={cfg.output_dir!r} holds another run's results ({', '.join(found)}): expected "
+                         "--overwrite_output_dir to replace them, --resume to continue that run, or another "
+                         "--output_dir")
 
 
 def is_hub_name(name: str) -> bool:
     """'gpt2', 'microsoft/deberta-v2-xxlarge': no path separators beyond one org/name slash, nothing local."""
     return not os.path.exists(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1 \
         and not name.endswith((".json", ".txt", ".csv", ".parquet", ".jsonl"))
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the HuggingFace hub cannot be reached (None when it answers): one request, a few seconds at most,
+    where the hub's own clients retry for a minute before failing with a message about something else."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:  # it answered
+        return None
+    except (OSError, ValueError) as err:  # URLError, timeouts, refused connections, a malformed HF_ENDPOINT
+        return f"{constants.ENDPOINT} did not answer within {timeout:g} s ({getattr(err, 'reason', err)})"
+    return None
+
+
+def _check_hub(cfg: "RunConfig") -> None:
+    """A hub model that is not cached here needs the hub: say at once when it cannot be reached. Hub datasets
+    then load from the local cache alone (HF_HUB_OFFLINE), instead of retrying."""
+    from .data import BUILTIN_TASKS
+
+    model = cfg.model if cfg.model is not None and is_hub_name(cfg.model) else None
+    dataset = cfg.dataset if cfg.dataset is not None and is_hub_name(cfg.dataset) \
+        and cfg.dataset not in (*BUILTIN_TASKS, "shakespeare") else None
+    if model is not None:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            model = None  # cached: no hub needed
+    if model is None and dataset is None:
+        return
+    why = hub_unreachable()
+    if why is None and model is not None:
+        why = _fetch_config(model)
+    if why is None:
+        return
+    if model is not None:
+        raise ValueError(f"model={model!r} is not in the local HuggingFace cache and the hub cannot give it: {why}; "
+                         "expected a reachable hub, the model in the cache, or a local model directory for --model")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def _fetch_config(model: str) -> str | None:
+    """Download the model's config.json (the first file the run needs anyway); why it failed, or None."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(model, "config.json", etag_timeout=5)
+    except Exception as err:  # noqa: BLE001 - not found, gated, a proxy's answer: all mean no model
+        return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+    return None
 
 
 def _check_model_shape(cfg: "RunConfig") -> None:

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import data_parallel
 from pipeline import Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.partitioning import partition, tie_groups
 
-from . import checkpoint
+from . import checkpoint, preflight
 from . import data as datalib
 from . import faults
 from .config import RunConfig
@@ -30,7 +31,7 @@ from .metrics import MetricsWriter
 from .models import build_model, model_positions
 from .tasks import Task
 from .watchdog import Watchdog
-from .world import SETUP_SECONDS, World, barrier, describer, init_world, stop_after_failure
+from .world import World, barrier, describer, init_world, stop_after_failure
 
 
 def build_datasets(cfg: RunConfig, task: Task, world: World) -> tuple[Any, Any, Any]:
@@ -54,10 +55,10 @@ def build_datasets(cfg: RunConfig, task: Task, world: World) -> tuple[Any, Any, 
             datalib.limit(evaluation, cfg.max_eval_samples or None)  # 0: all
 
     if world.local_rank != 0:
-        barrier(world, SETUP_SECONDS)
+        barrier(world)
     result = build()
     if world.local_rank == 0:
-        barrier(world, SETUP_SECONDS)
+        barrier(world)
     return result
 
 
@@ -73,15 +74,21 @@ def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_step
     """DeepSpeed's own LR schedulers, with "auto" filled from the run (total steps, peak lr)."""
     if cfg.scheduler is None:
         return None
+    if not torch.cuda.is_available():  # tell DeepSpeed what we know, or it probes and warns that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime import lr_schedules
 
     params = dict(cfg.scheduler.get("params", {}))
-    fills = {"total_num_steps": total_steps, "warmup_max_lr": cfg.lr, "warmup_num_steps": max(1, total_steps // 10)}
+    fills = {"total_num_steps": total_steps + 1, "warmup_max_lr": cfg.lr, "warmup_num_steps": max(1, total_steps // 10)}
     for key, value in fills.items():
         if params.get(key) == "auto" or (key == "total_num_steps" and key not in params
                                          and cfg.scheduler["type"] != "WarmupLR"):
             params[key] = value
-    return getattr(lr_schedules, cfg.scheduler["type"])(optimizer, **params)
+    # DeepSpeed's schedules give warmup_min_lr at iterations -1 and 0, and read the lr before the first step (a
+    # warning): starting at iteration 0 and stepping once makes step k run at iteration k, so step 1 already learns
+    scheduler = getattr(lr_schedules, cfg.scheduler["type"])(optimizer, last_batch_iteration=0, **params)
+    scheduler.step()
+    return scheduler
 
 
 def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> dict[str, float]:
@@ -103,7 +110,9 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
     try:
         if world.distributed:
             watchdog = Watchdog(world.rank, world.size, describer(cfg), prog, peer_timeout=cfg.peer_timeout).start()
+            world.watchdog = watchdog
         summary = train(task, cfg, world)
+        barrier(world)  # rank 0 may still be writing the merged model
     except (Exception, KeyboardInterrupt) as exc:
         if world.distributed:
             stop_after_failure(exc, world, cfg, watchdog, prog)
@@ -111,13 +120,16 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
     if watchdog is not None:
         watchdog.stop()
     if world.distributed:
-        barrier(world, SETUP_SECONDS)  # rank 0 may still be writing the merged model
         dist.destroy_process_group()
     return summary
 
 
 def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
+    if cfg.overwrite_output_dir and world.rank == 0:  # before the set-up barrier: no rank has written yet
+        for name in preflight.previous_results(cfg.output_dir):
+            path = Path(cfg.output_dir) / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world)
     num_labels = getattr(train_set, "num_labels", None)
     label_names = getattr(train_set, "label_names", None)  # the saved model's id2label
@@ -135,6 +147,7 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     groups = build_groups(grid, world.rank)
     stage = stages[groups.stage].to(world.device)
     del stages
+    barrier(world)  # every stage built (a model download takes what it takes) before the first message
 
     shard = (groups.replica, grid.replicas)
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, grid.replicas)
@@ -144,7 +157,9 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     algorithm = None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed)
+        algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
+        if world.rank == 0 and cfg.data_parallel.plan(total_steps):
+            print(cfg.data_parallel.plan(total_steps), file=sys.stderr)
     engine = PipelineEngine(
         stage, groups, optimizer, compression=cfg.compression,
         num_samples=datalib.shard_size(len(train_set), grid.replicas), seq_len=cfg.seq_len,
@@ -175,7 +190,7 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
         state = {"epoch": position[0], "index": position[1], "step": step, "losses": losses[-10:], "evals": evals,
                  "totals": totals, "elapsed": time.perf_counter() - started}
         checkpoint.save(Path(cfg.output_dir) / "checkpoints", step, engine, state, cfg, world.rank, world.size,
-                        lambda: barrier(world, SETUP_SECONDS), cfg.save_total_limit)
+                        lambda: barrier(world), cfg.save_total_limit or None)
 
     for epoch in range(progress["epoch"], cfg.epochs):
         done = progress["index"] if epoch == progress["epoch"] else 0  # steps of this epoch before the resume

@@ -29,6 +29,7 @@ from typing import Callable
 import torch.distributed as dist
 
 _RELAYED = "stopped because "  # a report that passes on what another rank found
+_BAD_INPUT = "bad input: "  # a report of bad input: the rank that found it said so; the others exit quietly, status 2
 
 
 class Watchdog:
@@ -45,6 +46,7 @@ class Watchdog:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.suspicious = False  # set after a communication error: a few missed beats then mean dead
+        self.barriers = 0  # barriers passed: every rank passes the same ones in the same order
         self.thread = threading.Thread(target=self._loop, name="aqpipe-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -60,12 +62,27 @@ class Watchdog:
             return fn(self.store)
 
     # ------------------------------------------------------------------ main thread
-    def report(self, message: str) -> None:
-        """This rank failed: tell the others what, so they stop at once and say why."""
+    def report(self, message: str, bad_input: bool = False) -> None:
+        """This rank failed: tell the others what, so they stop at once and say why (with `bad_input`, this rank
+        has said it in one line already: the others stop without repeating it)."""
+        message = (_BAD_INPUT if bad_input else "") + message
         try:
             self._op(lambda s: (s.set(self._key("failed", self.rank), message), s.add(self._key("failures"), 1)))
         except Exception:  # the store is gone too: the others find out from the missing heartbeat
             pass
+
+    def linger(self) -> None:
+        """After `report`: stay until every other rank has read it (each reports back as it stops), or a few beats.
+        Rank 0's process may hold the store (deepspeed, plain launches): leaving at once would leave the others to
+        find a dead store instead of the report."""
+        deadline = time.monotonic() + 3 * self.interval + 1
+        while time.monotonic() < deadline:
+            try:
+                if int(self._op(lambda s: s.add(self._key("failures"), 0))) >= self.world_size:
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
+                return
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """A clean finish: this rank's heartbeat stops without anyone taking it for dead."""
@@ -75,6 +92,19 @@ class Watchdog:
             pass
         self.stopped.set()
         self.thread.join(timeout=2 * self.interval + 1)
+
+    def barrier(self, poll: float = 0.05) -> None:
+        """Wait until every rank has arrived, for as long as that takes: set-up work (tokenizing a large
+        corpus, downloading a model) has no deadline while the ranks doing it live. A rank that dies or fails
+        meanwhile ends the wait from the thread, naming it, as anywhere else in the run; a collective
+        barrier would instead give up after the collective timeout and blame the network."""
+        self.barriers += 1
+        key = self._key("barrier", self.barriers)
+        arrived = int(self._op(lambda s: s.add(key, 1)))
+        while arrived < self.world_size:
+            time.sleep(poll)
+            poll = min(2 * poll, 0.5)
+            arrived = int(self._op(lambda s: s.add(key, 0)))
 
     def wait_for_verdict(self) -> None:
         """After a communication error: give the thread time to name the rank that failed (it exits then)."""
@@ -108,6 +138,8 @@ class Watchdog:
                     message = self._op(lambda s: s.get(key)).decode(errors="replace")
                     if message.startswith(_RELAYED):  # another survivor's news: name the rank it names
                         return message[len(_RELAYED):]
+                    if message.startswith(_BAD_INPUT):
+                        return message
                     return f"rank {r} ({self.describe(r)}) failed: {message}"
         now = time.monotonic()
         limit = min(self.peer_timeout, 3.5 * self.interval) if self.suspicious else self.peer_timeout
@@ -122,6 +154,9 @@ class Watchdog:
 
     def _exit(self, culprit: str) -> None:
         self.report(_RELAYED + culprit)  # ranks not yet aware learn it at their next beat
+        if culprit.startswith(_BAD_INPUT):
+            sys.stdout.flush()
+            os._exit(2)
         print(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) stopping: {culprit}",
               file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from .config import RunConfig
 from .watchdog import Watchdog
 
-SETUP_SECONDS = 1800  # barriers around work one rank does for all (data caches, the merged model)
 
 
 @dataclass
@@ -29,6 +28,7 @@ class World:
     size: int
     local_rank: int
     device: torch.device
+    watchdog: Watchdog | None = None  # a multi-process run's; its store holds the barriers set-up waits at
 
     @property
     def distributed(self) -> bool:
@@ -51,12 +51,13 @@ def init_world(cfg: RunConfig) -> World:
     return World(rank, size, local_rank, device)
 
 
-def barrier(world: World, timeout: float | None = None) -> None:
-    """A barrier; `timeout` (gloo) outlasts the collective timeout while one rank works for all."""
+def barrier(world: World) -> None:
+    """Every rank waits for all: through the watchdog's store where there is one (no deadline while the ranks
+    live: one rank may be building caches, downloading a model or writing the merged model for all)."""
     if not world.distributed:
         return
-    if timeout is not None and dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+    if world.watchdog is not None:
+        world.watchdog.barrier()
     else:
         dist.barrier()
 
@@ -82,19 +83,29 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
     found late, 1 otherwise) without waiting on peers that may never answer."""
     me = f"rank {world.rank} ({describer(cfg)(world.rank)})"
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-    code = 1
     if _is_comm_error(exc) and watchdog is not None:
         watchdog.wait_for_verdict()  # exits this process once it names the rank that failed
-        line = f"{me} stopping: communication with its peers failed and no peer reported a failure: {first_line}"
+        _say(prog, f"{me} stopping: communication with its peers failed and no peer reported a failure: {first_line}")
         watchdog.report(f"stopped after a communication error: {first_line}")
-    else:
-        if watchdog is not None:
-            watchdog.report(f"{type(exc).__name__}: {first_line}")
-        expected = isinstance(exc, (ValueError, FileNotFoundError, FloatingPointError, KeyboardInterrupt))
-        if not expected or os.environ.get("AQPIPE_TRACEBACK"):
-            traceback.print_exception(exc)
-        code = 2 if isinstance(exc, (ValueError, FileNotFoundError)) else 1
-        line = f"{me} failed: {type(exc).__name__}: {first_line}"
+        os._exit(1)
+    bad_input = isinstance(exc, (ValueError, FileNotFoundError))  # found late: the data, a model's files
+    expected = bad_input or isinstance(exc, (FloatingPointError, KeyboardInterrupt))
+    if not expected or os.environ.get("AQPIPE_TRACEBACK"):
+        traceback.print_exception(exc)
+    # bad input: one line, as for a bad flag, and the other ranks stop quietly with the same status. Said before the
+    # others hear of it: a launcher stops every process once one has ended
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGINT to the launcher's process group: every rank has it
+        _say(prog, f"{me} interrupted; a checkpoint it wrote earlier continues the run with --resume")
+        if watchdog is not None:  # a rank interrupted alone: the others stop now, naming it
+            watchdog.report("interrupted")
+        os._exit(130)
+    _say(prog, f"{first_line} (found by {me})" if bad_input else f"{me} failed: {type(exc).__name__}: {first_line}")
+    if watchdog is not None:
+        watchdog.report(f"{type(exc).__name__}: {first_line}", bad_input=bad_input)
+        watchdog.linger()
+    os._exit(2 if bad_input else 1)
+
+
+def _say(prog: str, line: str) -> None:
     print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(code)

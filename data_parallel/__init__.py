@@ -1,7 +1,7 @@
 """aqpipe.data_parallel: replicas of a pipeline stage kept in step over slow links.
 
 `create(name, params, comm, **options)` builds an algorithm from the registry (or
-`DataParallelConfig(...).create(params, comm, seed)` from a run's data-parallel section); the engine calls
+`DataParallelConfig(...).create(params, comm, seed, total_steps)` from a run's data-parallel section); the engine calls
 its `after_backward` and `after_step` around each optimizer step. Compression goes through the
 `compression` package; nothing here knows about pipelines.
 """

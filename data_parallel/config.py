@@ -21,7 +21,7 @@ class DataParallelConfig:
     replicas: int = 1  # data-parallel replicas of the pipeline (world size = stages x replicas)
     algorithm: str = "allreduce"
     bits: int = 8  # low_precision_decentralized, qadam, qsparse_local_sgd
-    warmup_steps: int = 100  # qadam: full-precision Adam steps before compressed momentum
+    warmup_steps: int | str = "auto"  # qadam: full-precision steps before compressed momentum; auto: 10% of the run
     local_steps: int = 4  # qsparse_local_sgd: local steps between synchronizations
     topk_ratio: float = 0.01  # qsparse_local_sgd: fraction of entries kept
     peer_selection: str = "shift_one"  # decentralized: shift_one or all
@@ -35,7 +35,8 @@ class DataParallelConfig:
         check_int("dp_bits", self.bits, 1, 8)
         check_int("dp_local_steps", self.local_steps, 1)
         check_int("dp_interval", self.interval, 1)
-        check_int("dp_warmup_steps", self.warmup_steps, 0)
+        if self.warmup_steps != "auto":
+            check_int("dp_warmup_steps", self.warmup_steps, 0)
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) \
                 or not 0 < self.topk_ratio <= 1:
             raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected a fraction in (0, 1]")
@@ -47,12 +48,28 @@ class DataParallelConfig:
                              "expected an even count")
         return self
 
-    def options(self, seed: int) -> dict[str, Any]:
-        """The keyword options the chosen algorithm takes, from this section (and the run's seed)."""
-        values = {"bits": self.bits, "warmup_steps": self.warmup_steps, "local_steps": self.local_steps,
+    def warmup_for(self, total_steps: int) -> int:
+        """QAdam's warm-up in steps: as given, or for "auto" a tenth of the run (at least 1), like the LR
+        schedule's warm-up, so a short run compresses too (a fixed 100 never did in a 96-step run)."""
+        return max(1, -(-total_steps // 10)) if self.warmup_steps == "auto" else self.warmup_steps
+
+    def options(self, seed: int, total_steps: int) -> dict[str, Any]:
+        """The keyword options the chosen algorithm takes, from this section (and the run's seed and length)."""
+        values = {"bits": self.bits, "warmup_steps": self.warmup_for(total_steps), "local_steps": self.local_steps,
                   "topk_ratio": self.topk_ratio, "peer_selection": self.peer_selection, "interval": self.interval,
                   "seed": seed}
         return {name: values[name] for name in REGISTRY[self.algorithm].OPTIONS}
 
-    def create(self, params: list[torch.nn.Parameter], comm: Comm, seed: int) -> Algorithm:
-        return REGISTRY[self.algorithm](params, comm, **self.options(seed))
+    def plan(self, total_steps: int) -> str | None:
+        """One line for the user where the algorithm spends steps uncompressed (QAdam's warm-up); None elsewhere."""
+        if self.replicas < 2 or self.algorithm != "qadam":
+            return None
+        warmup = self.warmup_for(total_steps)
+        if warmup >= total_steps:
+            return (f"qadam: dp_warmup_steps={warmup} covers all {total_steps} steps of this run, so every step sends "
+                    "full-precision gradients; a smaller --dp_warmup_steps (or auto) compresses")
+        return (f"qadam: full-precision gradients for the first {warmup} of {total_steps} steps (dp_warmup_steps), "
+                f"then {self.bits}-bit momentum")
+
+    def create(self, params: list[torch.nn.Parameter], comm: Comm, seed: int, total_steps: int) -> Algorithm:
+        return REGISTRY[self.algorithm](params, comm, **self.options(seed, total_steps))

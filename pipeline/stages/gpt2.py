@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
 from .base import FamilyAdapter, PipelineStage, StageOutput, container, deep_copier, numel
@@ -40,7 +41,7 @@ class GPT2Stage(PipelineStage):
         if last and self.head_type == "lm":
             # Deep-copied with this stage's memo: tied to wte when this stage also holds wte, a separate copy otherwise.
             self.lm_head = dc(model.lm_head)
-            self.loss_function = model.loss_function
+            self.loss_function = ForCausalLMLoss  # what GPT2LMHeadModel computes (its loss_type is unset: HF warns)
         elif last:
             self.score = dc(model.score)
             self.num_labels = model.num_labels

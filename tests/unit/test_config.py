@@ -171,9 +171,10 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "deberta"])
-def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch):
+def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch, tmp_path):
     """`aqpipe NAME` (installed, no file) and recipes/finetune_NAME.py (its JSON) run the same settings."""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)  # the default output_dir, relative, must hold no earlier run
     task = TASKS[name]
     config = ROOT / "recipes" / "configs" / f"{name}.json"
     assert resolve(task.kind, ["--deepspeed_config", str(config)], "t") == resolve(task.kind, [], "t", task.defaults)
@@ -208,3 +209,87 @@ def test_a_setting_from_before_the_sections_names_its_new_place(tmp_path, monkey
     err = refusal({"run": {"forward_compress": "none", "dp_bits": 4}}, tmp_path, monkeypatch, capsys)
     assert "unknown setting(s) dp_bits, forward_compress in the config's run block" in err
     assert "dp_bits is data_parallel block key bits; forward_compress is compression block key forward" in err
+
+
+def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    assert run(["--output_dir", str(out)], monkeypatch).overwrite_output_dir is False  # absent: fine
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    run(["--output_dir", str(out)], monkeypatch)  # nothing a run writes: fine
+    (out / "summary.json").write_text("{}")
+    (out / "model").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--output_dir", str(out)], monkeypatch)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "holds another run's results (summary.json, model): expected --overwrite_output_dir" in err
+    assert "--resume to continue that run" in err
+    assert run(["--output_dir", str(out), "--overwrite_output_dir"], monkeypatch).overwrite_output_dir is True
+    assert run(["--output_dir", str(out), "--resume", "auto"], monkeypatch).resume is None  # nothing saved: fresh
+    with pytest.raises(SystemExit):
+        run(["--output_dir", str(out), "--overwrite_output_dir", "--resume"], monkeypatch)
+    assert "expected one of them" in capsys.readouterr().err
+
+
+def test_checkpoints_keep_the_newest_two_by_default(monkeypatch):
+    assert run([], monkeypatch).save_total_limit == 2
+    assert run(["--save_total_limit", "0"], monkeypatch).save_total_limit == 0  # 0: keep all
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_bad_flag_is_one_line_from_rank_0_and_silence_elsewhere(rank, monkeypatch, capsys):
+    from aqpipe import config
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(config, "QUIET_EXIT_DELAY", 0.0)
+    for argv in (["--forward_bits", "2.5"], ["--forward_bits", "9"], ["--no_such_flag"]):
+        with pytest.raises(SystemExit) as exit_info:
+            run(argv, monkeypatch)
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 2 and captured.out == ""
+        if rank == "0":
+            assert captured.err.count("\n") == 1 and "usage:" not in captured.err, captured.err
+        else:
+            assert captured.err == ""
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--help"], monkeypatch)
+    assert exit_info.value.code == 0 and bool(capsys.readouterr().out) == (rank == "0")
+
+
+def test_qadam_warms_up_for_a_tenth_of_the_run_and_says_so(monkeypatch):
+    from data_parallel import DataParallelConfig
+
+    cfg = run(["--replicas", "2", "--pipeline_stages", "2", "--dp_algorithm", "qadam"], monkeypatch, world=4)
+    assert cfg.data_parallel.warmup_steps == "auto" and cfg.data_parallel.warmup_for(96) == 10
+    assert cfg.data_parallel.plan(96) == ("qadam: full-precision gradients for the first 10 of 96 steps "
+                                          "(dp_warmup_steps), then 8-bit momentum")
+    fixed = DataParallelConfig(replicas=2, algorithm="qadam", warmup_steps=100)
+    assert fixed.warmup_for(96) == 100 and "covers all 96 steps of this run" in fixed.plan(96)
+    assert DataParallelConfig(replicas=2, algorithm="allreduce").plan(96) is None
+    assert run(["--dp_warmup_steps", "5"], monkeypatch).data_parallel.warmup_for(96) == 5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "deberta"])
+def test_the_first_step_learns_and_the_schedule_says_nothing(name, monkeypatch, capfd, tmp_path):
+    """DeepSpeed's warm-up gave warmup_min_lr (0) to steps 1 and 2 and warned that its lr was read before its
+    start; step k now runs at iteration k, and the decay ends after the last step, not on it."""
+    import torch
+
+    from aqpipe.train import build_scheduler
+
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve(TASKS[name].kind, [], "t", TASKS[name].defaults)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=cfg.lr)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=40)
+    lrs = []
+    for _ in range(40):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert 0 < lrs[0] < lrs[1] < lrs[3] == pytest.approx(cfg.lr)  # a 4-step warm-up (a tenth of 40), then decay
+    assert lrs[-1] > 0 and lrs[-1] < lrs[-2]
+    out = capfd.readouterr()
+    assert "Attempting to get learning rate" not in out.out + out.err
+    assert "Setting accelerator" not in out.out + out.err

@@ -1,0 +1,55 @@
+"""Every fine-tune command in the README resolves as written (its flags exist, its values are in range, its
+process count fits its stages), and the data-parallel example compresses within the run it starts."""
+import re
+import shlex
+
+import pytest
+
+from aqpipe.config import resolve
+from aqpipe.tasks import TASKS
+from tests.conftest import ROOT
+
+LAUNCH = re.compile(r"(?:deepspeed|torchrun|python)\b[^`\n|#]*?(?:recipes/finetune_(\w+)\.py|aqpipe (gpt2|deberta))"
+                    r"[^`\n#]*")
+
+
+def readme_commands() -> list[str]:
+    """Each launch of a fine-tune in README.md, placeholders ([flags], [--x a|b]) taken out."""
+    text = (ROOT / "README.md").read_text()
+    commands = [re.sub(r"\[[^\]]*\]", "", m.group(0)).replace("\\|", "|").strip() for m in LAUNCH.finditer(text)]
+    return sorted(set(commands))
+
+
+def world_and_flags(command: str) -> tuple[str, int, list[str]]:
+    words = shlex.split(command)
+    world = 1
+    for flag in ("--num_gpus", "--nproc_per_node"):
+        if flag in words:
+            world = int(words[words.index(flag) + 1])
+    name = next(re.search(r"finetune_(\w+)\.py|^(gpt2|deberta)$", w) for w in words
+                if re.search(r"finetune_(\w+)\.py|^(gpt2|deberta)$", w))
+    task = name.group(1) or name.group(2)
+    after = words.index(name.string) + 1
+    return task, world, [w for w in words[after:] if w != "--help"]
+
+
+def test_the_readme_names_its_commands():
+    commands = readme_commands()
+    assert any("--dp_algorithm qadam" in c for c in commands) and any("finetune_deberta" in c for c in commands)
+    assert len(commands) >= 6, commands
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_each_readme_command_resolves(command, monkeypatch, tmp_path):
+    task, world, flags = world_and_flags(command)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: no earlier run in the default output_dir
+    if any("recipes/configs" in f for f in flags):
+        flags = [str(ROOT / f) if f.startswith("recipes/") else f for f in flags]
+    cfg = resolve(TASKS[task].kind, flags, "readme", TASKS[task].defaults)
+    steps = cfg.max_train_samples // (cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas) * cfg.epochs
+    if cfg.data_parallel.algorithm == "qadam":  # the example must show the effect it names
+        assert cfg.data_parallel.warmup_for(steps) < steps
+        assert cfg.data_parallel.plan(steps) == (f"qadam: full-precision gradients for the first "
+                                                 f"{cfg.data_parallel.warmup_for(steps)} of {steps} steps "
+                                                 "(dp_warmup_steps), then 8-bit momentum")
