@@ -28,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from .config import RunConfig
 
-FORMAT = 3  # 3: the compression and data-parallel settings are nested sections
+FORMAT = 4  # 3: the compression and data-parallel settings are nested sections; 4: LR schedule iteration k = step k
 LATEST = "latest"
 MANIFEST = "manifest.json"
 # settings a checkpoint's state depends on (the two sections whole, but for where buffers live on disk):
@@ -95,6 +95,9 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> dict[str, Any]:
     """The manifest, after refusing a checkpoint whose settings differ from cfg's (saying which)."""
     manifest = read_manifest(directory)
     mine, theirs = fingerprint(cfg), manifest["fingerprint"]
+    auto = "data_parallel.warmup_steps"  # resolved when the run started: a resume keeps that number
+    if mine.get(auto) == "auto" and isinstance(theirs.get(auto), int):
+        cfg.data_parallel.warmup_steps = mine[auto] = theirs[auto]
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
             for k, v in mine.items() if theirs.get(k) != v]
     if diff:

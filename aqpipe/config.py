@@ -164,19 +164,20 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
 SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
 
 
-QUIET_EXIT_DELAY = 3.0  # seconds a quiet rank waits before exiting on bad input
+QUIET_EXIT_DELAY = 3.0  # seconds a rank other than 0 waits before saying what bad input it found
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a bad flag in one line (no usage block), said by rank 0 alone; every rank exits alike."""
+    """argparse with a bad flag in one line (no usage block), said by rank 0; every rank exits alike."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        if status and not speaks():  # a launcher stops every rank once one exits: let rank 0 say why first
-            time.sleep(QUIET_EXIT_DELAY)
-        super().exit(status, message if speaks() else None)
+        if status and message and not speaks():  # rank 0 says it first; a launcher then stops every rank. A rank
+            time.sleep(QUIET_EXIT_DELAY)  # still there found what rank 0 did not (its own machine's files): it says so
+            message = f"{message.rstrip()} (rank {os.environ.get('RANK')})\n"
+        super().exit(status, message)
 
     def print_help(self, file: Any = None) -> None:
         if speaks():

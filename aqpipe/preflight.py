@@ -27,8 +27,8 @@ def check(cfg: "RunConfig") -> None:
     _check_model_shape(cfg)
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
     _check_gpus()
-    _check_output_dir(cfg)
     _check_resume(cfg)
+    _check_output_dir(cfg)
 
 
 def _check_gpus() -> None:
@@ -86,29 +86,18 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
 
 
 def _check_hub(cfg: "RunConfig") -> None:
-    """A hub model that is not cached here needs the hub: say at once when it cannot be reached. Hub datasets
-    then load from the local cache alone (HF_HUB_OFFLINE), instead of retrying."""
-    from .data import BUILTIN_TASKS
-
-    model = cfg.model if cfg.model is not None and is_hub_name(cfg.model) else None
-    dataset = cfg.dataset if cfg.dataset is not None and is_hub_name(cfg.dataset) \
-        and cfg.dataset not in (*BUILTIN_TASKS, "shakespeare") else None
-    if model is not None:
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache(model, "config.json"), str):
-            model = None  # cached: no hub needed
-    if model is None and dataset is None:
+    """A hub model that is not cached here needs the hub: say at once when it cannot be reached or has no such
+    model (its own client retries for a minute, then the run would go on with a tokenizer trained in its place)."""
+    if cfg.model is None or not is_hub_name(cfg.model):
         return
-    why = hub_unreachable()
-    if why is None and model is not None:
-        why = _fetch_config(model)
-    if why is None:
-        return
-    if model is not None:
-        raise ValueError(f"model={model!r} is not in the local HuggingFace cache and the hub cannot give it: {why}; "
-                         "expected a reachable hub, the model in the cache, or a local model directory for --model")
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(cfg.model, "config.json"), str):
+        return  # cached: the hub is not needed to start
+    why = hub_unreachable() or _fetch_config(cfg.model)
+    if why is not None:
+        raise ValueError(f"model={cfg.model!r} is not in the local HuggingFace cache and the hub cannot give it: "
+                         f"{why}; expected a reachable hub, the model in the cache, or a local model directory")
 
 
 def _fetch_config(model: str) -> str | None:

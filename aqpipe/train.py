@@ -104,8 +104,12 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> 
 
 def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
     """One run; in a multi-process run any failure ends this process with a line naming rank and stage."""
-    world = init_world(cfg)
     prog = prog or Path(sys.argv[0]).name or "aqpipe"  # the name failure lines start with
+    try:
+        world = init_world(cfg)
+    except RuntimeError as exc:  # a peer that never came (it stopped on bad input of its own, or never started)
+        raise SystemExit(f"{prog}: error: rank {os.environ.get('RANK', '0')} could not join the process group within "
+                         f"dist_timeout={cfg.dist_timeout:g} s: {(str(exc).strip().splitlines() or [''])[0][:200]}")
     watchdog = None
     try:
         if world.distributed:
@@ -157,6 +161,8 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     algorithm = None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
+        # "auto" resolves once, here; checkpoints keep the number (a resume with more epochs keeps the warm-up)
+        cfg.data_parallel.warmup_steps = cfg.data_parallel.warmup_for(total_steps)
         algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
         if world.rank == 0 and cfg.data_parallel.plan(total_steps):
             print(cfg.data_parallel.plan(total_steps), file=sys.stderr)

@@ -85,9 +85,15 @@ class Watchdog:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        """A clean finish: this rank's heartbeat stops without anyone taking it for dead."""
+        """A clean finish: this rank's heartbeat stops without anyone taking it for dead. Rank 0 leaves last (a few
+        beats at most): under deepspeed or a plain launch its process holds the store, and the others' last words
+        to it must not find it gone."""
         try:
             self._op(lambda s: s.set(self._key("done", self.rank), "1"))
+            deadline = time.monotonic() + 3 * self.interval + 1
+            others = [self._key("done", r) for r in range(self.world_size) if r != self.rank]
+            while self.rank == 0 and others and time.monotonic() < deadline and not self._op(lambda s: s.check(others)):
+                time.sleep(0.05)
         except Exception:
             pass
         self.stopped.set()

@@ -24,7 +24,8 @@ ALGORITHMS = ("allreduce", "decentralized", "low_precision_decentralized", "qada
 def run_one(algorithm: str, steps: int, out: Path, extra: list[str]) -> dict:
     cmd = ["torchrun", "--nproc_per_node", "4", "--master_port", str(free_port()),
            str(ROOT / "recipes" / "finetune_gpt2.py"), "--pipeline_stages", "2", "--replicas", "2",
-           "--dp_algorithm", algorithm, "--max_steps", str(steps), "--output_dir", str(out), *extra]
+           "--dp_algorithm", algorithm, "--max_steps", str(steps), "--output_dir", str(out), "--overwrite_output_dir",
+           *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -44,7 +44,7 @@ def run_recipe(script: str, args: list[str], out: Path, *, nproc: int = 2,
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
     cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           str(ROOT / "recipes" / script), *args, "--output_dir", str(out)]
+           str(ROOT / "recipes" / script), *args, "--output_dir", str(out), "--overwrite_output_dir"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not (out / "summary.json").exists():

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"link {rate}: {measured[rate]:.1f} Mbit/s measured", flush=True)
             for engine, method in runs:
                 run_dir = out / rate / f"{engine}_{method}"
-                flags = [*shape.flags(config), "--output_dir", str(run_dir), "--pipeline_stages", str(args.stages)]
+                flags = [*shape.flags(config), "--output_dir", str(run_dir), "--overwrite_output_dir",
+                         "--pipeline_stages", str(args.stages)]
                 if engine == "aqpipe":
                     flags += METHODS[method]
                 launch(SCRIPTS[engine], flags, args.stages, net, run_dir / "launch.log", args.timeout,

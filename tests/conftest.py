@@ -7,7 +7,9 @@ Worker functions run in spawned processes import these helpers by their module n
 """
 from __future__ import annotations
 
+import csv
 import io
+import json
 import os
 import socket
 import traceback
@@ -218,3 +220,22 @@ def restored(build, saved: dict) -> tuple:
     algo.load_state_dict(saved["algo"])
     opt.load_state_dict(saved["opt"])
     return model, algo, opt
+
+
+# ---------------------------------------------------------------------------------------------- data files
+def write_table(path: Path, rows: list[dict]) -> Path:
+    """`rows` as the file a user brings, by its suffix: csv, json (one list), jsonl or parquet."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        import datasets
+
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path

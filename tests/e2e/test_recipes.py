@@ -135,4 +135,15 @@ def test_bad_input_under_a_launcher_exits_before_joining_the_process_group(tmp_p
     assert [p.returncode for p in procs] == [2, 2]
     assert f"pipeline_stages=2: model '{path}' has 1 blocks; expected at most 1 stages" in err0
     assert err0.count("\n") == 1 and "Traceback" not in err0 and not out.exists()
-    assert out1 == err1 == ""  # every rank finds it; rank 0 alone says it
+    # every rank finds it; rank 0 says it at once, rank 1 (no launcher stops it here) seconds later, naming itself
+    assert out1 == "" and err1 == err0.replace("\n", " (rank 1)\n")
+
+
+def test_bad_flags_under_torchrun_are_one_line():
+    proc = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                           str(ROOT / "recipes" / "finetune_gpt2.py"), "--forward_bits", "2.5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "finetune_gpt2.py: error:" in line]
+    assert ours == ["finetune_gpt2.py: error: argument --forward_bits: invalid int value: '2.5' "
+                    "(finetune_gpt2.py --help lists the flags)"]
+    assert proc.returncode == 1  # torchrun reports a failed rank as 1 (the README says so)

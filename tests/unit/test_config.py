@@ -226,7 +226,9 @@ def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, m
     assert "holds another run's results (summary.json, model): expected --overwrite_output_dir" in err
     assert "--resume to continue that run" in err
     assert run(["--output_dir", str(out), "--overwrite_output_dir"], monkeypatch).overwrite_output_dir is True
-    assert run(["--output_dir", str(out), "--resume", "auto"], monkeypatch).resume is None  # nothing saved: fresh
+    with pytest.raises(SystemExit):  # auto: nothing saved to continue from, so it would start over them
+        run(["--output_dir", str(out), "--resume", "auto"], monkeypatch)
+    assert "holds another run's results" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run(["--output_dir", str(out), "--overwrite_output_dir", "--resume"], monkeypatch)
     assert "expected one of them" in capsys.readouterr().err
@@ -238,20 +240,24 @@ def test_checkpoints_keep_the_newest_two_by_default(monkeypatch):
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_a_bad_flag_is_one_line_from_rank_0_and_silence_elsewhere(rank, monkeypatch, capsys):
+def test_a_bad_flag_is_one_line_from_rank_0_first(rank, monkeypatch, capsys):
+    """Rank 0 says it at once; another rank waits (a launcher stops it meanwhile, since rank 0 has ended) and only
+    then says it, naming itself: what it found may be its own machine's (a file missing there)."""
+    import time
+
     from aqpipe import config
 
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(config, "QUIET_EXIT_DELAY", 0.0)
+    monkeypatch.setattr(config, "QUIET_EXIT_DELAY", 0.5)
     for argv in (["--forward_bits", "2.5"], ["--forward_bits", "9"], ["--no_such_flag"]):
+        started = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:
             run(argv, monkeypatch)
+        waited = time.monotonic() - started
         captured = capsys.readouterr()
         assert exit_info.value.code == 2 and captured.out == ""
-        if rank == "0":
-            assert captured.err.count("\n") == 1 and "usage:" not in captured.err, captured.err
-        else:
-            assert captured.err == ""
+        assert captured.err.count("\n") == 1 and "usage:" not in captured.err, captured.err
+        assert (waited >= 0.5) == (rank == "1") and captured.err.endswith(" (rank 1)\n") == (rank == "1")
     with pytest.raises(SystemExit) as exit_info:
         run(["--help"], monkeypatch)
     assert exit_info.value.code == 0 and bool(capsys.readouterr().out) == (rank == "0")
@@ -292,4 +298,22 @@ def test_the_first_step_learns_and_the_schedule_says_nothing(name, monkeypatch, 
     assert lrs[-1] > 0 and lrs[-1] < lrs[-2]
     out = capfd.readouterr()
     assert "Attempting to get learning rate" not in out.out + out.err
-    assert "Setting accelerator" not in out.out + out.err
+
+
+def test_an_auto_warm_up_keeps_the_number_it_resolved_to_across_a_resume(tmp_path, monkeypatch):
+    """A resume with more epochs has more steps; the warm-up of the run it continues must not change with them."""
+    from aqpipe import checkpoint
+
+    out = tmp_path / "out"
+    argv = ["--output_dir", str(out), "--replicas", "2", "--pipeline_stages", "1", "--dp_algorithm", "qadam"]
+    started = run(argv, monkeypatch, world=2)
+    started.data_parallel.warmup_steps = started.data_parallel.warmup_for(96)  # what the trainer does at start
+    step = out / "checkpoints" / "step_00000096"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT,
+                                                    "fingerprint": checkpoint.fingerprint(started)}))
+    (out / "checkpoints" / "latest").write_text(step.name)
+    resumed = run([*argv, "--epochs", "6", "--resume"], monkeypatch, world=2)
+    assert resumed.data_parallel.warmup_steps == 10 and resumed.data_parallel.warmup_for(192) == 10
+    with pytest.raises(SystemExit):  # a number given on the command line is a setting like any other
+        run([*argv, "--epochs", "6", "--resume", "--dp_warmup_steps", "20"], monkeypatch, world=2)

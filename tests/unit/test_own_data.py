@@ -3,7 +3,6 @@
 
 Offline and small: the tokenizer is a byte-level BPE trained on a few generated speeches.
 """
-import csv
 import json
 import random
 from pathlib import Path
@@ -18,6 +17,7 @@ from aqpipe.data import datasets as sources
 from aqpipe.models import build_model
 from aqpipe.tasks import TASKS
 from aqpipe.world import World
+from tests.conftest import write_table
 
 SEQ = 24
 FORMATS = (".csv", ".json", ".jsonl", ".parquet")
@@ -60,24 +60,6 @@ def cls_tok(cache, corpus):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AQPIPE_CACHE", str(cache))
         return data.load_tokenizer(None, corpus, vocab_size=400, cls_sep=True)
-
-
-def write_table(path: Path, rows: list[dict]) -> Path:
-    """`rows` as a csv, json (one list), jsonl or parquet (pyarrow) file."""
-    if path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    elif path.suffix == ".json":
-        path.write_text(json.dumps(rows))
-    elif path.suffix == ".csv":
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        pq.write_table(pa.Table.from_pylist(rows), str(path))
-    return path
 
 
 def load(path: Path, tok, **kw) -> data.TensorDictDataset:

@@ -14,10 +14,19 @@ LAUNCH = re.compile(r"(?:deepspeed|torchrun|python)\b[^`\n|#]*?(?:recipes/finetu
 
 
 def readme_commands() -> list[str]:
-    """Each launch of a fine-tune in README.md, placeholders ([flags], [--x a|b]) taken out."""
-    text = (ROOT / "README.md").read_text()
-    commands = [re.sub(r"\[[^\]]*\]", "", m.group(0)).replace("\\|", "|").strip() for m in LAUNCH.finditer(text)]
-    return sorted(set(commands))
+    """Each launch of a fine-tune in README.md: without its optional parts ([--x a|b]), and with each of their
+    choices; a `[flags]` placeholder is dropped."""
+    text = (ROOT / "README.md").read_text().replace("\\|", "|")
+    commands = set()
+    for match in LAUNCH.finditer(text):
+        command = match.group(0).replace("[flags]", "")
+        options = re.findall(r"\[([^\]]*)\]", command)
+        bare = re.sub(r"\[[^\]]*\]", "", command)
+        commands.add(" ".join(bare.split()))
+        for option in options:  # "--dataset acceptability|next_line": one command per choice
+            flag, _, values = option.partition(" ")
+            commands.update(" ".join(f"{bare} {flag} {value}".split()) for value in values.split("|"))
+    return sorted(commands)
 
 
 def world_and_flags(command: str) -> tuple[str, int, list[str]]:
@@ -35,7 +44,8 @@ def world_and_flags(command: str) -> tuple[str, int, list[str]]:
 
 def test_the_readme_names_its_commands():
     commands = readme_commands()
-    assert any("--dp_algorithm qadam" in c for c in commands) and any("finetune_deberta" in c for c in commands)
+    assert any("--dp_algorithm qadam" in c for c in commands) and any("--dataset next_line" in c for c in commands)
+    assert any("--deepspeed_config recipes/configs/gpt2.json" in c for c in commands)
     assert len(commands) >= 6, commands
 
 
@@ -44,8 +54,7 @@ def test_each_readme_command_resolves(command, monkeypatch, tmp_path):
     task, world, flags = world_and_flags(command)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.chdir(tmp_path)  # a fresh checkout: no earlier run in the default output_dir
-    if any("recipes/configs" in f for f in flags):
-        flags = [str(ROOT / f) if f.startswith("recipes/") else f for f in flags]
+    flags = [str(ROOT / f) if f.startswith("recipes/configs/") else f for f in flags]  # run from the checkout
     cfg = resolve(TASKS[task].kind, flags, "readme", TASKS[task].defaults)
     steps = cfg.max_train_samples // (cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas) * cfg.epochs
     if cfg.data_parallel.algorithm == "qadam":  # the example must show the effect it names
