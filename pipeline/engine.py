@@ -34,7 +34,7 @@ from compression import BackwardCodec, BufferRangeError, ForwardCodec, SampleIds
 from . import schedule as sched
 from .compression_config import CompressionConfig
 from .ties import Tie, TiedWeights
-from .topology import Groups
+from .topology import BOUNDARY, TIE, Groups
 from .transport import Boundary, Wire
 
 # what a stage found non-finite in a step (a bit mask, agreed on by every rank)
@@ -161,6 +161,7 @@ class PipelineEngine:
         self.wire = Wire()
         c = self.compression
         self.tied = TiedWeights(stage.tied_parameters(), self.ties, groups.stage, self.wire, groups.pipeline_rank_of,
+                                channel=lambda src, dst: groups.channel(TIE, src, dst),
                                 mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
                                 seed=seed * 100 + groups.replica)
         self.global_step = 0
@@ -187,7 +188,11 @@ class PipelineEngine:
                                group_size=c.group_size("forward", shape[-1]), **kw)
         backward = BackwardCodec(c.backward, c.backward_bits, stochastic=c.stochastic, seed=codec_seed + 1,
                                  group_size=c.group_size("backward", shape[-1]))
-        return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"))
+        ahead, back = (index, index + 1), (index + 1, index)  # activations flow ahead, gradients back
+        out_link, in_link = (ahead, back) if side == "send" else (back, ahead)
+        return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"),
+                        outgoing=self.groups.channel(BOUNDARY, *out_link),
+                        incoming=self.groups.channel(BOUNDARY, *in_link))
 
     # ------------------------------------------------------------------ one batch
     def _autocast(self) -> contextlib.AbstractContextManager:

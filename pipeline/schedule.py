@@ -115,3 +115,77 @@ def simulate(schedules: list[list[Action]]) -> list[tuple[int, Action]]:
     if stuck:
         raise RuntimeError(f"deadlock: stages {stuck} wait at {[schedules[s][pos[s]] for s in stuck]}")
     return order
+
+
+def simulate_streams(schedules: list[list[Action]], *, shared: bool, posted_ahead: bool) -> None:
+    """Run the stages' action lists as NCCL runs point-to-point messages; raise on deadlock.
+
+    NCCL queues a rank's sends and receives to a peer on one stream per communicator, in the order they are
+    issued, and a send completes only together with its receive, both at the head of their streams. With
+    `shared`, each pair of stages talks in one communicator (one process group for everything, as tags do
+    not separate messages on NCCL); otherwise each direction of each link has its own (topology.channels).
+    `posted_ahead`: every receive of the step is issued first (the engine's way on gloo); otherwise each at
+    its action. A stage's host waits only for a receive it takes, and at the end for all of its messages.
+    """
+    stages = len(schedules)
+
+    def stream(stage: int, src: int, dst: int) -> tuple[int, int, int]:
+        return (stage, min(src, dst), max(src, dst)) if shared else (stage, src, dst)
+
+    queues: dict[tuple[int, int, int], deque] = {}
+    done: set[tuple[str, int, int, int]] = set()  # (kind, micro-batch, src, dst) delivered
+
+    def issue(stage: int, action: Action) -> tuple[str, int, int, int]:
+        """Queue the action's message on its stream; returns the message's identity."""
+        sending = action.op in (SEND_ACT, SEND_GRAD)
+        ahead = action.op in (SEND_ACT, RECV_ACT)
+        if sending:
+            src, dst = stage, stage + (1 if ahead else -1)
+        else:
+            src, dst = stage + (-1 if ahead else 1), stage
+        message = ("act" if ahead else "grad", action.micro_batch, src, dst)
+        queues.setdefault(stream(stage, src, dst), deque()).append(("send" if sending else "recv", message))
+        return message
+
+    receives = [[a for a in actions if a.op in (RECV_ACT, RECV_GRAD)] for actions in schedules]
+    pos, waiting = [0] * stages, [None] * stages
+    if posted_ahead:
+        for s in range(stages):
+            for action in receives[s]:
+                issue(s, action)
+    progress = True
+    while progress:
+        progress = False
+        for key, queue in queues.items():  # deliver: a send meets its receive, both at the head of their streams
+            stage, a, b = key
+            if not queue or queue[0][0] != "send":
+                continue
+            message = queue[0][1]
+            peer_queue = queues.get(stream(message[3], message[2], message[3]))
+            if peer_queue and peer_queue[0] == ("recv", message):
+                queue.popleft()
+                peer_queue.popleft()
+                done.add(message)
+                progress = True
+        for s in range(stages):
+            while pos[s] < len(schedules[s]):
+                if waiting[s] is not None:
+                    if waiting[s] not in done:
+                        break
+                    waiting[s] = None
+                action = schedules[s][pos[s]]
+                if action.op in (SEND_ACT, SEND_GRAD):
+                    issue(s, action)
+                elif action.op in (RECV_ACT, RECV_GRAD):
+                    src = s - 1 if action.op == RECV_ACT else s + 1
+                    message = ("act" if action.op == RECV_ACT else "grad", action.micro_batch, src, s)
+                    if not posted_ahead:
+                        issue(s, action)
+                    waiting[s] = message
+                pos[s] += 1
+                progress = True
+    pending = sorted({key for key, queue in queues.items() if queue})
+    stuck = [s for s in range(stages) if pos[s] < len(schedules[s]) or waiting[s] is not None]
+    if pending or stuck:
+        heads = {key: queues[key][0] for key in pending}
+        raise RuntimeError(f"deadlock: stages {stuck} wait; streams {heads} cannot move")

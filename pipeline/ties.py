@@ -132,8 +132,9 @@ class TiedWeights:
     `codecs` exposes the stateful codecs for checkpoints."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], ties: Mapping[str, Tie], stage: int, wire: Wire,
-                 rank_of: Callable[[int], int], *, mode: str = "none", bits: int | None = None,
-                 stochastic: bool = True, seed: int = 0) -> None:
+                 rank_of: Callable[[int], int], *, channel: Callable[[int, int], object | None] = lambda a, b: None,
+                 mode: str = "none", bits: int | None = None, stochastic: bool = True, seed: int = 0) -> None:
+        """`channel(src, dst)`: the group that carries this tie's messages from stage src to stage dst."""
         if mode not in TIE_MODES:
             raise ValueError(f"tie mode {mode!r}: expected one of {', '.join(TIE_MODES)}")
         self.links: list[_Link] = []
@@ -144,7 +145,8 @@ class TiedWeights:
                 peer = follower if stage == tie.owner else tie.owner
                 link_seed = seed * 1000 + 500 + 10 * index + follower
                 boundary = Boundary(wire, rank_of(peer), *self._codecs(param, mode, bits, stochastic, link_seed),
-                                    ForwardCodec("none"), BackwardCodec("none"), tag=TIE_TAG, send_ids=False)
+                                    ForwardCodec("none"), BackwardCodec("none"), tag=TIE_TAG, send_ids=False,
+                                    outgoing=channel(stage, peer), incoming=channel(peer, stage))
                 self.links.append(_Link(key, tie, param, follower, stage == tie.owner, boundary))
 
     @staticmethod
@@ -173,10 +175,10 @@ class TiedWeights:
         sent = 0
         for link in self.links:
             link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
-            matrix, peer, boundary = as_matrix(link.param.detach()), link.boundary.peer, link.boundary
+            matrix, boundary = as_matrix(link.param.detach()), link.boundary
             if link.owner:
                 header = _header(link.step.every).to(matrix.device)
-                boundary.wire.send(header, peer, tag=TIE_TAG)
+                boundary.send_raw(header)
                 sent += header.numel()
                 for rows in link.step.first:
                     if rows.numel():
@@ -188,7 +190,7 @@ class TiedWeights:
                                                         phase, matrix.device) if rows.numel() else None
                                      for rows in link.step.last]
                 continue
-            header = boundary.wire.recv(16, peer, matrix.device, tag=TIE_TAG).cpu()
+            header = boundary.recv_raw(16, matrix.device).cpu()
             if not torch.equal(header, _header(link.step.every)):
                 count = int(header.view(torch.int64)[0])
                 raise RuntimeError(

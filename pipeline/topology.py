@@ -6,9 +6,11 @@ stage's replicas are `stages` apart.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+BOUNDARY, TIE = "boundary", "tie"  # the kinds of channel between two stages of a pipeline
 
 
 @dataclass(frozen=True)
@@ -64,15 +66,35 @@ class Groups:
     replica: int
     pipeline: object | None  # this replica's stages
     data_parallel: object | None  # this stage's replicas
+    # (kind, from stage, to stage) -> a group of the two ranks that carries only that kind, that way
+    channels: dict[tuple[str, int, int], object] = field(default_factory=dict)
 
     def pipeline_rank_of(self, stage: int) -> int:
         return self.grid.rank(stage, self.replica)
+
+    def channel(self, kind: str, src: int, dst: int) -> object | None:
+        """The group that carries `kind` messages from stage `src` to stage `dst` of this replica (None: no
+        process group, or not one of this rank's)."""
+        return self.channels.get((kind, src, dst))
+
+
+def channels(stages: int) -> list[tuple[str, int, int]]:
+    """Every one-way channel of a pipeline: each boundary both ways, and between any two stages for tied weights.
+
+    One group per direction and kind makes NCCL safe by construction: NCCL ignores tags and runs a pair's
+    sends and receives on one stream in the order they were issued, so a stage that posts its receives
+    ahead (or sends activations while its peer sends gradients) would wait behind its own posted receive.
+    On a channel that carries one kind one way, one side only sends and the other only receives, both in
+    schedule order: the i-th send meets the i-th receive whatever else either side does meanwhile."""
+    out = [(BOUNDARY, s, s + d) for s in range(stages) for d in (1, -1) if 0 <= s + d < stages]
+    return out + [(TIE, a, b) for a in range(stages) for b in range(stages) if a != b]
 
 
 def build_groups(grid: Grid, rank: int) -> Groups:
     """Create every group on every rank (torch requires all ranks to call new_group alike)."""
     stage, replica = grid.coords(rank)
     pipeline = data_parallel = None
+    links: dict[tuple[str, int, int], object] = {}
     if dist.is_available() and dist.is_initialized():
         for r in range(grid.replicas):
             g = dist.new_group(grid.pipeline_ranks(r))
@@ -80,4 +102,9 @@ def build_groups(grid: Grid, rank: int) -> Groups:
         for s in range(grid.stages):
             g = dist.new_group(grid.data_parallel_ranks(s))
             data_parallel = g if s == stage else data_parallel
-    return Groups(grid, rank, stage, replica, pipeline, data_parallel)
+        for r in range(grid.replicas):
+            for kind, a, b in channels(grid.stages):
+                g = dist.new_group([grid.rank(a, r), grid.rank(b, r)])
+                if r == replica and stage in (a, b):
+                    links[kind, a, b] = g
+    return Groups(grid, rank, stage, replica, pipeline, data_parallel, links)

@@ -56,18 +56,19 @@ class Wire:
         self.sent_bytes = 0
         self.latency_s = link_latency_s() if latency_s is None else latency_s
 
-    def send(self, payload: torch.Tensor, dst: int, tag: int = 0) -> None:
-        work = dist.isend(payload, dst, group=self.group, tag=tag)
+    def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None) -> None:
+        work = dist.isend(payload, dst, group=group or self.group, tag=tag)
         self._pending.append((work, payload))  # keep the buffer alive until the send completes
         self.sent_bytes += payload.numel() * payload.element_size()
 
-    def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> Incoming:
-        """Start receiving `nbytes` from `src`; messages from one peer on one tag match in posting order."""
+    def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0, group: object | None = None) -> Incoming:
+        """Start receiving `nbytes` from `src`; messages from one peer in one group match in posting order."""
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return Incoming(dist.irecv(buf, src, group=self.group, tag=tag), buf, self.latency_s)
+        return Incoming(dist.irecv(buf, src, group=group or self.group, tag=tag), buf, self.latency_s)
 
-    def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0) -> torch.Tensor:
-        return self.post(nbytes, src, device, tag).wait()
+    def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0,
+             group: object | None = None) -> torch.Tensor:
+        return self.post(nbytes, src, device, tag, group).wait()
 
     def flush(self) -> None:
         for work, _ in self._pending:
@@ -104,10 +105,13 @@ class Boundary:
 
     def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,
                  fallback_forward: ForwardCodec, fallback_backward: BackwardCodec, *, tag: int = 0,
-                 send_ids: bool = True) -> None:
-        """`tag` keeps this boundary's messages apart from others between the same two ranks; `send_ids=False`
-        leaves the ids off the wire where both sides derive them from data already checked elsewhere."""
+                 send_ids: bool = True, outgoing: object | None = None, incoming: object | None = None) -> None:
+        """`tag` keeps this boundary's messages apart from others between the same two ranks (gloo), `outgoing` and
+        `incoming` are the groups that carry its messages each way (pipeline.topology.channels: what keeps NCCL,
+        which ignores tags, from matching them with others); `send_ids=False` leaves the ids off the wire where both
+        sides derive them from data already checked elsewhere."""
         self.wire, self.peer, self.tag, self.send_ids = wire, peer, tag, send_ids
+        self.outgoing, self.incoming = outgoing, incoming
         self.forward, self.backward = forward, backward
         # full precision during warm-up epochs (aqsgd uses refresh instead, which also fills its buffer)
         self.fallback_forward, self.fallback_backward = fallback_forward, fallback_backward
@@ -126,7 +130,7 @@ class Boundary:
         codec, kw = self._forward_codec(phase)
         msg = codec.encode(x, sample_ids, **kw)
         payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)]) if self.send_ids else msg.payload
-        self.wire.send(payload, self.peer, tag=self.tag)
+        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing)
         return payload.numel()
 
     def post_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
@@ -136,7 +140,7 @@ class Boundary:
         codec, kw = self._forward_codec(phase)
         nbytes = codec.payload_nbytes(shape, dtype, sample_ids, **kw)
         ids_nbytes = 8 * sample_ids.numel() if self.send_ids else 0
-        incoming = self.wire.post(nbytes + ids_nbytes, self.peer, device, tag=self.tag)
+        incoming = self.wire.post(nbytes + ids_nbytes, self.peer, device, tag=self.tag, group=self.incoming)
         return Posted(incoming, nbytes, shape, dtype, phase, sample_ids)
 
     def take_activation(self, posted: "Posted") -> torch.Tensor:
@@ -154,12 +158,19 @@ class Boundary:
 
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
         msg = self._backward_codec(phase).encode(g)
-        self.wire.send(msg.payload, self.peer, tag=self.tag)
+        self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing)
         return msg.nbytes
 
     def post_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> "Posted":
         nbytes = self._backward_codec(phase).payload_nbytes(shape, dtype)
-        return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag), nbytes, shape, dtype, phase)
+        return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag, group=self.incoming), nbytes, shape,
+                      dtype, phase)
+
+    def send_raw(self, payload: torch.Tensor) -> None:
+        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing)
+
+    def recv_raw(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return self.wire.recv(nbytes, self.peer, device, tag=self.tag, group=self.incoming)
 
     def take_grad(self, posted: "Posted") -> torch.Tensor:
         buf = posted.incoming.wait()

@@ -173,3 +173,29 @@ def test_the_gradient_sent_back_is_taken_at_what_the_receiver_computed_with(reco
         at_m, at_a = grad_at(sent["input"]), grad_at(got["output"])
         torch.testing.assert_close(sent["input_grad"], at_m, rtol=1e-5, atol=1e-7)
         assert (at_a - sent["input_grad"]).abs().max() > 100 * (at_m - sent["input_grad"]).abs().max() + 1e-7
+
+
+def channels_in_use(rank, world):
+    from pipeline.topology import BOUNDARY, TIE
+
+    groups = build_groups(Grid.for_world(world, world), rank)
+    stage = toy_stages(world)[groups.stage]
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.1), num_samples=SAMPLES,
+                            seq_len=SEQ, ties=toy_ties(world))
+    mine = {key: g for key, g in groups.channels.items() if groups.stage in key[1:]}
+    boundary = engine.next or engine.prev
+    link = engine.tied.links[0].boundary
+    ahead, back = (0, 1), (1, 0)
+    out, into = (ahead, back) if groups.stage == 0 else (back, ahead)
+    return {"distinct": len({id(g) for g in mine.values()}) == len(mine) == 4,
+            "boundary": (boundary.outgoing is groups.channel(BOUNDARY, *out),
+                         boundary.incoming is groups.channel(BOUNDARY, *into)),
+            "tie": (link.outgoing is groups.channel(TIE, *out), link.incoming is groups.channel(TIE, *into)),
+            "all_set": all(g is not None for g in (boundary.outgoing, boundary.incoming, link.outgoing, link.incoming))}
+
+
+def test_every_message_kind_travels_on_its_own_group_each_way():
+    """The construction that keeps NCCL from deadlocking (tests/unit/test_schedule.py): boundary activations,
+    boundary gradients, tied rows and tied gradients each have a process group of their own."""
+    for result in spawn(channels_in_use, 2):
+        assert result == {"distinct": True, "boundary": (True, True), "tie": (True, True), "all_set": True}

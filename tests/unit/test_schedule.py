@@ -55,3 +55,23 @@ def test_bad_arguments():
         sched.gpipe(0, 2, 0)
     with pytest.raises(ValueError, match="stage 2 is outside"):
         sched.one_f_one_b(2, 2, 4)
+
+
+@pytest.mark.parametrize("name", sched.SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("micro", [1, 2, 4, 8])
+def test_one_channel_per_direction_cannot_deadlock_on_nccl(name, stages, micro):
+    """NCCL runs a pair's messages on one stream in issue order, a send only with its receive. With one process
+    group per direction of each link (what the engine uses), both ways of posting receives complete; with one
+    group for everything, posting the step's receives first (the engine's way on gloo) deadlocks every schedule,
+    and 1F1B deadlocks even posting each receive at its action, as soon as two micro-batches overlap."""
+    lists = [sched.train_schedule(name, s, stages, micro) for s in range(stages)]
+    for ahead in (True, False):
+        sched.simulate_streams(lists, shared=False, posted_ahead=ahead)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        sched.simulate_streams(lists, shared=True, posted_ahead=True)
+    if name == "1f1b" and micro >= 2:
+        with pytest.raises(RuntimeError, match="deadlock"):
+            sched.simulate_streams(lists, shared=True, posted_ahead=False)
+    else:
+        sched.simulate_streams(lists, shared=True, posted_ahead=False)
