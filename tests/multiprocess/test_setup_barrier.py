@@ -12,9 +12,9 @@ from aqpipe.watchdog import Watchdog
 from aqpipe.world import World, barrier
 from tests.conftest import free_port
 
-COLLECTIVE_TIMEOUT = 1.0
-SLOW = 4.0  # rank 0's set-up: four times the collective timeout
-PEER_TIMEOUT = 3.0
+COLLECTIVE_TIMEOUT = 0.5
+SLOW = 2.5  # rank 0's set-up: five times the collective timeout
+PEER_TIMEOUT = 2.0
 
 
 def _rank(rank: int, port: int, dies: bool, queue) -> None:
