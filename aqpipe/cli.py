@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from . import speaks
+from . import let_rank_0_speak, speaks
 from .tasks import TASKS, Task
 
 USAGE = f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)"
@@ -29,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE + "\n\n" + "\n".join(f"  {t.name:8} {t.summary}" for t in TASKS.values()))
         return 0 if words else 2
     if words[0] not in TASKS:
-        if not speaks():
-            time.sleep(3.0)  # rank 0 says it; a launcher then stops this rank
+        let_rank_0_speak()
         print(f"aqpipe: error: task {words[0]!r}: expected one of {', '.join(TASKS)} ({USAGE})", file=sys.stderr)
         return 2
     task = TASKS[words[0]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -24,7 +23,7 @@ from pipeline import BUFFER_DTYPES, CompressionConfig
 from pipeline.schedule import SCHEDULES
 from pipeline.ties import TIE_MODES
 
-from . import preflight, speaks
+from . import let_rank_0_speak, preflight, speaks
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -164,9 +163,6 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
 SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
 
 
-QUIET_EXIT_DELAY = 3.0  # seconds a rank other than 0 waits before saying what bad input it found
-
-
 class Parser(argparse.ArgumentParser):
     """argparse with a bad flag in one line (no usage block), said by rank 0; every rank exits alike."""
 
@@ -174,8 +170,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        if status and message and not speaks():  # rank 0 says it first; a launcher then stops every rank. A rank
-            time.sleep(QUIET_EXIT_DELAY)  # still there found what rank 0 did not (its own machine's files): it says so
+        if status and message and not speaks():
+            let_rank_0_speak()
             message = f"{message.rstrip()} (rank {os.environ.get('RANK')})\n"
         super().exit(status, message)
 

@@ -245,10 +245,10 @@ def test_a_bad_flag_is_one_line_from_rank_0_first(rank, monkeypatch, capsys):
     then says it, naming itself: what it found may be its own machine's (a file missing there)."""
     import time
 
-    from aqpipe import config
+    import aqpipe
 
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(config, "QUIET_EXIT_DELAY", 0.5)
+    monkeypatch.setattr(aqpipe, "QUIET_EXIT_DELAY", 0.5)
     for argv in (["--forward_bits", "2.5"], ["--forward_bits", "9"], ["--no_such_flag"]):
         started = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:
