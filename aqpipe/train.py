@@ -164,8 +164,8 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
         # "auto" resolves once, here; checkpoints keep the number (a resume with more epochs keeps the warm-up)
         cfg.data_parallel.warmup_steps = cfg.data_parallel.warmup_for(total_steps)
         algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
-        if world.rank == 0 and cfg.data_parallel.plan(total_steps):
-            print(cfg.data_parallel.plan(total_steps), file=sys.stderr)
+        if world.rank == 0 and (plan := cfg.data_parallel.plan(total_steps)):
+            print(plan, file=sys.stderr)
     engine = PipelineEngine(
         stage, groups, optimizer, compression=cfg.compression,
         num_samples=datalib.shard_size(len(train_set), grid.replicas), seq_len=cfg.seq_len,

@@ -75,14 +75,10 @@ class Watchdog:
         """After `report`: stay until every other rank has read it (each reports back as it stops), or a few beats.
         Rank 0's process may hold the store (deepspeed, plain launches): leaving at once would leave the others to
         find a dead store instead of the report."""
-        deadline = time.monotonic() + 3 * self.interval + 1
-        while time.monotonic() < deadline:
-            try:
-                if int(self._op(lambda s: s.add(self._key("failures"), 0))) >= self.world_size:
-                    return
-            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
-                return
-            time.sleep(0.05)
+        try:
+            self._wait_briefly(lambda s: int(s.add(self._key("failures"), 0)) >= self.world_size)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
+            pass
 
     def stop(self) -> None:
         """A clean finish: this rank's heartbeat stops without anyone taking it for dead. Rank 0 leaves last (a few
@@ -90,14 +86,19 @@ class Watchdog:
         to it must not find it gone."""
         try:
             self._op(lambda s: s.set(self._key("done", self.rank), "1"))
-            deadline = time.monotonic() + 3 * self.interval + 1
             others = [self._key("done", r) for r in range(self.world_size) if r != self.rank]
-            while self.rank == 0 and others and time.monotonic() < deadline and not self._op(lambda s: s.check(others)):
-                time.sleep(0.05)
+            if self.rank == 0 and others:
+                self._wait_briefly(lambda s: s.check(others))
         except Exception:
             pass
         self.stopped.set()
         self.thread.join(timeout=2 * self.interval + 1)
+
+    def _wait_briefly(self, done: Callable[[dist.Store], bool]) -> None:
+        """Poll the store until `done(store)`, a few beats at most (for the others' last words)."""
+        deadline = time.monotonic() + 3 * self.interval + 1
+        while time.monotonic() < deadline and not self._op(done):
+            time.sleep(0.05)
 
     def barrier(self, poll: float = 0.05) -> None:
         """Wait until every rank has arrived, for as long as that takes: set-up work (tokenizing a large

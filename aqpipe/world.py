@@ -21,7 +21,6 @@ from .config import RunConfig
 from .watchdog import Watchdog
 
 
-
 @dataclass
 class World:
     rank: int
@@ -92,13 +91,13 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
     expected = bad_input or isinstance(exc, (FloatingPointError, KeyboardInterrupt))
     if not expected or os.environ.get("AQPIPE_TRACEBACK"):
         traceback.print_exception(exc)
-    # bad input: one line, as for a bad flag, and the other ranks stop quietly with the same status. Said before the
-    # others hear of it: a launcher stops every process once one has ended
     if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGINT to the launcher's process group: every rank has it
         _say(prog, f"{me} interrupted; a checkpoint it wrote earlier continues the run with --resume")
         if watchdog is not None:  # a rank interrupted alone: the others stop now, naming it
             watchdog.report("interrupted")
         os._exit(130)
+    # bad input: one line, as for a bad flag, and the other ranks stop quietly with the same status. Said before the
+    # others hear of it: a launcher stops every process once one has ended
     _say(prog, f"{first_line} (found by {me})" if bad_input else f"{me} failed: {type(exc).__name__}: {first_line}")
     if watchdog is not None:
         watchdog.report(f"{type(exc).__name__}: {first_line}", bad_input=bad_input)
