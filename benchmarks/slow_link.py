@@ -149,11 +149,15 @@ def launch(script: list[str], args: list[str], hosts: int, net: Network | None, 
         raise RuntimeError(f"{script[-1]} {' '.join(args[-6:])}: exit codes {codes} (log {log}):\n{tail}")
 
 
-def steady_figures(out_dir: Path, shape: Shape) -> dict[str, Any]:
-    """Median seconds per step over the epochs after the first, from the run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "loss" in r]
-    steady = [r for r in steps if r["step"] > shape.steps_per_epoch] or steps
+def steady_figures(out_dir: Path | list[Path], shape: Shape) -> dict[str, Any]:
+    """Median seconds per step over the epochs after the first, from the run's metrics.jsonl (of every repeat)."""
+    dirs = out_dir if isinstance(out_dir, list) else [out_dir]
+    steady, steps = [], []
+    for d in dirs:
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        run = [r for r in rows if "loss" in r]
+        steady += [r for r in run if r["step"] > shape.steps_per_epoch] or run
+        steps = run
     seconds = [r["seconds"] if "seconds" in r else shape.samples_per_step / r["samples_per_s"] for r in steady]
     per_step = statistics.median(seconds)
     wires = {k: statistics.mean(r.get(k, 0) for r in steady) for k in WIRES}
@@ -238,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency_ms", type=float, default=0.0, help="one-way delay added per message in our transport")
     p.add_argument("--no_netns", action="store_true", help="no namespaces or shaping: every stage on loopback")
     p.add_argument("--quick", action="store_true", help="tiny shape, rates unshaped and 20mbit (under 2 minutes)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each engine and method per rate, interleaved (A B A B ...); the median is over "
+                        "the steady steps of all of them")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--output_dir", default="runs/slow_link")
     args = p.parse_args(argv)
@@ -260,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate_bits(r)
             except ValueError as exc:
                 p.error(str(exc))
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: expected at least 1")
     if args.latency_ms < 0:
         p.error(f"--latency_ms {args.latency_ms}: expected >= 0")
     if args.no_netns and any(r != UNSHAPED for r in rates):
@@ -281,17 +290,22 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 measured[rate] = float("nan")
             print(f"link {rate}: {measured[rate]:.1f} Mbit/s measured", flush=True)
-            for engine, method in runs:
-                run_dir = out / rate / f"{engine}_{method}"
-                flags = [*shape.flags(config), "--output_dir", str(run_dir), "--overwrite_output_dir",
-                         "--pipeline_stages", str(args.stages)]
-                if engine == "aqpipe":
-                    flags += METHODS[method]
-                launch(SCRIPTS[engine], flags, args.stages, net, run_dir / "launch.log", args.timeout,
-                       args.latency_ms if engine == "aqpipe" else 0.0)
-                row = {"engine": engine, "method": method, "rate": rate, **steady_figures(run_dir, shape)}
-                rows.append(row)
-                print(f"  {engine:>9} {method:>12}: {row['seconds_per_step']:.3f} s/step", flush=True)
+            dirs: dict[tuple[str, str], list[Path]] = {}
+            for repeat in range(args.repeats):  # interleaved, so a slow minute of the machine hits every run alike
+                for engine, method in runs:
+                    run_dir = out / rate / f"{engine}_{method}" / (f"repeat{repeat}" if args.repeats > 1 else "")
+                    flags = [*shape.flags(config), "--output_dir", str(run_dir), "--overwrite_output_dir",
+                             "--pipeline_stages", str(args.stages)]
+                    if engine == "aqpipe":
+                        flags += METHODS[method]
+                    launch(SCRIPTS[engine], flags, args.stages, net, run_dir / "launch.log", args.timeout,
+                           args.latency_ms if engine == "aqpipe" else 0.0)
+                    dirs.setdefault((engine, method), []).append(run_dir)
+                    one = steady_figures(run_dir, shape)["seconds_per_step"]
+                    print(f"  {engine:>9} {method:>12}: {one:.3f} s/step", flush=True)
+            for (engine, method), paths in dirs.items():
+                rows.append({"engine": engine, "method": method, "rate": rate, "repeats": len(paths),
+                             **steady_figures(paths, shape)})
     summary = ratios(rows, rates)
     result = {"shape": asdict(shape), "stages": args.stages, "latency_ms": args.latency_ms, "netns": net is not None,
               "namespace_tag": net.tag if net is not None else None,

@@ -33,6 +33,7 @@ from compression import BackwardCodec, BufferRangeError, ForwardCodec, SampleIds
 
 from . import schedule as sched
 from .compression_config import CompressionConfig
+from . import split_backward
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
 from .transport import Boundary, Wire
@@ -113,6 +114,7 @@ class _Flight:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    weights: dict[int, split_backward.WeightGradients | None] = field(default_factory=dict)  # zb1's still to run
     losses: dict[int, float] = field(default_factory=dict)
     correct: int = 0
     counted: int = 0
@@ -274,6 +276,23 @@ class PipelineEngine:
                 out.backward(flight.grads.pop(mb).to(out.dtype))
             counters.tie_bytes += self.tied.after_backward(mb, phase)
 
+        def backward_input(mb: int) -> None:
+            """zb1: the input's gradient now (send_grad sends it), the weights' when backward_weight runs."""
+            out, x = flight.outputs.pop(mb), flight.inputs.get(mb)
+            if out is None:  # a non-finite loss: nothing to backward
+                flight.weights[mb] = None
+                return
+            grad = None if self.stage.is_last else flight.grads.pop(mb).to(out.dtype)
+            x_grad, flight.weights[mb] = split_backward.backward_input(out, grad, x, list(self.stage.parameters()))
+            if x_grad is not None:
+                x.grad = x_grad
+
+        def backward_weight(mb: int) -> None:
+            weights = flight.weights.pop(mb)
+            if weights is not None:
+                weights.run()
+            counters.tie_bytes += self.tied.after_backward(mb, phase)
+
         def send_grad(mb: int) -> None:
             x = flight.inputs.pop(mb)
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -285,6 +304,7 @@ class PipelineEngine:
         handlers: dict[str, Callable[[int], None]] = {
             sched.RECV_ACT: recv_act, sched.FORWARD: forward, sched.SEND_ACT: send_act,
             sched.RECV_GRAD: recv_grad, sched.BACKWARD: backward, sched.SEND_GRAD: send_grad,
+            sched.BACKWARD_INPUT: backward_input, sched.BACKWARD_WEIGHT: backward_weight,
         }
         posted = self._post_receives(actions, micro_batches, ids, phase)
         counters.tie_bytes += self.tied.start(micro_batches, phase, training, undo)

@@ -7,6 +7,12 @@ isend), receives block and must find the micro-batch they expect.
   gpipe  all forwards, then all backwards (activations of every micro-batch live at once)
   1f1b   stage s runs min(stages - s - 1, M) warm-up forwards, then alternates one
          forward and one backward, then drains: at most stages - s micro-batches in flight
+  zb1    1F1B with each backward split in two (ZB-H1, "Zero Bubble Pipeline Parallelism",
+         Qi et al. 2024): the input gradient, which the previous stage waits for, runs where
+         1F1B's backward ran; the weight gradient, which nobody waits for, runs `s` micro-batches
+         later on stage s, so the later stages, which 1F1B leaves idle while the earlier ones
+         drain, fill that tail with it. The same messages in the same order as 1F1B; at most
+         `stages` micro-batches in flight on any stage: 1F1B's peak, on its first stage.
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from typing import NamedTuple
 
 RECV_ACT, FORWARD, SEND_ACT = "recv_act", "forward", "send_act"
 RECV_GRAD, BACKWARD, SEND_GRAD = "recv_grad", "backward", "send_grad"
-SCHEDULES = ("gpipe", "1f1b")
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"  # a backward split in two (zb1)
+SCHEDULES = ("gpipe", "1f1b", "zb1")
+COMPUTE = {FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0}  # relative costs (`bubble`)
 
 
 class Action(NamedTuple):
@@ -28,8 +36,8 @@ def _forward(stage: int, stages: int, mb: int) -> list[Action]:
     return [Action(op, mb) for op in ops]
 
 
-def _backward(stage: int, stages: int, mb: int) -> list[Action]:
-    ops = ([RECV_GRAD] if stage < stages - 1 else []) + [BACKWARD] + ([SEND_GRAD] if stage > 0 else [])
+def _backward(stage: int, stages: int, mb: int, op: str = BACKWARD) -> list[Action]:
+    ops = ([RECV_GRAD] if stage < stages - 1 else []) + [op] + ([SEND_GRAD] if stage > 0 else [])
     return [Action(op, mb) for op in ops]
 
 
@@ -57,13 +65,29 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[Action]:
     return actions
 
 
+def zero_bubble_h1(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    """1F1B's order with input- and weight-gradient actions; stage s holds back s weight gradients."""
+    _check(stage, stages, micro_batches)
+    warmup = min(stages - stage - 1, micro_batches)
+    actions = [a for mb in range(warmup) for a in _forward(stage, stages, mb)]
+    waiting: deque[int] = deque()  # micro-batches whose input gradient is sent, weight gradient not yet run
+    for mb in range(micro_batches):
+        if warmup + mb < micro_batches:
+            actions += _forward(stage, stages, warmup + mb)
+        actions += _backward(stage, stages, mb, BACKWARD_INPUT)
+        waiting.append(mb)
+        if len(waiting) > stage:
+            actions.append(Action(BACKWARD_WEIGHT, waiting.popleft()))
+    return actions + [Action(BACKWARD_WEIGHT, mb) for mb in waiting]
+
+
 def forward_only(stage: int, stages: int, micro_batches: int) -> list[Action]:
     """Evaluation: forwards only."""
     _check(stage, stages, micro_batches)
     return [a for mb in range(micro_batches) for a in _forward(stage, stages, mb)]
 
 
-_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zero_bubble_h1}
 
 
 def train_schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[Action]:
@@ -76,7 +100,7 @@ def in_flight(actions: list[Action]) -> int:
     """The most micro-batches forwarded but not yet backwarded at any point."""
     live = peak = 0
     for op, _ in actions:
-        live += (op == FORWARD) - (op == BACKWARD)
+        live += (op == FORWARD) - (op in (BACKWARD, BACKWARD_WEIGHT))
         peak = max(peak, live)
     return peak
 
@@ -87,9 +111,26 @@ def simulate(schedules: list[list[Action]]) -> list[tuple[int, Action]]:
     Sends go into per-link FIFO queues; a receive blocks until its queue is non-empty and
     raises if the head is not the micro-batch it expects (the engine would decode garbage).
     """
+    return _play(schedules, COMPUTE, 0.0)[0]
+
+
+def bubble(schedules: list[list[Action]], costs: dict[str, float] | None = None, transfer: float = 0.0) -> float:
+    """The fraction of the stages' time spent idle in one step: 1 - busy / (stages x makespan).
+
+    Compute actions take `costs` (default COMPUTE: a backward twice a forward, each half of it once split),
+    a message arrives `transfer` after it is sent, sends do not block. 1F1B's is (S-1) / (M+S-1) at no transfer.
+    """
+    _, clock, busy = _play(schedules, COMPUTE if costs is None else costs, transfer)
+    return 1.0 - sum(busy) / (len(schedules) * max(clock))
+
+
+def _play(schedules: list[list[Action]], costs: dict[str, float],
+          transfer: float) -> tuple[list[tuple[int, Action]], list[float], list[float]]:
+    """The global order of the actions, each stage's clock at its end and its time computing."""
     stages = len(schedules)
     queues = {(src, dst): deque() for src in range(stages) for dst in (src - 1, src + 1) if 0 <= dst < stages}
     pos, order = [0] * stages, []
+    clock, busy = [0.0] * stages, [0.0] * stages
     progress = True
     while progress:
         progress = False
@@ -101,20 +142,24 @@ def simulate(schedules: list[list[Action]]) -> list[tuple[int, Action]]:
                     queue = queues[(src, s)]
                     if not queue:
                         break
-                    kind, mb = queue.popleft()
+                    kind, mb, arrives = queue.popleft()
                     if (kind, mb) != (action.op, action.micro_batch):
                         raise RuntimeError(f"stage {s} expected {action} but stage {src} sent {kind} {mb}")
+                    clock[s] = max(clock[s], arrives)
                 elif action.op == SEND_ACT:
-                    queues[(s, s + 1)].append((RECV_ACT, action.micro_batch))
+                    queues[(s, s + 1)].append((RECV_ACT, action.micro_batch, clock[s] + transfer))
                 elif action.op == SEND_GRAD:
-                    queues[(s, s - 1)].append((RECV_GRAD, action.micro_batch))
+                    queues[(s, s - 1)].append((RECV_GRAD, action.micro_batch, clock[s] + transfer))
+                else:
+                    clock[s] += costs[action.op]
+                    busy[s] += costs[action.op]
                 order.append((s, action))
                 pos[s] += 1
                 progress = True
     stuck = [s for s in range(stages) if pos[s] < len(schedules[s])]
     if stuck:
         raise RuntimeError(f"deadlock: stages {stuck} wait at {[schedules[s][pos[s]] for s in stuck]}")
-    return order
+    return order, clock, busy
 
 
 def simulate_streams(schedules: list[list[Action]], *, shared: bool, posted_ahead: bool) -> None:

@@ -33,7 +33,7 @@ def step_rows(epoch: int = 0) -> torch.Tensor:
                                                                                            epoch))]))
 
 
-@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (3, "gpipe"), (3, "1f1b"), (3, "zb1")])
 def test_uncompressed_pipeline_matches_one_process(world, schedule):
     single = spawn(train, 1, CompressionConfig(), 1)[0]
     multi = spawn(train, world, CompressionConfig(), 1, schedule)

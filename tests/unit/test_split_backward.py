@@ -1,0 +1,97 @@
+"""zb1's backward in two parts: the same gradients as one backward, bit for bit, and no work done twice."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipeline import partition
+from pipeline.split_backward import backward_input
+from tests.unit.test_partition import make_batch, make_model
+
+
+def stage_inputs(stages, batch):
+    """Each stage's input as the engine holds it: the previous stage's output, detached, requiring a gradient."""
+    hidden, inputs = None, []
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            inputs.append(hidden)
+            hidden = stage(hidden, batch)
+    return inputs + [hidden]
+
+
+def grads(stage, hidden, batch, grad_out, split):
+    """The input's and every parameter's gradient of one micro-batch, by one backward or by the split one."""
+    torch.manual_seed(7)  # the same dropout draws in both runs
+    stage.zero_grad(set_to_none=True)
+    x = None if hidden is None else hidden.clone().requires_grad_(True)
+    out = stage(x, batch)
+    out = out.loss if stage.is_last else out
+    if not split:
+        out.backward(grad_out)
+        return (None if x is None else x.grad), {n: p.grad for n, p in stage.named_parameters()}
+    x_grad, weights = backward_input(out, grad_out, x, list(stage.parameters()))
+    held = [n for n, p in stage.named_parameters() if p.grad is not None]
+    weights.run()
+    return x_grad, {n: p.grad for n, p in stage.named_parameters()}, held
+
+
+@pytest.mark.parametrize("kind", ["gpt2_lm", "gpt2_cls", "deberta", "deberta_v2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_split_backward_gives_one_backwards_gradients_bit_for_bit(kind, checkpointing):
+    model = make_model(kind)
+    stages = partition(model, 3, activation_checkpointing=checkpointing)
+    for stage in stages:
+        stage.train()
+    batch = make_batch(kind)
+    inputs = stage_inputs(stages, batch)
+    for stage, hidden in zip(stages, inputs):
+        grad_out = None if stage.is_last else torch.randn(hidden.shape if hidden is not None else
+                                                          (*batch["input_ids"].shape, stage.hidden_size))
+        want_x, want = grads(stage, hidden, batch, grad_out, split=False)
+        got_x, got, held = grads(stage, hidden, batch, grad_out, split=True)
+        assert set(got) == set(want)
+        for name in want:
+            assert want[name] is not None and torch.equal(got[name], want[name]), name
+        if hidden is None:  # the first stage: nothing to split, the whole backward runs later
+            assert got_x is None
+        else:
+            assert torch.equal(got_x, want_x)
+        if not checkpointing and hidden is not None:  # no weight gradient before its part runs
+            assert held == []
+
+
+def test_split_backward_computes_nothing_twice():
+    """The input part and the weight part together count the floating-point work of one backward."""
+    model = make_model("gpt2_lm")
+    stage = partition(model, 2)[1]
+    batch = make_batch("gpt2_lm")
+    hidden = stage_inputs(partition(model, 2), batch)[1]
+
+    def flops(split):
+        x = hidden.clone().requires_grad_(True)
+        loss = stage(x, batch).loss
+        with FlopCounterMode(display=False) as counter:
+            if split:
+                _, weights = backward_input(loss, None, x, list(stage.parameters()))
+                weights.run()
+            else:
+                loss.backward()
+        return counter.get_total_flops()
+
+    whole = flops(False)
+    assert whole > 0 and flops(True) == whole
+
+
+def test_input_part_alone_does_about_half_the_work():
+    """What the previous stage waits for is the input part only: at least a third less than a whole backward."""
+    model = make_model("gpt2_lm", layers=4)
+    stage = partition(model, 2)[1]
+    batch = make_batch("gpt2_lm")
+    hidden = stage_inputs(partition(model, 2), batch)[1]
+    x = hidden.clone().requires_grad_(True)
+    loss = stage(x, batch).loss
+    with FlopCounterMode(display=False) as first:
+        _, weights = backward_input(loss, None, x, list(stage.parameters()))
+    with FlopCounterMode(display=False) as second:
+        weights.run()
+    i, w = first.get_total_flops(), second.get_total_flops()
+    assert w > 0.33 * (i + w) and i > 0.33 * (i + w)
