@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks.netns import Network, can_build, rate_bits  # noqa: E402
 from benchmarks.recipe_runs import free_port  # noqa: E402
+from pipeline.schedule import SCHEDULES  # noqa: E402
 
 SCRIPTS = {"aqpipe": [str(ROOT / "recipes" / "finetune_gpt2.py")], "deepspeed": ["-m", "benchmarks.deepspeed_pipeline"]}
 METHODS: dict[str, list[str]] = {
@@ -160,11 +161,14 @@ def steady_figures(out_dir: Path | list[Path], shape: Shape) -> dict[str, Any]:
         steps = run
     seconds = [r["seconds"] if "seconds" in r else shape.samples_per_step / r["samples_per_s"] for r in steady]
     per_step = statistics.median(seconds)
+    bubbles = [r["bubble"] for r in steady if r.get("bubble") is not None]  # our engine's; DeepSpeed keeps none
     wires = {k: statistics.mean(r.get(k, 0) for r in steady) for k in WIRES}
     wire = sum(wires.values())
     return {"seconds_per_step": per_step, "samples_per_s": shape.samples_per_step / per_step,
             "steady_steps": len(steady), "wire_bytes_per_step": wire if wire else None,
-            "bytes_per_step": wires, "final_loss": steps[-1]["loss"] if steps else None}
+            "bytes_per_step": wires, "final_loss": steps[-1]["loss"] if steps else None,
+            "bubble": statistics.median(bubbles) if bubbles else None,
+            "losses": [r["loss"] for r in steps]}
 
 
 def ratios(rows: list[dict[str, Any]], rates: list[str]) -> dict[str, Any]:
@@ -213,12 +217,13 @@ def plot(rows: list[dict[str, Any]], measured: dict[str, float], path: Path) -> 
 
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], measured: dict[str, float]) -> None:
     print(f"\n{'rate':>9} {'Mbit/s':>7} {'engine':>9} {'method':>12} {'s/step':>7} {'samples/s':>9} "
-          f"{'MB/step':>8} {'vs fp32':>7}")
+          f"{'MB/step':>8} {'vs fp32':>7} {'bubble':>6}")
     for r in rows:
         speed = summary["speedup_vs_fp32"].get(r["method"], {}).get(r["rate"]) if r["engine"] == "aqpipe" else None
         mb = f"{r['wire_bytes_per_step'] / 1e6:8.3f}" if r.get("wire_bytes_per_step") else f"{'-':>8}"
         print(f"{r['rate']:>9} {measured[r['rate']]:7.1f} {r['engine']:>9} {r['method']:>12} "
-              f"{r['seconds_per_step']:7.3f} {r['samples_per_s']:9.2f} {mb} {f'{speed:.2f}x' if speed else '-':>7}")
+              f"{r['seconds_per_step']:7.3f} {r['samples_per_s']:9.2f} {mb} {f'{speed:.2f}x' if speed else '-':>7} "
+              f"{'-' if r.get('bubble') is None else format(r['bubble'], '.3f'):>6}")
     if "slowest_vs_fp32_unshaped" in summary:
         for m, v in summary["slowest_vs_fp32_unshaped"].items():
             print(f"{m} at {summary['slowest_rate']} vs fp32 unshaped: {v:.3f}x the time per step")
@@ -234,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"of {', '.join(METHODS)}")
     p.add_argument("--engines", default="aqpipe,deepspeed", help="aqpipe and/or deepspeed (FP32 only)")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--schedules", default="1f1b",
+                   help="our engine's schedules to run, comma-separated (gpipe, 1f1b, zb1); rows of another than "
+                        "1f1b are named METHOD_SCHEDULE")
+    p.add_argument("--num_micro_batches", type=int, help="micro-batches a step (default 4)")
     p.add_argument("--width", type=int, help="model width (default 128; quick 64)")
     p.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
     p.add_argument("--vocab", default="trained", choices=VOCABS,
@@ -252,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = QUICK if args.quick else Shape()
     shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
     shape.vocab, shape.tied = args.vocab, not args.untied
+    shape.num_micro_batches = args.num_micro_batches or shape.num_micro_batches
+    schedules = [x for x in args.schedules.split(",") if x]
+    for name in schedules:
+        if name not in SCHEDULES:
+            p.error(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}")
     rates = ["unshaped", "20mbit"] if args.quick and args.rates == p.get_default("rates") else args.rates.split(",")
     methods = [m for m in args.methods.split(",") if m]
     engines = [e for e in args.engines.split(",") if e]
@@ -278,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.output_dir)
     config = write_model(shape, out)
-    runs = [(e, m) for e in engines for m in (methods if e == "aqpipe" else ["fp32"])]
+    runs = [(e, m, sch) for e in engines for m in (methods if e == "aqpipe" else ["fp32"])
+            for sch in (schedules if e == "aqpipe" else ["1f1b"])]
     rows: list[dict[str, Any]] = []
     measured: dict[str, float] = {}
     net = None if args.no_netns else Network(args.stages)
@@ -292,22 +307,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"link {rate}: {measured[rate]:.1f} Mbit/s measured", flush=True)
             dirs: dict[tuple[str, str], list[Path]] = {}
             for repeat in range(args.repeats):  # interleaved, so a slow minute of the machine hits every run alike
-                for engine, method in runs:
-                    run_dir = out / rate / f"{engine}_{method}" / (f"repeat{repeat}" if args.repeats > 1 else "")
+                for engine, method, schedule in runs:
+                    label = method if schedule == "1f1b" else f"{method}_{schedule}"
+                    run_dir = out / rate / f"{engine}_{label}" / (f"repeat{repeat}" if args.repeats > 1 else "")
                     flags = [*shape.flags(config), "--output_dir", str(run_dir), "--overwrite_output_dir",
                              "--pipeline_stages", str(args.stages)]
                     if engine == "aqpipe":
-                        flags += METHODS[method]
+                        flags += [*METHODS[method], "--schedule", schedule]
                     launch(SCRIPTS[engine], flags, args.stages, net, run_dir / "launch.log", args.timeout,
                            args.latency_ms if engine == "aqpipe" else 0.0)
-                    dirs.setdefault((engine, method), []).append(run_dir)
+                    dirs.setdefault((engine, label), []).append(run_dir)
                     one = steady_figures(run_dir, shape)["seconds_per_step"]
-                    print(f"  {engine:>9} {method:>12}: {one:.3f} s/step", flush=True)
+                    print(f"  {engine:>9} {label:>12}: {one:.3f} s/step", flush=True)
             for (engine, method), paths in dirs.items():
                 rows.append({"engine": engine, "method": method, "rate": rate, "repeats": len(paths),
                              **steady_figures(paths, shape)})
     summary = ratios(rows, rates)
-    result = {"shape": asdict(shape), "stages": args.stages, "latency_ms": args.latency_ms, "netns": net is not None,
+    result = {"shape": asdict(shape), "stages": args.stages, "schedules": schedules, "repeats": args.repeats,
+              "latency_ms": args.latency_ms, "netns": net is not None,
               "namespace_tag": net.tag if net is not None else None,
               "measured_mbit": measured, "rows": rows, "ratios": summary}
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -71,12 +71,19 @@ class StepCounters:
 @dataclass
 class StepTotals(StepCounters):
     """One step summed over the whole job, the same on every rank: the last stages' loss and eval counts, each
-    rank's bytes, and how many ranks saw a non-finite value."""
+    rank's bytes, how many ranks saw a non-finite value, and the seconds the ranks spent in the schedule and, of
+    them, computing (forwards and backwards)."""
 
     loss_sum: float = 0.0
     correct: int = 0
     counted: int = 0
     nonfinite: int = 0
+    schedule_seconds: float = 0.0
+    compute_seconds: float = 0.0
+
+    def bubble(self) -> float | None:
+        """The fraction of the schedule's time the stages waited instead of computing (the pipeline bubble)."""
+        return 1.0 - self.compute_seconds / self.schedule_seconds if self.schedule_seconds > 0 else None
 
     def mean_loss(self, micro_batches: int, replicas: int) -> float:
         """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
@@ -100,6 +107,7 @@ class StepMetrics:
     phase: str
     seconds: float
     skipped: str | None = None  # why, for a step skipped on every rank (skip_nonfinite)
+    bubble: float | None = None  # of the schedule's time over all ranks, the fraction spent waiting
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
@@ -120,6 +128,8 @@ class _Flight:
     counted: int = 0
     bad: int = 0  # bit mask of the non-finite kinds found on this stage
     bad_mb: int = -1  # the first micro-batch where one was found
+    schedule_seconds: float = 0.0  # from the schedule's first action to its sends' completion
+    compute_seconds: float = 0.0  # of it, in forwards and backwards
     overflow: BufferRangeError | None = None  # an activation the AQ-SGD buffer could not hold
     verdict_error: Exception | None = None  # what every rank raises after undoing the step, whatever skip_nonfinite
     undo: list[Callable[[], None]] = field(default_factory=list)  # puts back what the step changed, newest last
@@ -308,9 +318,16 @@ class PipelineEngine:
         }
         posted = self._post_receives(actions, micro_batches, ids, phase)
         counters.tie_bytes += self.tied.start(micro_batches, phase, training, undo)
+        began = time.perf_counter()
         for op, mb in actions:
-            handlers[op](mb)
+            if op in sched.COMPUTE:
+                t = time.perf_counter()
+                handlers[op](mb)
+                flight.compute_seconds += time.perf_counter() - t
+            else:
+                handlers[op](mb)
         self.wire.flush()
+        flight.schedule_seconds = time.perf_counter() - began
         return flight
 
     def _post_receives(self, actions: list[sched.Action], micro_batches: list[dict], ids: list[Any],
@@ -369,7 +386,7 @@ class PipelineEngine:
                  skipped: str | None = None) -> StepMetrics:
         loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
-                           t.dp_bytes, phase, time.perf_counter() - start, skipped)
+                           t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble())
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -536,9 +553,11 @@ class PipelineEngine:
         """The step's loss, eval counts and bytes summed over the whole job (one small allreduce per group)."""
         names = [f.name for f in fields(StepTotals)]
         mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
-                          counted=flight.counted, nonfinite=int(flight.bad != 0))
+                          counted=flight.counted, nonfinite=int(flight.bad != 0),
+                          schedule_seconds=flight.schedule_seconds, compute_seconds=flight.compute_seconds)
         t = torch.tensor([float(getattr(mine, n)) for n in names], dtype=torch.float64)
         for group in (self.groups.pipeline, self.groups.data_parallel):
             if group is not None and self.groups.grid.world_size > 1:
                 dist.all_reduce(t, group=group)
-        return StepTotals(**{n: (float(v) if n == "loss_sum" else int(v)) for n, v in zip(names, t.tolist())})
+        floats = {f.name for f in fields(StepTotals) if f.type in (float, "float")}
+        return StepTotals(**{n: (float(v) if n in floats else int(v)) for n, v in zip(names, t.tolist())})

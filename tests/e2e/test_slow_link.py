@@ -39,6 +39,23 @@ def test_steady_figures_skip_the_first_epoch(tmp_path: Path) -> None:
     assert fig["final_loss"] == 1.0
 
 
+def test_repeats_pool_their_steady_steps_into_one_median(tmp_path: Path) -> None:
+    """--repeats: the median is over every repeat's steady steps (not a median of medians), and so is the bubble."""
+    shape = slow_link.Shape(micro_batch_size=2, num_micro_batches=2, samples=4, epochs=3)  # 1 step an epoch
+    dirs = []
+    for i, seconds in enumerate(((9.0, 1.0, 2.0), (9.0, 10.0, 11.0, 12.0))):
+        d = tmp_path / f"repeat{i}"
+        d.mkdir()
+        rows = [{"step": s + 1, "loss": 1.0, "seconds": t, "bubble": t / 100} for s, t in enumerate(seconds)]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        dirs.append(d)
+    fig = slow_link.steady_figures(dirs, shape)
+    assert fig["steady_steps"] == 5
+    assert fig["seconds_per_step"] == pytest.approx(10.0)  # of 1, 2, 10, 11, 12 (the medians' median: 6.25)
+    assert fig["bubble"] == pytest.approx(0.10)
+    assert slow_link.steady_figures(dirs[0], shape)["seconds_per_step"] == pytest.approx(1.5)
+
+
 def test_ratios_are_the_issues_comparisons() -> None:
     rows = [{"engine": e, "method": m, "rate": r, "seconds_per_step": t} for e, m, r, t in (
         ("aqpipe", "fp32", "unshaped", 1.0), ("aqpipe", "aqsgd_2_4", "unshaped", 1.0),

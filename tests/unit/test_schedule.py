@@ -162,3 +162,10 @@ def test_torch_pipelinings_validator_rejects_a_weight_gradient_before_its_input_
     last[i], last[w] = last[w], last[i]
     with pytest.raises(AssertionError, match="without first running Backward Input"):
         _validate_schedule(_torch_actions(lists), 2, 2, 2)
+
+
+def test_the_engines_bubble_is_waiting_over_the_schedules_time_of_all_ranks():
+    from pipeline.engine import StepTotals
+
+    assert StepTotals(schedule_seconds=4.0, compute_seconds=3.0).bubble() == pytest.approx(0.25)
+    assert StepTotals().bubble() is None  # no schedule ran (nothing to say)
