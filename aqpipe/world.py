@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import RunConfig
+from .host_memory import keep_freed_memory
 from .watchdog import Watchdog
 
 
@@ -43,6 +44,7 @@ def init_world(cfg: RunConfig) -> World:
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch
     if size > 1:
         if cuda:
             torch.cuda.set_device(device)
