@@ -107,7 +107,8 @@ class StepMetrics:
     phase: str
     seconds: float
     skipped: str | None = None  # why, for a step skipped on every rank (skip_nonfinite)
-    bubble: float | None = None  # of the schedule's time over all ranks, the fraction spent waiting
+    bubble: float | None = None  # of the schedule's time over all ranks, the fraction outside forwards/backwards
+    # (on CUDA an approximation: kernels run asynchronously, so some compute shows as the next sync's wait)
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
@@ -293,6 +294,10 @@ class PipelineEngine:
                 flight.weights[mb] = None
                 return
             grad = None if self.stage.is_last else flight.grads.pop(mb).to(out.dtype)
+            if getattr(self.stage, "activation_checkpointing", False):  # split, it would recompute per weight node
+                out.backward(grad)
+                flight.weights[mb] = None
+                return
             x_grad, flight.weights[mb] = split_backward.backward_input(out, grad, x, list(self.stage.parameters()))
             if x_grad is not None:
                 x.grad = x_grad

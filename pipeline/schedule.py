@@ -12,7 +12,9 @@ isend), receives block and must find the micro-batch they expect.
          1F1B's backward ran; the weight gradient, which nobody waits for, runs `s` micro-batches
          later on stage s, so the later stages, which 1F1B leaves idle while the earlier ones
          drain, fill that tail with it. The same messages in the same order as 1F1B; at most
-         `stages` micro-batches in flight on any stage: 1F1B's peak, on its first stage.
+         `stages` micro-batches in flight on any stage: 1F1B's peak, on its first stage. In bytes a
+         later stage holds more than under 1F1B: each held micro-batch keeps its whole graph until
+         its weight gradient runs (split_backward.py), on the last stage also a logits-sized gradient.
 """
 from __future__ import annotations
 

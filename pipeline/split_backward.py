@@ -19,6 +19,11 @@ Every gradient is bit for bit what one backward gives (tests/unit/test_split_bac
 
 A stage whose output does not depend on an input that requires a gradient (the first stage)
 has nothing to split: `backward_input` returns no gradient and `run` is the whole backward.
+
+Memory: until `run`, the micro-batch's whole graph stays alive (every tensor its backward saved, also those only
+the input part needed) plus one gradient per split node (for an LM head, one the size of the logits). A stage
+with activation checkpointing is not split (the engine runs its whole backward in the input part): each
+`autograd.grad` call would recompute the checkpointed blocks again.
 """
 from __future__ import annotations
 
@@ -54,9 +59,11 @@ class WeightGradients:
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
-    """What autograd's AccumulateGrad does with a gradient: the first becomes `.grad`, the next add into it."""
+    """Hand the gradient to the parameter's own AccumulateGrad node, as a backward would: it copies a gradient it
+    must not keep (shared with another parameter, broadcast, strided) and runs the parameter's hooks."""
     if g is not None:
-        p.grad = g if p.grad is None else p.grad.add_(g)
+        with torch.no_grad():
+            get_gradient_edge(p).node(g)
 
 
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: torch.Tensor | None,
