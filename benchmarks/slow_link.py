@@ -151,7 +151,8 @@ def launch(script: list[str], args: list[str], hosts: int, net: Network | None, 
 
 
 def steady_figures(out_dir: Path | list[Path], shape: Shape) -> dict[str, Any]:
-    """Median seconds per step over the epochs after the first, from the run's metrics.jsonl (of every repeat)."""
+    """Median seconds per step over the epochs after the first, from the run's metrics.jsonl (of every repeat; the
+    losses are the last repeat's, every repeat trains alike)."""
     dirs = out_dir if isinstance(out_dir, list) else [out_dir]
     steady, steps = [], []
     for d in dirs:

@@ -27,6 +27,7 @@ with activation checkpointing is not split (the engine runs its whole backward i
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -83,14 +84,8 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: torc
         kids = children[node]
         on_path[node] = node is target or any(on_path[c] for c in kids)
         if not on_path[node]:
-            found = [param_of[node]] if node in param_of else []
-            seen = {id(p) for p in found}
-            for c in kids:
-                for p in below[c]:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        found.append(p)
-            below[node] = found
+            own = [param_of[node]] if node in param_of else []
+            below[node] = _unique([*own, *(p for c in kids for p in below[c])])
     if not on_path[root]:
         return None, WeightGradients([], whole=(output, grad))
     splits: list[tuple[Node, list[torch.Tensor]]] = []
@@ -102,10 +97,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: torc
     # A parameter on the side of several split nodes (DeBERTa's relative embeddings, read by every layer) has its
     # gradient summed over them: autograd sums it in one order, separate calls in another. Those nodes' parameters
     # are computed now, in the input part's one pass, so every gradient stays bit for bit what one backward gives.
-    uses: dict[int, int] = {}
-    for _, side in splits:
-        for p in side:
-            uses[id(p)] = uses.get(id(p), 0) + 1
+    uses = Counter(id(p) for _, side in splits for p in side)
     now = _unique(p for _, side in splits if any(uses[id(q)] > 1 for q in side) for p in side)
     later = [(node, side) for node, side in splits if all(uses[id(q)] == 1 for q in side)]
     kept: dict[Node, tuple[Any, ...]] = {}
