@@ -2,16 +2,18 @@
 
 `train_batch` runs one optimizer step over M micro-batches: the tied weights' rows this step
 reads (owner to followers, ties.py), the schedule's actions (recv/forward/send,
-recv/backward/send), the followers' tied gradients to their owner, the data-parallel
-algorithm's after_backward, global-norm clipping, the optimizer step, the algorithm's
-after_step, and the LR-scheduler step.
+recv/backward/send), the followers' tied gradients to their owner, one small collective (every
+rank's non-finite findings, gradient norm and totals: loss, counts, bytes, times), the
+data-parallel algorithm's after_backward, global-norm clipping, the optimizer step, the
+algorithm's after_step, and the LR-scheduler step. Without replicas that collective is the
+step's only one; with them the norm is taken again after the algorithm, and its bytes summed.
 Every stage loads the same micro-batches itself; only boundary activations and their
 gradients cross the pipeline, as codec messages. Bytes are counted per step.
 
 Non-finite values never cross a boundary: a NaN/inf activation or gradient about to be sent
 is replaced by zeros (the peer is waiting for a message of a known size, so the schedule
 runs to its end and no stage blocks), and after the schedule every rank learns which stages
-saw what (one small allreduce). The step then leaves no trace (weights, optimizer, codec
+saw what (in that collective). The step then leaves no trace (weights, optimizer, codec
 buffers and generators as before it) and either raises FloatingPointError on every rank
 alike, naming step, stage and micro-batch, or, with skip_nonfinite, is skipped everywhere.
 An activation the AQ-SGD buffer's dtype cannot hold (float16 above 65504) goes the same way,
@@ -41,7 +43,12 @@ from .transport import Boundary, Wire
 # what a stage found non-finite in a step (a bit mask, agreed on by every rank)
 LOSS, ACTIVATION, GRADIENT, PARAM_GRAD, BUFFER_RANGE = 1, 2, 4, 8, 16
 _KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gradient to send",
-          PARAM_GRAD: "parameter gradients"}  # BUFFER_RANGE has a line of its own (_agree_finite)
+          PARAM_GRAD: "parameter gradients"}  # BUFFER_RANGE has a line of its own (_verdict)
+
+
+# the columns of a rank's row in the step's one collective (_exchange): its verdict (what, first micro-batch,
+# overflowing sample and value), its gradients' squared norm, then its StepTotals fields
+_ROW_SQUARES, _ROW_TOTALS = 4, 5
 
 
 class Stage(Protocol):
@@ -88,6 +95,10 @@ class StepTotals(StepCounters):
     def mean_loss(self, micro_batches: int, replicas: int) -> float:
         """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
         return self.loss_sum / (micro_batches * replicas)
+
+
+_TOTALS = tuple(f.name for f in fields(StepTotals))
+_FLOATS = {f.name for f in fields(StepTotals) if f.type in (float, "float")}
 
 
 @dataclass
@@ -368,23 +379,27 @@ class PipelineEngine:
         actions = sched.train_schedule(self.schedule, self.groups.stage, self.groups.grid.stages, len(micro_batches))
         generators = self._generator_states()
         flight = self._run(actions, micro_batches, phase, training=True)
-        verdict = self._agree_finite(flight)
-        self.tied.finish(accept=verdict is None)
+        self.tied.finish()  # the owner's tied gradient is whole from here
+        table = self._exchange(flight, self._grad_squares(flight))
+        totals = self._totals(table)
+        verdict = self._verdict(table, flight)
         if verdict is not None:
-            return self._reject(flight, generators, verdict, epoch, phase, start, len(micro_batches))
+            return self._reject(flight, totals, generators, verdict, epoch, phase, start, len(micro_batches))
+        norm = None  # the algorithm may change the gradients: their norm is taken again after it
         if self.data_parallel is not None:
             self.data_parallel.after_backward()
-        grad_norm = self._clip()
+        else:
+            norm = self._pipeline_norm(table)
+        grad_norm = self._clip(norm)
         self.optimizer.step()
         if self.data_parallel is not None:
             self.data_parallel.after_step()
-            self._counters.dp_bytes += self.data_parallel.comm.take_bytes()
+            totals.dp_bytes = self._sum_over_job(self.data_parallel.comm.take_bytes())
         self._zero_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_step += 1
-        totals = self._reduce(flight)
         return self._metrics(totals, len(micro_batches), epoch, lr, grad_norm, phase, start)
 
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
@@ -417,24 +432,63 @@ class PipelineEngine:
     def _generator_states(self) -> dict[str, torch.Tensor]:
         return {name: codec.generator.get_state() for name, codec in self._codecs().items()}
 
-    def _agree_finite(self, flight: _Flight) -> str | None:
-        """Every rank learns which ranks found non-finite values this step; None when none did."""
-        if not flight.bad:
-            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-            if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
-                flight.bad |= PARAM_GRAD
+    def _grad_squares(self, flight: _Flight) -> float:
+        """This stage's share of the squared global gradient norm (a tied weight counts once, at its owner); notes
+        PARAM_GRAD on the flight when a gradient it holds is not finite (a followed tied copy's too)."""
+        owned = {id(p) for p in owned_parameters(self.stage, self.ties)}
+        squares, finite = torch.zeros((), dtype=torch.float64), True
+        for p in self.stage.parameters():
+            if p.grad is None:
+                continue
+            if id(p) in owned:
+                squares += p.grad.detach().double().pow(2).sum().cpu()  # inf or NaN where p.grad is not finite
+            elif finite:
+                finite = bool(torch.isfinite(p.grad).all())
+        if not flight.bad and not (finite and bool(torch.isfinite(squares))):
+            flight.bad |= PARAM_GRAD
+        return float(squares)
+
+    def _exchange(self, flight: _Flight, grad_squares: float = 0.0) -> torch.Tensor:
+        """The step's one collective: a row per rank (what it found non-finite and where, an activation its AQ-SGD
+        buffer could not hold, its gradients' squared norm, its totals), summed over the job so that every rank
+        holds every row. A NaN in a rank's squares stays in its own row."""
+        grid, over = self.groups.grid, flight.overflow
+        mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
+                          counted=flight.counted, nonfinite=int(flight.bad != 0),
+                          schedule_seconds=flight.schedule_seconds, compute_seconds=flight.compute_seconds)
+        row = [flight.bad, flight.bad_mb + 1, over.sample_id if over else 0, over.value if over else 0.0,
+               grad_squares if flight.bad == 0 else 0.0, *(float(getattr(mine, n)) for n in _TOTALS)]
+        table = torch.zeros(grid.world_size, len(row), dtype=torch.float64)
+        table[self.groups.rank] = torch.tensor(row, dtype=torch.float64)
+        for group in self._spanning_groups():
+            dist.all_reduce(table, group=group)
+        return table
+
+    def _spanning_groups(self) -> list[object]:
+        """The pipeline and data-parallel groups, which reduced in turn span the job; none of a single rank."""
+        g = self.groups
+        return [group for group, size in ((g.pipeline, g.grid.stages), (g.data_parallel, g.grid.replicas))
+                if group is not None and size > 1]
+
+    @staticmethod
+    def _totals(table: torch.Tensor) -> StepTotals:
+        """The step's totals over the whole job, from the exchanged table."""
+        sums = table[:, _ROW_TOTALS:].sum(dim=0).tolist()
+        return StepTotals(**{n: (float(v) if n in _FLOATS else int(v)) for n, v in zip(_TOTALS, sums)})
+
+    def _pipeline_norm(self, table: torch.Tensor) -> float:
+        """The global gradient norm of this replica's pipeline, from the exchanged table."""
         grid = self.groups.grid
-        over = flight.overflow
-        table = torch.zeros(grid.world_size, 4, dtype=torch.float64)
-        table[self.groups.rank] = torch.tensor([flight.bad, flight.bad_mb + 1, over.sample_id if over else 0,
-                                                over.value if over else 0.0], dtype=torch.float64)
-        for group in (self.groups.pipeline, self.groups.data_parallel):
-            if group is not None and grid.world_size > 1:
-                dist.all_reduce(table, group=group)
+        mine = [rank for rank in range(grid.world_size) if grid.coords(rank)[1] == self.groups.replica]
+        return float(table[mine, _ROW_SQUARES].sum().sqrt())
+
+    def _verdict(self, table: torch.Tensor, flight: _Flight) -> str | None:
+        """What every rank found non-finite this step, from the exchanged table; None when none did."""
+        grid = self.groups.grid
         if not bool(table[:, 0].any()):
             return None
         found, overflows = [], []
-        for rank, (bad, mb, sample, value) in enumerate(table.tolist()):
+        for rank, (bad, mb, sample, value) in enumerate(table[:, :_ROW_SQUARES].tolist()):
             bad, mb, stage, replica = int(bad), int(mb), *grid.coords(rank)
             if bad & BUFFER_RANGE:
                 dtype = str(self.compression.buffer_dtype).removeprefix("torch.")
@@ -451,15 +505,15 @@ class PipelineEngine:
             return line
         return f"non-finite values at step {self.global_step + 1}: " + "; ".join(found)
 
-    def _reject(self, flight: _Flight, generators: dict[str, torch.Tensor], verdict: str, epoch: int, phase: str,
-                start: float, m: int) -> StepMetrics:
-        """Undo every trace of the step (codec buffers and dither, gradients); raise or skip as configured."""
+    def _reject(self, flight: _Flight, totals: StepTotals, generators: dict[str, torch.Tensor], verdict: str,
+                epoch: int, phase: str, start: float, m: int) -> StepMetrics:
+        """Undo every trace of the step (codec buffers and dither, gradients); raise or skip as configured. The
+        totals' bytes did cross (as zeros where values were not finite)."""
         for restore in reversed(flight.undo):
             restore()
         for name, codec in self._codecs().items():
             codec.generator.set_state(generators[name])
         self._zero_grads()
-        totals = self._reduce(flight)  # the bytes did cross (as zeros where values were not finite)
         self.global_step += 1
         if flight.verdict_error is not None:
             raise flight.verdict_error
@@ -527,7 +581,7 @@ class PipelineEngine:
         self.stage.eval()
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         flight = self._run(actions, micro_batches, "eval", training=False)
-        t = self._reduce(flight)
+        t = self._totals(self._exchange(flight))
         loss = t.mean_loss(len(micro_batches), self.groups.grid.replicas)
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if t.counted:
@@ -535,34 +589,30 @@ class PipelineEngine:
         return result
 
     # ------------------------------------------------------------------ after backward
-    def _clip(self) -> float:
-        """Global gradient norm over the whole pipeline (each tied weight counted once); clips if configured."""
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in owned_parameters(self.stage, self.ties):  # a tied weight counts once, at its owner
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
-        if self.groups.pipeline is not None:
-            dist.all_reduce(sq, group=self.groups.pipeline)
-        norm = float(sq.sqrt())
+    def _clip(self, norm: float | None) -> float:
+        """Clips to the global gradient norm if configured; `norm` None: taken here over the pipeline (each tied
+        weight counted once), as after a data-parallel algorithm that changed the gradients."""
+        if norm is None:
+            sq = torch.zeros((), dtype=torch.float64)
+            for p in owned_parameters(self.stage, self.ties):  # a tied weight counts once, at its owner
+                if p.grad is not None:
+                    sq += p.grad.detach().double().pow(2).sum().cpu()
+            if self.groups.pipeline is not None and self.groups.grid.stages > 1:
+                dist.all_reduce(sq, group=self.groups.pipeline)
+            norm = float(sq.sqrt())
         if not torch.isfinite(torch.tensor(norm)):
             raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step + 1} after the data-parallel "
                                      f"step (stage {self.groups.stage}, replica {self.groups.replica})")
         if self.gradient_clipping and norm > self.gradient_clipping:
             scale = self.gradient_clipping / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
+            for p in owned_parameters(self.stage, self.ties):  # a followed copy's gradient is not stepped
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         return norm
 
-    def _reduce(self, flight: _Flight) -> StepTotals:
-        """The step's loss, eval counts and bytes summed over the whole job (one small allreduce per group)."""
-        names = [f.name for f in fields(StepTotals)]
-        mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
-                          counted=flight.counted, nonfinite=int(flight.bad != 0),
-                          schedule_seconds=flight.schedule_seconds, compute_seconds=flight.compute_seconds)
-        t = torch.tensor([float(getattr(mine, n)) for n in names], dtype=torch.float64)
-        for group in (self.groups.pipeline, self.groups.data_parallel):
-            if group is not None and self.groups.grid.world_size > 1:
-                dist.all_reduce(t, group=group)
-        floats = {f.name for f in fields(StepTotals) if f.type in (float, "float")}
-        return StepTotals(**{n: (float(v) if n in floats else int(v)) for n, v in zip(names, t.tolist())})
+    def _sum_over_job(self, value: int) -> int:
+        """One count summed over every rank (the data-parallel bytes, known only after the optimizer step)."""
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        for group in self._spanning_groups():
+            dist.all_reduce(t, group=group)
+        return int(t.item())

@@ -241,18 +241,15 @@ class TiedWeights:
             sent += link.boundary.send_grad(g, phase)
         return sent
 
-    def finish(self, accept: bool) -> None:
-        """After the schedule. Owner: wait for every follower's gradient and add it to its own when the step is
-        accepted. Follower: drop its gradient (the owner steps the weight)."""
+    def finish(self) -> None:
+        """After the schedule. Owner: wait for every follower's gradient and add it to its own (a step the engine
+        rejects clears every gradient). A follower's copy keeps its gradient for the engine's finiteness check;
+        the owner steps the weight, and the engine clears the copy's gradient with the others after the step."""
         for link in self.links:
             if link.owner:
                 for rows, posted in zip(link.step.last, link.incoming):
                     if posted is not None:
-                        g = link.boundary.take_grad(posted)
-                        if accept:
-                            _add_rows(link.param, rows, g)
-            elif accept:
-                link.param.grad = None
+                        _add_rows(link.param, rows, link.boundary.take_grad(posted))
             link.incoming = []
 
 

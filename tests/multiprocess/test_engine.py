@@ -18,13 +18,21 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
     engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
                             num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), schedule=schedule,
                             gradient_clipping=1.0, bf16=bf16)
-    log = []
+    log, collectives, all_reduce = [], [], torch.distributed.all_reduce
+
+    def counted(*args, **kwargs):  # every collective the engine calls goes through dist.all_reduce
+        collectives[-1] += 1
+        return all_reduce(*args, **kwargs)
+
+    torch.distributed.all_reduce = counted
     for epoch in range(epochs):
         for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
+            collectives.append(0)
             log.append(engine.train_batch(mbs, epoch).record())
+    collectives.append(0)
     evaluation = engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}  # after eval: rows it read are current
-    return {"log": log, "tied": tied, "eval": evaluation}
+    return {"log": log, "tied": tied, "eval": evaluation, "collectives": collectives}
 
 
 def step_rows(epoch: int = 0) -> torch.Tensor:
@@ -38,9 +46,13 @@ def test_uncompressed_pipeline_matches_one_process(world, schedule):
     single = spawn(train, 1, CompressionConfig(), 1)[0]
     multi = spawn(train, world, CompressionConfig(), 1, schedule)
     ref = [s["loss"] for s in single["log"]]
-    for rank in range(world):  # every stage reports the same loss
+    for rank in range(world):  # every stage reports the same loss and gradient norm
         got = [s["loss"] for s in multi[rank]["log"]]
         assert got == pytest.approx(ref, rel=1e-5)
+        assert [s["grad_norm"] for s in multi[rank]["log"]] == pytest.approx([s["grad_norm"] for s in single["log"]],
+                                                                              rel=1e-5)
+        # one small collective a step carries the non-finite verdict, the gradient norm, the loss and the bytes
+        assert multi[rank]["collectives"] == [1] * (len(ref) + 1)  # each training step, then the eval step
     assert ref[-1] < ref[0]
     # the owner (last stage) steps the tied embedding; stage 0 holds exactly its rows where it reads them
     rows = step_rows()
