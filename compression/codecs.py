@@ -205,10 +205,16 @@ class ForwardCodec(_Codec):
         Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`.
         BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype."""
         buf, device = self.buffer, m.device
-        updated = check_storable(ids[delta], m + change, buf.dtype)
-        check_storable(ids[whole], rows, buf.dtype)
-        buf.store(ids[whole], rows)
-        buf.store(ids[delta], updated)
+        whole_ids, delta_ids = ids[whole], ids[delta]
+        updated = check_storable(delta_ids, m + change, buf.dtype)
+        if whole_ids.numel():
+            check_storable(whole_ids, rows, buf.dtype)
+            buf.store(whole_ids, rows)
+        buf.store(delta_ids, updated)
+        if not whole_ids.numel():  # the steady state: every sample sent as a change
+            return updated.to(dtype)
+        if not delta_ids.numel():  # first visits
+            return rows.to(dtype)
         out = torch.empty((ids.numel(), *buf.sample_shape), dtype=dtype, device=device)
         out[whole.to(device)] = rows.to(dtype)
         out[delta.to(device)] = updated.to(dtype)
@@ -223,9 +229,10 @@ class ForwardCodec(_Codec):
         ids, whole, delta = self._split(sample_ids, x.shape, refresh)
         x = x.detach()
         check_finite(x, "activation")
-        rows = x[whole.to(x.device)]
+        steady = not bool(whole.any())  # every sample sent as a change: no masks to apply
+        rows = x[:0] if steady else x[whole.to(x.device)]
         m = self.buffer.rows(ids[delta]).to(device=x.device, dtype=torch.float32)
-        q = self._quantize(x[delta.to(x.device)].float() - m)
+        q = self._quantize((x if steady else x[delta.to(x.device)]).float() - m)
         decoded = self._apply(ids, whole, delta, rows, m, dequantize(q), x.dtype)
         payload = torch.cat([_raw_bytes(rows), q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
