@@ -439,19 +439,20 @@ class PipelineEngine:
 
     def _grad_squares(self, flight: _Flight) -> float:
         """This stage's share of the squared global gradient norm (a tied weight counts once, at its owner); notes
-        PARAM_GRAD on the flight when a gradient it holds is not finite (a followed tied copy's too)."""
-        owned = {id(p) for p in owned_parameters(self.stage, self.ties)}
-        squares, finite = torch.zeros((), dtype=torch.float64), True
-        for p in self.stage.parameters():
-            if p.grad is None:
-                continue
-            if id(p) in owned:
-                squares += _squares(p.grad)  # inf or NaN where p.grad is not finite
-            elif finite:
-                finite = bool(torch.isfinite(p.grad).all())
-        if not flight.bad and not (finite and bool(torch.isfinite(squares))):
+        PARAM_GRAD on the flight when a gradient it holds is not finite (a followed tied copy's: found in the rows
+        it sent, without a scan of the whole copy, which for GPT2's embedding is vocabulary x width)."""
+        squares = self._owned_squares()  # inf or NaN where a gradient is not finite
+        if not flight.bad and (self.tied.nonfinite_gradient or not bool(torch.isfinite(squares))):
             flight.bad |= PARAM_GRAD
         return float(squares)
+
+    def _owned_squares(self) -> torch.Tensor:
+        """The sum of squares of the gradients this stage steps (float64)."""
+        squares = torch.zeros((), dtype=torch.float64)
+        for p in owned_parameters(self.stage, self.ties):  # a tied weight counts once, at its owner
+            if p.grad is not None:
+                squares += _squares(p.grad)
+        return squares
 
     def _exchange(self, flight: _Flight, grad_squares: float = 0.0) -> torch.Tensor:
         """The step's one collective: a row per rank (what it found non-finite and where, an activation its AQ-SGD
@@ -598,10 +599,7 @@ class PipelineEngine:
         """Clips to the global gradient norm if configured; `norm` None: taken here over the pipeline (each tied
         weight counted once), as after a data-parallel algorithm that changed the gradients."""
         if norm is None:
-            sq = torch.zeros((), dtype=torch.float64)
-            for p in owned_parameters(self.stage, self.ties):  # a tied weight counts once, at its owner
-                if p.grad is not None:
-                    sq += _squares(p.grad)
+            sq = self._owned_squares()
             if self.groups.pipeline is not None and self.groups.grid.stages > 1:
                 dist.all_reduce(sq, group=self.groups.pipeline)
             norm = float(sq.sqrt())

@@ -138,6 +138,9 @@ class TiedWeights:
         if mode not in TIE_MODES:
             raise ValueError(f"tie mode {mode!r}: expected one of {', '.join(TIE_MODES)}")
         self.links: list[_Link] = []
+        # a follower found a non-finite gradient in the rows it read this step (and sent zeros instead): the rows
+        # it sends are every row its copy's gradient can hold, so the engine need not scan the whole copy
+        self.nonfinite_gradient = False
         for index, key in enumerate(sorted(k for k, t in ties.items() if stage in t.holders)):
             tie, param = ties[key], params[key]
             peers = tie.followers if stage == tie.owner else (stage,)
@@ -172,7 +175,7 @@ class TiedWeights:
         """Before the schedule. Owner: send each follower a header and, per micro-batch, the rows first read there,
         and post the receives of the follower's gradients. Follower: check the header, post the rows' receives.
         `undo` (a step that may be rejected) collects how to put back what this changes. Returns bytes sent."""
-        sent = 0
+        sent, self.nonfinite_gradient = 0, False
         for link in self.links:
             link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
             matrix, boundary = as_matrix(link.param.detach()), link.boundary
@@ -238,6 +241,7 @@ class TiedWeights:
                                   device=link.param.device))
             if not bool(torch.isfinite(g).all()):
                 g = torch.zeros_like(g)  # never sent; the engine rejects the step on the parameter gradient
+                self.nonfinite_gradient = True
             sent += link.boundary.send_grad(g, phase)
         return sent
 

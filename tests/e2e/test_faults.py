@@ -62,6 +62,8 @@ def nonfinite(rank, world):
                 out.loss.register_hook(lambda g: g * NAN)
             return out
         stage.register_forward_hook(hook)
+        if not stage.is_last:  # stage 0's copy of the tied embedding: only its gradient goes non-finite
+            stage.embed.register_hook(lambda g: g * NAN if poison["on"] and poison["kind"] == "tied" else g)
         return engine
 
     engine, wire_finite = make(skip=True), []
@@ -84,7 +86,7 @@ def nonfinite(rank, world):
             after = _copy(engine.state_dict())
             out["untouched"] = {k: _same(before[k], after[k]) for k in ("model", "optimizer", "codecs")}
     out["wire_finite"] = all(wire_finite) and len(wire_finite) > 0
-    for kind in ("loss", "gradient"):
+    for kind in ("loss", "gradient", "tied"):
         engine, poison["kind"], poison["on"] = make(skip=False), kind, True
         try:
             engine.train_batch(plan[0][1], 0)
@@ -124,6 +126,8 @@ def test_a_nan_loss_or_gradient_stops_every_stage_naming_where(nonfinite_runs):
         assert run["loss"].startswith("non-finite values at step 1: stage 1 (rank 1, replica 0): loss (micro-batch 0)")
         assert "stage 1 (rank 1, replica 0): boundary gradient to send (micro-batch 0)" in run["gradient"]
         assert "skip_nonfinite" in run["loss"]
+        # the follower's tied copy: its rows went to the owner as zeros, and the step stops naming that stage
+        assert run["tied"].startswith("non-finite values at step 1: stage 0 (rank 0, replica 0): parameter gradients;")
 
 
 def test_an_activation_beyond_the_float16_buffer_stops_every_rank_naming_boundary_sample_and_remedy(nonfinite_runs):
