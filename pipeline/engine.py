@@ -147,11 +147,6 @@ class _Flight:
     undo: list[Callable[[], None]] = field(default_factory=list)  # puts back what the step changed, newest last
 
 
-def _squares(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of a gradient's squares, accumulated in float64 without a float64 copy of it (7x faster)."""
-    return torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).square().cpu()
-
-
 def followed_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch.nn.Parameter]:
     """This stage's copies of tied weights that another stage owns (they take the owner's rows each step)."""
     return [p for key, p in stage.tied_parameters().items()
@@ -447,17 +442,17 @@ class PipelineEngine:
         return float(squares)
 
     def _owned_squares(self) -> torch.Tensor:
-        """The sum of squares of the gradients this stage steps (float64)."""
-        squares = torch.zeros((), dtype=torch.float64)
-        for p in owned_parameters(self.stage, self.ties):  # a tied weight counts once, at its owner
-            if p.grad is not None:
-                squares += _squares(p.grad)
-        return squares
+        """The sum of squares of the gradients this stage steps, accumulated in float64 (one fused reduction a
+        gradient, 7x faster than `g.double().pow(2).sum()`), brought to the CPU once."""
+        grads = [p.grad.detach() for p in owned_parameters(self.stage, self.ties) if p.grad is not None]
+        if not grads:  # a tied weight counts once, at its owner
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum().cpu()
 
     def _exchange(self, flight: _Flight, grad_squares: float = 0.0) -> torch.Tensor:
         """The step's one collective: a row per rank (what it found non-finite and where, an activation its AQ-SGD
         buffer could not hold, its gradients' squared norm, its totals), summed over the job so that every rank
-        holds every row. A NaN in a rank's squares stays in its own row."""
+        holds every row (a rank that found something non-finite sends no squares)."""
         grid, over = self.groups.grid, flight.overflow
         mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
                           counted=flight.counted, nonfinite=int(flight.bad != 0),

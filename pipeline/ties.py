@@ -247,13 +247,15 @@ class TiedWeights:
 
     def finish(self) -> None:
         """After the schedule. Owner: wait for every follower's gradient and add it to its own (a step the engine
-        rejects clears every gradient). A follower's copy keeps its gradient for the engine's finiteness check;
-        the owner steps the weight, and the engine clears the copy's gradient with the others after the step."""
+        rejects clears every gradient). Follower: drop its gradient (the owner steps the weight; what the rows it
+        sent held is in `nonfinite_gradient`)."""
         for link in self.links:
             if link.owner:
                 for rows, posted in zip(link.step.last, link.incoming):
                     if posted is not None:
                         _add_rows(link.param, rows, link.boundary.take_grad(posted))
+            else:
+                link.param.grad = None
             link.incoming = []
 
 

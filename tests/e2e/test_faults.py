@@ -128,6 +128,7 @@ def test_a_nan_loss_or_gradient_stops_every_stage_naming_where(nonfinite_runs):
         assert "skip_nonfinite" in run["loss"]
         # the follower's tied copy: its rows went to the owner as zeros, and the step stops naming that stage
         assert run["tied"].startswith("non-finite values at step 1: stage 0 (rank 0, replica 0): parameter gradients;")
+        assert "stage 1" not in run["tied"]
 
 
 def test_an_activation_beyond_the_float16_buffer_stops_every_rank_naming_boundary_sample_and_remedy(nonfinite_runs):
