@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 
-from benchmarks import bench_quantize  # noqa: E402
+from benchmarks import bench_codecs, bench_quantize  # noqa: E402
 from recipes import codec_demo  # noqa: E402
 
 from tests.conftest import ROOT
@@ -34,6 +34,13 @@ def test_bench_quantize_prints_and_records_every_row(tmp_path, capsys):
     c_q = [r["c_Q"] for r in rows[:4]]
     assert c_q == sorted(c_q, reverse=True) and c_q[-1] < 0.05
     assert "round/clone" in capsys.readouterr().out
+
+
+def test_bench_codecs_times_every_setting_on_both_sides(capsys):
+    assert bench_codecs.main(["--shape", "2,8,16", "--repeats", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == list(bench_codecs.SETTINGS)
+    assert all(len(r) == 5 and all(float(v) >= 0 for v in r[1:]) for r in rows)
 
 
 def test_compression_imports_nothing_of_the_pipeline_or_hf():
