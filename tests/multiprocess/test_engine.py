@@ -41,9 +41,14 @@ def step_rows(epoch: int = 0) -> torch.Tensor:
                                                                                            epoch))]))
 
 
+@pytest.fixture(scope="module")
+def single():
+    """The unpartitioned model's run, which every pipeline shape below must reproduce (one process, once)."""
+    return spawn(train, 1, CompressionConfig(), 1)[0]
+
+
 @pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (3, "gpipe"), (3, "1f1b"), (3, "zb1")])
-def test_uncompressed_pipeline_matches_one_process(world, schedule):
-    single = spawn(train, 1, CompressionConfig(), 1)[0]
+def test_uncompressed_pipeline_matches_one_process(single, world, schedule):
     multi = spawn(train, world, CompressionConfig(), 1, schedule)
     ref = [s["loss"] for s in single["log"]]
     for rank in range(world):  # every stage reports the same loss and gradient norm
