@@ -394,7 +394,8 @@ class PipelineEngine:
         self.optimizer.step()
         if self.data_parallel is not None:
             self.data_parallel.after_step()
-            totals.dp_bytes = self._sum_over_job(self.data_parallel.comm.take_bytes())
+            dp_bytes = torch.tensor([float(self.data_parallel.comm.take_bytes())], dtype=torch.float64)
+            totals.dp_bytes = int(self._sum_over_job(dp_bytes).item())  # known only after the optimizer step
         self._zero_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
@@ -461,15 +462,16 @@ class PipelineEngine:
                grad_squares if flight.bad == 0 else 0.0, *(float(getattr(mine, n)) for n in _TOTALS)]
         table = torch.zeros(grid.world_size, len(row), dtype=torch.float64)
         table[self.groups.rank] = torch.tensor(row, dtype=torch.float64)
-        for group in self._spanning_groups():
-            dist.all_reduce(table, group=group)
-        return table
+        return self._sum_over_job(table)
 
-    def _spanning_groups(self) -> list[object]:
-        """The pipeline and data-parallel groups, which reduced in turn span the job; none of a single rank."""
+    def _sum_over_job(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over every rank, in place: over the pipeline group, then the data-parallel one (together they
+        span the job; a group of a single rank is skipped)."""
         g = self.groups
-        return [group for group, size in ((g.pipeline, g.grid.stages), (g.data_parallel, g.grid.replicas))
-                if group is not None and size > 1]
+        for group, size in ((g.pipeline, g.grid.stages), (g.data_parallel, g.grid.replicas)):
+            if group is not None and size > 1:
+                dist.all_reduce(t, group=group)
+        return t
 
     @staticmethod
     def _totals(table: torch.Tensor) -> StepTotals:
@@ -607,10 +609,3 @@ class PipelineEngine:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
-
-    def _sum_over_job(self, value: int) -> int:
-        """One count summed over every rank (the data-parallel bytes, known only after the optimizer step)."""
-        t = torch.tensor([float(value)], dtype=torch.float64)
-        for group in self._spanning_groups():
-            dist.all_reduce(t, group=group)
-        return int(t.item())
