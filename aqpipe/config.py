@@ -150,13 +150,18 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     # the data-parallel section (data_parallel.DataParallelConfig)
     "replicas": (int, "data-parallel replicas of the pipeline", "data_parallel.replicas"),
     "dp_algorithm": (str, "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
-                          "qsparse_local_sgd", "data_parallel.algorithm"),
+                          "qsparse_local_sgd, cocktail_sgd", "data_parallel.algorithm"),
     "dp_bits": (int, "bits of compressed data-parallel traffic (1-8)", "data_parallel.bits"),
     "dp_warmup_steps": (_count_or_auto, "qadam: full-precision Adam steps before compressed momentum (default "
                                         "auto: a tenth of the run's steps)",
                         "data_parallel.warmup_steps"),
     "dp_local_steps": (int, "qsparse_local_sgd: local steps between synchronizations", "data_parallel.local_steps"),
-    "dp_topk_ratio": (float, "qsparse_local_sgd: fraction of entries kept (0, 1]", "data_parallel.topk_ratio"),
+    "dp_topk_ratio": (float, "qsparse_local_sgd, cocktail_sgd: fraction of entries sent (0, 1]",
+                      "data_parallel.topk_ratio"),
+    "dp_random_ratio": (float, "cocktail_sgd: fraction of entries considered a step, top-k among them (0, 1]",
+                        "data_parallel.random_ratio"),
+    "dp_topology": (str, "low_precision_decentralized: directed_ring (one neighbour) or ring (two)",
+                    "data_parallel.topology"),
     "dp_peer_selection": (str, "decentralized: shift_one or all", "data_parallel.peer_selection"),
     "dp_interval": (int, "decentralized: communicate every N steps", "data_parallel.interval"),
 }

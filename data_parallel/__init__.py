@@ -5,7 +5,7 @@
 its `after_backward` and `after_step` around each optimizer step. Compression goes through the
 `compression` package; nothing here knows about pipelines.
 """
-from . import allreduce, decentralized, qadam, qsparse  # noqa: F401  (they register themselves)
+from . import allreduce, cocktail, decentralized, qadam, qsparse  # noqa: F401  (they register themselves)
 from .base import REGISTRY, Algorithm, create, register
 from .comm import Comm
 from .config import DataParallelConfig

@@ -4,11 +4,17 @@ Algorithms talk through this and nothing else, so `sent_bytes` is exactly what t
 put on the wire: point-to-point payloads are counted as they are, an allreduce as the
 bandwidth-optimal ring moves it (2 (R-1)/R of the tensor per rank, what gloo's ring
 algorithm sends for large tensors). Ranks are positions in the group (0..size-1).
+
+`quantized_mean` is the compressed collective: a reduce-scatter then an allgather of quantized
+shards, so a replica sends 2 (R-1)/R of the tensor at `bits` bits whatever R is, where an
+allgather of whole quantized tensors sends R-1 copies.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from compression import QuantizedTensor, dequantize, quantize
 
 
 class Comm:
@@ -31,24 +37,105 @@ class Comm:
     def _nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
+    def sendrecv(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Send sends[p] to each member p and fill receives[q] (buffers of the right size) from each q.
+
+        Every send is posted before any receive is waited on, so any pattern that pairs each send
+        with the peer's receive completes (a ring, a shift, all to all).
+        """
+        works = []
+        for p, tensor in sends.items():
+            tensor = tensor.contiguous()
+            works.append(dist.isend(tensor, self.ranks[p], group=self.group))
+            self.sent_bytes += self._nbytes(tensor)
+        works += [dist.irecv(buf, self.ranks[q], group=self.group) for q, buf in receives.items()]
+        for w in works:
+            w.wait()
+        return receives
+
     def exchange(self, tensor: torch.Tensor, peers: list[int]) -> list[torch.Tensor]:
         """Send `tensor` to each peer (group positions) and receive theirs; returns them in `peers` order.
 
         Receivers learn shapes from `tensor`: every participant exchanges tensors of one shape and dtype.
         """
-        tensor = tensor.contiguous()
-        works = []
-        for p in peers:
-            works.append(dist.isend(tensor, self.ranks[p], group=self.group))
-            self.sent_bytes += self._nbytes(tensor)
-        received = []
-        for p in peers:
-            buf = torch.empty_like(tensor)
-            dist.recv(buf, self.ranks[p], group=self.group)
-            received.append(buf)
-        for w in works:
-            w.wait()
-        return received
+        got = self.sendrecv({p: tensor for p in peers}, {p: torch.empty_like(tensor) for p in peers})
+        return [got[p] for p in peers]
+
+    def shards(self, numel: int, align: int = 1) -> list[tuple[int, int]]:
+        """Member i's slice [start, end) of a flat tensor of `numel` elements: contiguous, as equal as
+        `align` allows (every start a multiple of it, so quantization groups never straddle two shards)."""
+        units = -(-numel // align)
+        per, extra = divmod(units, self.size)
+        bounds, start = [], 0
+        for i in range(self.size):
+            end = min(numel, start + (per + (i < extra)) * align)
+            bounds.append((start, end))
+            start = end
+        return bounds
+
+    def reduce_scatter_allgather(self, pieces: list[torch.Tensor], reduce, sizes: list[int]) -> list[torch.Tensor]:
+        """The two phases of a sharded average, with payloads the caller encodes.
+
+        pieces[i] (uint8) goes to member i, which owns shard i; every member's piece for shard i has
+        sizes[i] bytes. reduce(received) turns the pieces of this member's shard (in group order,
+        its own included) into its result (uint8); the results are exchanged and returned in group
+        order, so every member holds every shard's result. Bytes sent: the pieces for the others,
+        then the own result to each other member.
+        """
+        me = self.rank
+        others = [j for j in range(self.size) if j != me]
+        empty = torch.empty(0, dtype=torch.uint8)
+        got = self.sendrecv({j: pieces[j] for j in others if sizes[j]},  # an empty shard: nothing to send
+                            {j: torch.empty(sizes[me], dtype=torch.uint8) for j in others if sizes[me]})
+        mine = reduce([pieces[me] if j == me else got.get(j, empty) for j in range(self.size)])
+        results = self.sendrecv({j: mine for j in others if sizes[me]},
+                                {j: torch.empty(sizes[j], dtype=torch.uint8) for j in others if sizes[j]})
+        return [mine if j == me else results.get(j, empty) for j in range(self.size)]
+
+    def quantized_mean(self, x: torch.Tensor, bits: int, *, group_size: int, generator: torch.Generator,
+                       server_error: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean over the group of flat float32 `x`, with every byte on the wire quantized.
+
+        Each member quantizes its tensor shard by shard and sends shard i to member i; member i
+        decodes the R quantized shards, averages them in group order, adds `server_error` (its
+        error feedback, updated in place, as long as its shard; None: none), quantizes the average
+        and sends it to every member. Returns (mean, sent): the mean, bit-identical on every member
+        (all decode the same bytes), and this member's x as the others decoded it (x - sent is the
+        error a caller feeds back). Sends 2 (R-1)/R of x at `bits` bits plus 8 bytes per group.
+        """
+        if self.size == 1:
+            return x.clone(), x.clone()
+        bounds = self.shards(x.numel(), group_size)
+        numels = [e - s for s, e in bounds]
+        sizes = [QuantizedTensor.wire_nbytes((n,), bits, group_size) for n in numels]
+        # a tensor shorter than R groups leaves some shards empty: nothing is quantized or sent for them
+        codes = [quantize(x[s:e], bits, group_size=group_size, generator=generator) if e > s else None
+                 for s, e in bounds]
+        payloads = [q.to_bytes() if q is not None else torch.empty(0, dtype=torch.uint8) for q in codes]
+        sent = torch.cat([dequantize(q) if q is not None else torch.zeros(0) for q in codes])
+
+        def decode(buf: torch.Tensor, n: int) -> torch.Tensor:
+            if n == 0:
+                return torch.zeros(0)
+            return dequantize(QuantizedTensor.from_bytes(buf, (n,), torch.float32, bits, group_size))
+
+        def reduce(received: list[torch.Tensor]) -> torch.Tensor:
+            n = numels[self.rank]
+            if n == 0:
+                return torch.empty(0, dtype=torch.uint8)
+            total = decode(received[0], n)
+            for buf in received[1:]:
+                total = total + decode(buf, n)
+            mean = total / self.size
+            if server_error is not None:
+                mean = mean + server_error
+            q = quantize(mean, bits, group_size=group_size, generator=generator)
+            if server_error is not None:
+                server_error.copy_(mean - dequantize(q))
+            return q.to_bytes()
+
+        results = self.reduce_scatter_allgather(payloads, reduce, sizes)
+        return torch.cat([decode(buf, n) for buf, n in zip(results, numels)]), sent
 
     def allreduce_mean_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place mean over the group (float); counted as a ring allreduce."""

@@ -14,16 +14,19 @@ from .base import REGISTRY, Algorithm, check_int
 from .comm import Comm
 
 PEER_SELECTIONS = ("shift_one", "all")
+TOPOLOGIES = ("directed_ring", "ring")
 
 
 @dataclass
 class DataParallelConfig:
     replicas: int = 1  # data-parallel replicas of the pipeline (world size = stages x replicas)
     algorithm: str = "allreduce"
-    bits: int = 8  # low_precision_decentralized, qadam, qsparse_local_sgd
+    bits: int = 8  # low_precision_decentralized, qadam, qsparse_local_sgd, cocktail_sgd
     warmup_steps: int | str = "auto"  # qadam: full-precision steps before compressed momentum; auto: 10% of the run
     local_steps: int = 4  # qsparse_local_sgd: local steps between synchronizations
-    topk_ratio: float = 0.01  # qsparse_local_sgd: fraction of entries kept
+    topk_ratio: float = 0.01  # qsparse_local_sgd, cocktail_sgd: fraction of entries sent
+    random_ratio: float = 0.1  # cocktail_sgd: fraction of entries considered a step (top-k is taken among them)
+    topology: str = "directed_ring"  # low_precision_decentralized: directed_ring (one message) or ring (two)
     peer_selection: str = "shift_one"  # decentralized: shift_one or all
     interval: int = 1  # decentralized: communicate every N steps
 
@@ -40,6 +43,14 @@ class DataParallelConfig:
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) \
                 or not 0 < self.topk_ratio <= 1:
             raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected a fraction in (0, 1]")
+        if isinstance(self.random_ratio, bool) or not isinstance(self.random_ratio, (int, float)) \
+                or not 0 < self.random_ratio <= 1:
+            raise ValueError(f"dp_random_ratio={self.random_ratio!r}: expected a fraction in (0, 1]")
+        if self.algorithm == "cocktail_sgd" and self.topk_ratio > self.random_ratio:
+            raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected at most "
+                             f"dp_random_ratio={self.random_ratio!r} (cocktail_sgd takes the top among the random)")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"dp_topology={self.topology!r}: expected one of {', '.join(TOPOLOGIES)}")
         if self.peer_selection not in PEER_SELECTIONS:
             raise ValueError(f"dp_peer_selection={self.peer_selection!r}: expected shift_one or all")
         pairs = self.algorithm == "decentralized" and self.peer_selection == "shift_one"
@@ -57,7 +68,7 @@ class DataParallelConfig:
         """The keyword options the chosen algorithm takes, from this section (and the run's seed and length)."""
         values = {"bits": self.bits, "warmup_steps": self.warmup_for(total_steps), "local_steps": self.local_steps,
                   "topk_ratio": self.topk_ratio, "peer_selection": self.peer_selection, "interval": self.interval,
-                  "seed": seed}
+                  "random_ratio": self.random_ratio, "topology": self.topology, "seed": seed}
         return {name: values[name] for name in REGISTRY[self.algorithm].OPTIONS}
 
     def plan(self, total_steps: int) -> str | None:

@@ -9,22 +9,26 @@ round (for R >= 4) and everyone is paired. It needs an even R. `all` averages wi
 global mean, one allreduce). `interval` communicates every `interval` steps only.
 
 `low_precision_decentralized` (seeds 000, 001; "difference compression"): a fixed ring. Worker i
-keeps replicas x̂ of itself and of its neighbours i-1 and i+1 (all start as the common initial
+keeps replicas x̂ of itself and of the neighbours it listens to (all start as the common initial
 model). Each step
 
-    after_backward:  save x_t; set the parameters to sum_j W_ij x̂_j   (W: 1/3 self, left, right)
+    after_backward:  save x_t; set the parameters to sum_j W_ij x̂_j
     optimizer.step:  the local gradient step gives x_{t+1/2}
     after_step:      z = x_{t+1/2} - x_t; q = Q(z); x_{t+1} = x_t + deQ(q); x̂_i += deQ(q);
-                     send q to both neighbours, receive theirs, x̂_j += deQ(q_j).
+                     send q to the workers that listen to i, receive theirs, x̂_j += deQ(q_j).
 
-Only the quantized change crosses the wire: 2 x q.nbytes per worker and step. Every holder of
-x̂_j applies the same deQ(q_j) to the same starting tensor in the same dtype, so the replicas
-of a worker's model stay bit-identical across the ring (and x̂_i equals x_t on worker i).
+`topology` picks W. `ring` is the seed's: i listens to i-1 and i+1, weights 1/3 each, and sends q
+to both: 2 x q.nbytes per worker and step. `directed_ring` (the default): i listens to i-1 only,
+weights 1/2, and sends q to i+1 only: one q.nbytes per worker and step at any R, a quarter of what
+`decentralized` sends at 8 bits. W = (I + P)/2 (P the cyclic shift) is doubly stochastic, so the
+replicas' mean moves only by their gradient steps, as with the ring, and its second singular
+value cos(pi/R) < 1 makes them agree; it mixes more slowly than the ring's (1/3 at R = 4, 0.71
+here), which the data-parallel table in RESULTS.md measures in loss. Only the quantized change
+crosses the wire. Every holder of x̂_j applies the same deQ(q_j) to the same starting tensor in the
+same dtype, so the replicas of a worker's model stay bit-identical (and x̂_i equals x_t on worker i).
 
-With R == 2 the left and right neighbour are the same worker. Rather than counting it twice
-(weights 1/3 self, 2/3 other, and the same message sent twice), the ring degenerates to one
-edge: weights 1/2 self, 1/2 neighbour, and q is sent once per step. That W is still symmetric
-and doubly stochastic, it averages exactly, and it halves the bytes.
+With R == 2 both topologies are one edge: weights 1/2 self, 1/2 neighbour, and q sent once per
+step (the ring would otherwise count the one neighbour twice and send it the same message twice).
 
 Q is `compression.quantize` (per-group min-max, unbiased stochastic rounding) on the flattened
 parameter vector with `group_size` consecutive elements per group (default 2048). The default
@@ -49,6 +53,7 @@ from .base import Algorithm, check_int, register
 from .comm import Comm
 
 PEER_SELECTIONS = ("shift_one", "all")
+TOPOLOGIES = ("directed_ring", "ring")
 DEFAULT_GROUP_SIZE = 2048
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -155,14 +160,14 @@ def worker_seed(seed: int, rank: int) -> int:
 
 @register
 class LowPrecisionDecentralizedSGD(Algorithm):
-    """Ring-decentralized SGD that sends only Q(x_{t+1/2} - x_t) to its two neighbours (see the module doc)."""
+    """Ring-decentralized SGD that sends only Q(x_{t+1/2} - x_t) to the workers averaging it (see the module doc)."""
 
     name = "low_precision_decentralized"
-    OPTIONS = ("bits", "seed")
+    OPTIONS = ("bits", "seed", "topology")
 
     def __init__(
         self, params: list[torch.nn.Parameter], comm: Comm, *, bits: int = 8, seed: int = 0,
-        group_size: int = DEFAULT_GROUP_SIZE, **options: Any,
+        group_size: int = DEFAULT_GROUP_SIZE, topology: str = "directed_ring", **options: Any,
     ) -> None:
         try:
             check_bits(bits)
@@ -170,17 +175,25 @@ class LowPrecisionDecentralizedSGD(Algorithm):
             raise ValueError(f"{self.name}: {e}") from None
         check_int(f"{self.name}: seed", seed, 0, (1 << 64) - 1)
         check_int(f"{self.name}: group_size", group_size, 1)
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"{self.name}: topology={topology!r}: expected one of {', '.join(TOPOLOGIES)}")
         super().__init__(params, comm, **options)
-        self.bits, self.seed, self.group_size = bits, seed, group_size
+        self.bits, self.seed, self.group_size, self.topology = bits, seed, group_size, topology
         self.dtype = flat_dtype(self.params)
         r, n = comm.rank, comm.size
-        # Fixed for the whole run. R == 2: one neighbour, weights 1/2; R >= 3: left and right, weights 1/3.
-        self.neighbours: list[int] = [] if n == 1 else [(r + 1) % n] if n == 2 else [(r - 1) % n, (r + 1) % n]
+        # Fixed for the whole run: whose models this worker averages (sources) and who averages its own (targets).
+        if n == 1:
+            self.sources: list[int] = []
+            self.targets: list[int] = []
+        elif n == 2 or topology == "directed_ring":
+            self.sources, self.targets = [(r - 1) % n], [(r + 1) % n]
+        else:
+            self.sources = self.targets = [(r - 1) % n, (r + 1) % n]
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(worker_seed(seed, r))
         x0 = flatten(self.params, self.dtype)
         self.replicas: dict[int, torch.Tensor] = (
-            {j: x0.clone() for j in [r, *self.neighbours]} if self.active else {}
+            {j: x0.clone() for j in [r, *self.sources]} if self.active else {}
         )
         self._x_t: torch.Tensor | None = None
 
@@ -189,8 +202,8 @@ class LowPrecisionDecentralizedSGD(Algorithm):
         return self.comm.size > 1 and bool(self.params)
 
     def weighted_average(self) -> torch.Tensor:
-        """sum_j W_ij x̂_j over self and neighbours, uniform weights 1/(1 + #neighbours)."""
-        members = [self.comm.rank, *self.neighbours]
+        """sum_j W_ij x̂_j over self and the sources, uniform weights 1/(1 + #sources)."""
+        members = [self.comm.rank, *self.sources]
         total = self.replicas[members[0]].clone()
         for j in members[1:]:
             total += self.replicas[j]
@@ -212,22 +225,26 @@ class LowPrecisionDecentralizedSGD(Algorithm):
             dz = dequantize(q)
             assign(self.params, x_t + dz)
             self.replicas[self.comm.rank] += dz
-            received = self.comm.exchange(q.to_bytes(), self.neighbours)
-            for j, buf in zip(self.neighbours, received):
-                qj = QuantizedTensor.from_bytes(buf, z.shape, self.dtype, self.bits, self.group_size)
+            payload = q.to_bytes()
+            received = self.comm.sendrecv({j: payload for j in self.targets},
+                                          {j: torch.empty_like(payload) for j in self.sources})
+            for j in self.sources:
+                qj = QuantizedTensor.from_bytes(received[j], z.shape, self.dtype, self.bits, self.group_size)
                 self.replicas[j] += dequantize(qj)
         super().after_step()
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(), "bits": self.bits, "group_size": self.group_size, "seed": self.seed,
-            "rank": self.comm.rank, "size": self.comm.size, "generator": self.generator.get_state(),
+            "topology": self.topology, "rank": self.comm.rank, "size": self.comm.size,
+            "generator": self.generator.get_state(),
             "replicas": {j: x.clone() for j, x in self.replicas.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, mine in (
-            ("bits", self.bits), ("group_size", self.group_size), ("rank", self.comm.rank), ("size", self.comm.size),
+            ("bits", self.bits), ("group_size", self.group_size), ("topology", self.topology), ("rank", self.comm.rank),
+            ("size", self.comm.size),
         ):
             if state.get(key, mine) != mine:
                 raise ValueError(f"{self.name}: checkpoint has {key}={state[key]!r}, this run has {mine!r}")

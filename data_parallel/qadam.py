@@ -7,12 +7,14 @@ Two stages, counted in optimizer steps t = 1, 2, ... (warmup_steps = T):
   weight_decay > 0) on the mean gradient.
 - compression (t > T): every replica updates the momentum with its LOCAL gradient,
   m_r = b1 m + (1 - b1) g_r (m: the averaged momentum of the previous step, the same on every
-  replica), quantizes z_r = m_r + e_r to `bits` bits (stochastic rounding, groups of
-  `group_size` elements of the flattened momentum), keeps the error e_r = z_r - deQ(Q(z_r)) for
-  the next step (error feedback, as DeepSpeed's 1-bit Adam), and all replicas allgather the
-  quantized bytes; every replica decodes them in group order and sums them in that order, so
-  m = mean_r deQ(Q(z_r)) is bit-identical everywhere. The variance v stays frozen at its value
-  after step T.
+  replica), and the replicas average z_r = m_r + e_r with `Comm.quantized_mean`: each quantizes
+  z_r shard by shard to `bits` bits (stochastic rounding, groups of `group_size` elements of the
+  flattened momentum) and sends shard i to replica i; replica i averages the R decoded shards,
+  adds its own error s_i, quantizes the result and sends it to everyone (s_i <- the part it could
+  not say). So m = the decoded shards of that second quantization, bit-identical everywhere
+  (everyone decodes the same bytes), and e_r = z_r - deQ(Q(z_r)) is kept for the next step: error
+  feedback on both quantizations, as DeepSpeed's 1-bit Adam does on its worker and server sides.
+  The variance v stays frozen at its value after step T.
 
 The update, both stages (AdamW-style decoupled weight decay first when weight_decay > 0):
 
@@ -28,12 +30,12 @@ With one member (comm None or of size 1) nothing is sent and nothing is quantize
 is Adam during warm-up and Adam with a frozen variance after.
 
 Bytes per step for N parameters on R replicas: warm-up 2 (R-1)/R * 4N (the allreduce of float32
-gradients); compression (R-1) * (N * bits/8 + 8 per group) (the allgather). At 8 bits that is
-about 0.25x the warm-up at R = 2 and R/8 in general: an allgather grows with R where a ring
-allreduce does not.
+gradients); compression 2 (R-1)/R * (N * bits/8 + 8 per group) (the reduce-scatter and allgather
+of quantized shards). At 8 bits that is about 0.25x the warm-up at every R (an allgather of whole
+quantized momenta, as before, sent R-1 copies: 0.5x at R = 4).
 
 Everything a resume needs (per-parameter exp_avg, exp_avg_sq, error; the global step; the
-dither generator's state) is in `QAdamOptimizer.state_dict()`; the `QAdam` algorithm itself
+dither generator's state; the shard's error) is in `QAdamOptimizer.state_dict()`; the `QAdam` algorithm itself
 keeps only its step counter.
 """
 from __future__ import annotations
@@ -44,7 +46,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from compression import QuantizedTensor, dequantize, quantize
 
 from .allreduce import flat_grads, set_flat_grads
 from .base import Algorithm, check_int, register
@@ -94,6 +95,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         self.generator = torch.Generator().manual_seed(worker_seed(self.seed, rank))
         self.step_id = 0  # optimizer steps taken
         self._grads_averaged = False
+        self.server_error: torch.Tensor | None = None  # error feedback of this replica's shard
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -132,20 +134,18 @@ class QAdamOptimizer(torch.optim.Optimizer):
         return state
 
     def _average_momenta(self, params: list[torch.nn.Parameter]) -> None:
-        """m <- mean over replicas of deQ(Q(m_r + e_r)); e_r <- (m_r + e_r) - deQ(Q(m_r + e_r))."""
+        """m <- the compressed mean over replicas of z_r = m_r + e_r; e_r <- z_r - (z_r as sent)."""
         states = [self._state(p) for p in params]
         z = torch.cat([(s["exp_avg"].to(torch.float32) + s["error"].to(torch.float32)).reshape(-1) for s in states])
-        q = quantize(z, self.bits, group_size=self.group_size, generator=self.generator)
-        payload = q.to_bytes()
-        gathered = self.comm.allgather(payload)
-        total = None
-        for buf in gathered:  # group order: every replica sums the same values in the same order
-            part = dequantize(QuantizedTensor.from_bytes(buf, z.shape, torch.float32, self.bits, self.group_size))
-            total = part if total is None else total + part
-        mean = total / len(gathered)
-        own = dequantize(QuantizedTensor.from_bytes(gathered[self.comm.rank], z.shape, torch.float32, self.bits,
-                                                    self.group_size))
-        error = z - own
+        start, end = self.comm.shards(z.numel(), self.group_size)[self.comm.rank]
+        if self.server_error is None:
+            self.server_error = torch.zeros(end - start)
+        if self.server_error.numel() != end - start:
+            raise RuntimeError(f"qadam: the momentum has {z.numel()} elements, {self.server_error.numel()} in this "
+                               f"replica's shard before and {end - start} now: the parameters with gradients changed")
+        mean, sent = self.comm.quantized_mean(z, self.bits, group_size=self.group_size, generator=self.generator,
+                                              server_error=self.server_error)
+        error = z - sent
         start = 0
         for p, s in zip(params, states):
             n = p.numel()
@@ -208,7 +208,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["qadam"] = {"step_id": self.step_id, "generator": self.generator.get_state(),
-                          "warmup_steps": self.warmup_steps, "bits": self.bits, "group_size": self.group_size}
+                          "warmup_steps": self.warmup_steps, "bits": self.bits, "group_size": self.group_size,
+                          "server_error": None if self.server_error is None else self.server_error.clone()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -223,6 +224,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self.step_id = int(extra["step_id"])
         self.generator.set_state(extra["generator"])
+        error = extra.get("server_error")
+        self.server_error = None if error is None else error.clone()
         self._grads_averaged = False
 
 

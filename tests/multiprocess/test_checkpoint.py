@@ -22,6 +22,7 @@ OPTIONS = {
     "low_precision_decentralized": {"bits": 4},
     "qadam": {"warmup_steps": 2, "bits": 4},
     "qsparse_local_sgd": {"local_steps": 2, "topk_ratio": 0.25, "bits": 4},
+    "cocktail_sgd": {"random_ratio": 0.5, "topk_ratio": 0.25, "bits": 8},
 }
 
 

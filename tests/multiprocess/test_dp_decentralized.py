@@ -22,7 +22,9 @@ CONFIGS = [
     ("decentralized", {"interval": 2}, "shift_one_i2"),
     ("low_precision_decentralized", {}, "lp8"),
     ("low_precision_decentralized", {"bits": 2, "seed": 7}, "lp2"),
+    ("low_precision_decentralized", {"topology": "ring"}, "lp8_ring"),
 ]
+TOPOLOGY = {"lp8": "directed_ring", "lp2": "directed_ring", "lp8_ring": "ring"}
 # state_dict round trips checked in the same processes, per world size
 RESUMES = {
     2: [("decentralized", {"interval": 2}), ("low_precision_decentralized", {"bits": 3, "seed": 5})],
@@ -96,7 +98,7 @@ def train_worker(rank, world, configs, steps, resumes):
             peers.append(getattr(algo, "last_peer", None))
         replicas = {j: x.clone() for j, x in getattr(algo, "replicas", {}).items()}
         out[label] = {"flats": flats, "bytes": sent, "peers": peers, "replicas": replicas,
-                      "neighbours": getattr(algo, "neighbours", None)}
+                      "sources": getattr(algo, "sources", None), "targets": getattr(algo, "targets", None)}
     out["resume"] = {(name, tuple(sorted(options.items()))): resume_run(rank, world, name, options, 3, 6)
                      for name, options in resumes}
     return pack(out)
@@ -172,10 +174,11 @@ def reference_decentralized(R, steps, peer_selection="shift_one", interval=1):
     return history
 
 
-def reference_low_precision(R, steps, bits=8, seed=0):
+def reference_low_precision(R, steps, bits=8, seed=0, topology="directed_ring"):
     """Seeds 000/001 on R simulated workers, on the true models (every replica of x_j equals x_j).
 
-    x_{t+1/2} = sum_j W_ij x_j - lr g_i (ring, 1/3 each; R == 2: 1/2 each), z = x_{t+1/2} - x_t,
+    x_{t+1/2} = sum_j W_ij x_j - lr g_i (ring: self and both neighbours, 1/3 each; directed ring: self
+    and the previous worker, 1/2 each; R == 2: 1/2 each), z = x_{t+1/2} - x_t,
     x_{t+1} = x_t + deQ(Q(z)) with each worker's own seeded dither generator.
     """
     models = [make_model() for _ in range(R)]
@@ -189,6 +192,8 @@ def reference_low_precision(R, steps, bits=8, seed=0):
         for i, m in enumerate(models):
             if R == 2:
                 avg = (xs[i] + xs[1 - i]) / 2
+            elif topology == "directed_ring":
+                avg = (xs[i] + xs[(i - 1) % R]) / 2
             else:
                 avg = (xs[i] + xs[(i - 1) % R] + xs[(i + 1) % R]) / 3
             set_flat(m, avg)
@@ -289,15 +294,18 @@ def test_single_replica_is_plain_sgd_and_sends_nothing():
 
 # ----------------------------------------------------------------------------- low precision
 @pytest.mark.parametrize("R", [2, 4])
-@pytest.mark.parametrize("label,bits,seed", [("lp8", 8, 0), ("lp2", 2, 7)])
+@pytest.mark.parametrize("label,bits,seed", [("lp8", 8, 0), ("lp2", 2, 7), ("lp8_ring", 8, 0)])
 def test_low_precision_matches_reference(runs, one_thread, R, label, bits, seed):
-    ref = reference_low_precision(R, STEPS, bits, seed)
+    ref = reference_low_precision(R, STEPS, bits, seed, TOPOLOGY[label])
     for t in range(STEPS):
         for i in range(R):
             assert torch.equal(runs[R][i][label]["flats"][t], ref[t][i]), (label, R, t, i)
     # different seeds give different dither: the reference depends on it, so the match above is not luck
-    other = reference_low_precision(R, 1, bits, seed + 1)
+    other = reference_low_precision(R, 1, bits, seed + 1, TOPOLOGY[label])
     assert not torch.equal(other[0][0], ref[0][0])
+    if R == 4:  # and the topology is the one asked for: the other one's weights end elsewhere
+        twin = "ring" if TOPOLOGY[label] == "directed_ring" else "directed_ring"
+        assert not torch.equal(reference_low_precision(R, 2, bits, seed, twin)[1][0], ref[1][0])
 
 
 def test_low_precision_stays_near_full_precision_ring_average(runs, one_thread):
@@ -320,11 +328,16 @@ def test_low_precision_stays_near_full_precision_ring_average(runs, one_thread):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_low_precision_replicas_are_bit_identical_across_the_ring(runs, R):
-    for label in ("lp8", "lp2"):
+    for label in ("lp8", "lp2", "lp8_ring"):
         for i in range(R):
             mine = runs[R][i][label]
-            expected = [(i + 1) % R] if R == 2 else [(i - 1) % R, (i + 1) % R]
-            assert mine["neighbours"] == expected
+            if R == 2:
+                expected, targets = [1 - i], [1 - i]
+            elif TOPOLOGY[label] == "directed_ring":
+                expected, targets = [(i - 1) % R], [(i + 1) % R]
+            else:
+                expected = targets = [(i - 1) % R, (i + 1) % R]
+            assert (mine["sources"], mine["targets"]) == (expected, targets)
             assert set(mine["replicas"]) == {i, *expected}
             assert torch.equal(mine["replicas"][i], mine["flats"][-1])  # x̂_i is worker i's model
             for j in expected:
@@ -339,15 +352,14 @@ def test_low_precision_bytes_are_the_quantized_change(runs, R):
     wire8 = QuantizedTensor.wire_nbytes((numel,), 8, GS)
     wire2 = QuantizedTensor.wire_nbytes((numel,), 2, GS)
     assert wire8 == numel + 8 * 2 and wire2 == numel // 4 + (numel % 4 > 0) + 8 * 2
-    links = 1 if R == 2 else 2
+    ring_links = 1 if R == 2 else 2
     for i in range(R):
-        assert runs[R][i]["lp8"]["bytes"] == [links * wire8] * STEPS
-        assert runs[R][i]["lp2"]["bytes"] == [links * wire2] * STEPS
-        lp, full = sum(runs[R][i]["lp8"]["bytes"]), sum(runs[R][i]["shift_one"]["bytes"])
-        # per link, an 8-bit change is about a quarter of a float32 model
-        assert lp / links <= 0.3 * full, (R, lp, full)
-    if R == 2:  # one neighbour: the whole step is under 0.3x of decentralized
-        assert sum(runs[2][0]["lp8"]["bytes"]) <= 0.3 * sum(runs[2][0]["shift_one"]["bytes"])
+        assert runs[R][i]["lp8"]["bytes"] == [wire8] * STEPS  # the directed ring: one message at any R
+        assert runs[R][i]["lp2"]["bytes"] == [wire2] * STEPS
+        assert runs[R][i]["lp8_ring"]["bytes"] == [ring_links * wire8] * STEPS
+        full = sum(runs[R][i]["shift_one"]["bytes"])
+        # an 8-bit change is about a quarter of a float32 model: the whole step under 0.3x of decentralized
+        assert sum(runs[R][i]["lp8"]["bytes"]) <= 0.3 * full, (R, full)
 
 
 # ----------------------------------------------------------------------------- options and state
@@ -364,6 +376,7 @@ def test_low_precision_bytes_are_the_quantized_change(runs, R):
     ("low_precision_decentralized", {"seed": -1}, 2, r"seed=-1: expected an integer from 0"),
     ("low_precision_decentralized", {"group_size": 0}, 2, r"group_size=0: expected an integer >= 1"),
     ("low_precision_decentralized", {"peer_selection": "all"}, 2, r"unknown option\(s\) peer_selection"),
+    ("low_precision_decentralized", {"topology": "star"}, 4, r"topology='star': expected one of directed_ring, ring"),
 ])
 def test_bad_options_raise_clear_errors(name, options, size, match):
     fake_comm = SimpleNamespace(rank=0, size=size)  # validation happens before any communication
@@ -379,7 +392,9 @@ def test_good_options_are_accepted():
     a = create("decentralized", params, SimpleNamespace(rank=0, size=3), peer_selection="all", interval=4)
     assert (a.peer_selection, a.interval) == ("all", 4)
     b = create("low_precision_decentralized", params, SimpleNamespace(rank=1, size=5), bits=1, seed=3)
-    assert (b.bits, b.seed, b.group_size, b.neighbours) == (1, 3, GS, [0, 2])
+    assert (b.bits, b.seed, b.group_size, b.sources, b.targets) == (1, 3, GS, [0], [2])
+    c = create("low_precision_decentralized", params, SimpleNamespace(rank=1, size=5), topology="ring")
+    assert (c.sources, c.targets) == ([0, 2], [0, 2])
 
 
 @pytest.mark.parametrize("R", [2, 4])
@@ -394,7 +409,10 @@ def test_load_state_dict_rejects_a_mismatched_checkpoint():
     params = list(make_model().parameters())
     lp = dec.LowPrecisionDecentralizedSGD(params, SimpleNamespace(rank=0, size=4), bits=8)
     state = lp.state_dict()
-    assert set(state["replicas"]) == {0, 3, 1}
+    assert set(state["replicas"]) == {0, 3}
+    ring = dec.LowPrecisionDecentralizedSGD(params, SimpleNamespace(rank=0, size=4), bits=8, topology="ring")
+    with pytest.raises(ValueError, match="topology='directed_ring', this run has 'ring'"):
+        ring.load_state_dict(state)
     other = dec.LowPrecisionDecentralizedSGD(params, SimpleNamespace(rank=0, size=4), bits=4)
     with pytest.raises(ValueError, match="bits=8, this run has 4"):
         other.load_state_dict(state)

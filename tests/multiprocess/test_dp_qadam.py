@@ -13,7 +13,7 @@ from tests.conftest import spawn
 from tests.conftest import flat, loss_of, restored, straight_and_saved, train_steps
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
-GROUP = 1024  # the default quantization group size
+GROUP = 64  # quantization group: 420 parameters make 7 groups, so 4 replicas own 2, 2, 2 and 1 of them
 
 
 def make_model() -> torch.nn.Module:
@@ -31,6 +31,7 @@ def reference(world: int, steps: int, warmup: int, bits: int, seed: int = 0, wd:
     n = x.numel()
     m, v = torch.zeros(n), torch.zeros(n)
     errors = [torch.zeros(n) for _ in range(world)]
+    owner_errors = [torch.zeros(b - a) for a, b in shard_bounds(n, world)]
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + r) for r in range(world)]
     b1, b2 = BETAS
     history = []
@@ -48,35 +49,50 @@ def reference(world: int, steps: int, warmup: int, bits: int, seed: int = 0, wd:
             v = b2 * v + (1 - b2) * g * g
         elif world == 1:  # alone: Adam with the variance frozen, nothing quantized
             m = b1 * m + (1 - b1) * grads[0]
-        else:  # local momenta, compressed average with error feedback; v frozen
-            decoded = []
-            for r in range(world):
-                z = b1 * m + (1 - b1) * grads[r] + errors[r]
-                d = dequantize(quantize(z, bits, group_size=GROUP, generator=gens[r]))
+        else:  # local momenta; each owner averages its shard, quantizes it again with its own error; v frozen
+            shards = shard_bounds(n, world)
+            zs = [b1 * m + (1 - b1) * grads[r] + errors[r] for r in range(world)]
+            pieces = [[dequantize(quantize(z[a:b], bits, group_size=GROUP, generator=gens[r])) for a, b in shards]
+                      for r, z in enumerate(zs)]
+            if error_feedback:
+                errors = [z - torch.cat(pieces[r]) for r, z in enumerate(zs)]
+            out = []
+            for j, (a, b) in enumerate(shards):
+                avg = sum(pieces[r][j] for r in range(world)) / world + owner_errors[j]
+                d = dequantize(quantize(avg, bits, group_size=GROUP, generator=gens[j]))
                 if error_feedback:
-                    errors[r] = z - d
-                decoded.append(d)
-            m = sum(decoded) / world
+                    owner_errors[j] = avg - d
+                out.append(d)
+            m = torch.cat(out)
         bc1 = 1 - b1 ** t
         bc2 = 1 - b2 ** min(t, warmup)
         x = x * (1 - LR * wd)
         x = x - LR / bc1 * m / (v.sqrt() / math.sqrt(bc2) + EPS)
         history.append(x.clone())
-    return {"history": history, "errors": errors, "v": v}
+    return {"history": history, "errors": errors, "owner_errors": owner_errors, "v": v}
+
+
+def shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
+    """Whole groups dealt out in order, the first replicas one more when they do not divide evenly."""
+    groups = -(-n // GROUP)
+    counts = [groups // world + (r < groups % world) for r in range(world)]
+    ends = [min(n, GROUP * sum(counts[:r + 1])) for r in range(world)]
+    return [(ends[r - 1] if r else 0, ends[r]) for r in range(world)]
 
 
 # ----------------------------------------------------------------------------- the workers
 def train(rank: int, world: int, steps: int, warmup: int, bits: int, wd: float = 0.0) -> dict:
     comm = Comm(None, list(range(world)))
     model = make_model()
-    algo = create("qadam", list(model.parameters()), comm, warmup_steps=warmup, bits=bits)
+    algo = create("qadam", list(model.parameters()), comm, warmup_steps=warmup, bits=bits, group_size=GROUP)
     base = torch.optim.AdamW if wd else torch.optim.Adam
     opt = algo.wrap_optimizer(base(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=wd))
     history, sent = [], []
     train_steps(model, algo, opt, rank, range(steps),
                 on_step=lambda: (history.append(flat(model)), sent.append(comm.take_bytes())))
     errors = torch.cat([opt.state[p]["error"].reshape(-1) for p in model.parameters()])
-    return {"history": history, "sent": sent, "errors": errors, "step_count": algo.step_count}
+    return {"history": history, "sent": sent, "errors": errors, "owner_error": opt.server_error,
+            "step_count": algo.step_count}
 
 
 def scenario(rank: int, world: int, bits: int, wd: float) -> dict:
@@ -108,6 +124,7 @@ def check_against_reference(results: list[dict], bits: int, wd: float = 0.0) -> 
             assert torch.allclose(res["history"][t], ref["history"][t], atol=1e-6, rtol=0), f"step {t + 1}"
     for r, res in enumerate(results):
         assert torch.allclose(res["errors"], ref["errors"][r], atol=1e-6)
+        assert torch.allclose(res["owner_error"], ref["owner_errors"][r], atol=1e-6)
     return results
 
 
@@ -120,18 +137,24 @@ def test_two_replicas_send_a_quarter_after_warmup(two):
     for res in two:
         warm, compressed = res["train"]["sent"][:warmup], res["train"]["sent"][warmup:]
         assert warm == [2 * 1 * 4 * n // 2] * warmup  # ring allreduce of float32 gradients
-        assert compressed == [1 * (n + 8)] * len(compressed)  # 8-bit codes + one group's min and step
+        # shards of 4 and 3 groups: each replica sends the other's shard, then its own averaged
+        assert compressed == [(256 + 4 * 8) + (164 + 3 * 8)] * len(compressed)
         ratio = compressed[0] / warm[0]
         assert ratio <= 0.3, ratio
 
 
-def test_four_replicas_follow_the_reference_with_error_feedback(four):
+def test_four_replicas_follow_the_reference_and_send_a_constant_share(four):
     results = check_against_reference(four, 2)
     n = 420
-    for res in results:
+    shard_bytes = [2 * 64 // 8 * 2 + 2 * 8] * 3 + [math.ceil(36 * 2 / 8) + 8]  # 2, 2, 2 and 1 groups at 2 bits
+    for r, res in enumerate(results):
         assert res["sent"][:3] == [2 * 3 * 4 * n // 4] * 3
-        assert res["sent"][3:] == [3 * (math.ceil(n * 2 / 8) + 8)] * 4
+        # three pieces for the other owners, then the own shard to the three others: not R-1 whole copies
+        pieces = sum(b for j, b in enumerate(shard_bytes) if j != r)
+        assert res["sent"][3:] == [pieces + 3 * shard_bytes[r]] * 4
+        assert sum(res["sent"][3:]) < 4 * 3 * (math.ceil(n * 2 / 8) + 7 * 8)  # an allgather of whole momenta
         assert float(res["errors"].abs().max()) > 0  # the memory holds what 2 bits could not say
+        assert float(res["owner_error"].abs().max()) > 0
     # the memory matters: the same run without error feedback ends elsewhere
     without = reference(4, 7, 3, 2, error_feedback=False)["history"][-1]
     assert not torch.allclose(results[0]["history"][-1], without, atol=1e-5)

@@ -56,6 +56,7 @@ OPTIONS = {
     "low_precision_decentralized": {"bits": 8},
     "qadam": {"warmup_steps": 3, "bits": 8},
     "qsparse_local_sgd": {"local_steps": 2, "topk_ratio": 0.25, "bits": 8},
+    "cocktail_sgd": {"random_ratio": 0.5, "topk_ratio": 0.25, "bits": 8},
 }
 
 
@@ -113,6 +114,8 @@ def test_byte_savings_of_the_compressed_algorithms(runs):
     assert dp["qadam"][-1] <= 0.3 * dp["qadam"][0]  # after warm-up vs during it
     assert dp["qsparse_local_sgd"][0] == 0 and dp["qsparse_local_sgd"][1] > 0  # syncs every 2nd step only
     assert dp["qsparse_local_sgd"][1] < 0.5 * dp["allreduce"][1]
+    # a bitmap over half of each shard and a quarter of the entries at 8 bits: under a tenth of the allreduce
+    assert dp["cocktail_sgd"][-1] <= 0.1 * dp["allreduce"][-1]
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
