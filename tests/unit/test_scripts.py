@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 
-from benchmarks import bench_codecs, bench_quantize  # noqa: E402
+from benchmarks import bench_codecs, bench_data_parallel, bench_quantize  # noqa: E402
 from recipes import codec_demo  # noqa: E402
 
 from tests.conftest import ROOT
@@ -49,3 +49,19 @@ def test_compression_imports_nothing_of_the_pipeline_or_hf():
             "{'pipeline', 'data_parallel', 'transformers', 'deepspeed', 'datasets'}); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_bench_data_parallel_reads_a_run_and_times_only_the_steps_after_the_first_epoch(tmp_path):
+    # 32 samples, 2 replicas, 2 x 2 samples a replica's step: 4 steps an epoch, each sample sent whole in them
+    seconds = [9.0, 9.0, 9.0, 9.0, 1.0, 2.0, 6.0]
+    rows = [{"step": t + 1, "loss": 8.0 - t, "seconds": sec, "dp_bytes": 100 * (t + 1), "fwd_bytes": 7}
+            for t, sec in enumerate(seconds)] + [{"step": 7, "eval_loss": 2.5}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "train_samples": 32, "eval_loss": 2.5, "seconds": 40.0,
+        "config": {"micro_batch_size": 2, "num_micro_batches": 2}}))
+    row = bench_data_parallel.figures(tmp_path, "cocktail_sgd", 2)
+    assert row["seconds_per_step"] == 2.0 and row["seconds_per_step_mean"] == 3.0  # steps 5-7 only
+    assert row["steps"] == 7 and row["dp_bytes_per_step"] == 400 and row["dp_bytes_last_step"] == 700
+    assert row["loss_first_5"] == 6.0 and row["eval_loss"] == 2.5
+    assert row["wire_bytes_last_step"] == {"fwd_bytes": 7, "bwd_bytes": 0, "tie_bytes": 0, "dp_bytes": 700}
