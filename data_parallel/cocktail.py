@@ -36,7 +36,7 @@ import torch
 
 from compression import QuantizedTensor, dequantize, quantize
 
-from .base import Algorithm, register
+from .base import Algorithm, check_int, register
 from .comm import Comm
 from .decentralized import assign, flatten
 
@@ -72,13 +72,9 @@ class CocktailSGD(Algorithm):
         if self.topk_ratio > self.random_ratio:
             raise ValueError(f"cocktail_sgd: topk_ratio={topk_ratio!r}: expected at most random_ratio="
                              f"{random_ratio!r} (the top entries are chosen from the random ones)")
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"cocktail_sgd: bits={bits!r}: expected an integer from 1 to 8")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"cocktail_sgd: seed={seed!r}: expected an integer from 0 to 2**32 - 1")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"cocktail_sgd: group_size={group_size!r}: expected an integer >= 1")
-        self.bits, self.seed, self.group_size = bits, seed, group_size
+        self.bits = check_int(f"{self.name}: bits", bits, 1, 8)
+        self.seed = check_int(f"{self.name}: seed", seed, 0, 2**32 - 1)
+        self.group_size = check_int(f"{self.name}: group_size", group_size, 1)
         self.numel = sum(p.numel() for p in self.params)
         self.bounds = comm.shards(self.numel) if comm.size > 1 else [(0, self.numel)]
         self.cycle = math.ceil(round(1 / self.random_ratio, 6))  # steps until every entry came up once
