@@ -6,9 +6,10 @@ everywhere), x_r replica r's own. The flattened parameters are cut into R shards
 by replica i. In `after_step`, for each shard i:
 
     d_r   = x_r - θ                     on S_i: what r learned and has not shared yet
-    S_i   = a random `random_ratio` of shard i, the same on every replica (drawn from the run's
-            seed: a fresh permutation of the shard every 1/random_ratio steps, dealt out in slices,
-            so every entry comes up once per cycle); no index crosses the wire for it
+    S_i   = a random 1/c of shard i, c = ceil(1/random_ratio) (random_ratio itself when 1/random_ratio
+            is whole), the same on every replica: drawn from the run's seed as a fresh permutation of
+            the shard every c steps, dealt out in c slices, so every entry comes up once per cycle;
+            no index crosses the wire for it
     c_r,i = Q(top-k of d_r on S_i)      k = topk_ratio x the shard's length, sent as a bitmap over
                                         S_i and k values quantized to `bits` bits; r -> owner i
     x_r  -= deQ(c_r,i)                  what r sent leaves its memory (error feedback on the worker:
@@ -18,10 +19,11 @@ by replica i. In `after_step`, for each shard i:
     x_r  += deQ(u_i);  θ += deQ(u_i)    on every replica, from the same bytes: owner i -> everyone
 
 A replica sends its pieces of the other shards, then its shard's average to every other one:
-2 (R-1)/R of a message over the whole model, where one message costs random_ratio/8 bytes per
-entry for the bitmap plus topk_ratio x (bits/8 + 8/group_size) for the values: at the defaults
-(10% random, 1% kept, 8 bits, groups of 128) 0.023 bytes per parameter and replica pair, about
-170x fewer than a float32 ring allreduce at R = 2, and the same share at any R.
+2 (R-1)/R of a message over the whole model (on average: shards differ by at most an element),
+where a message costs, per parameter, random_ratio/8 bytes for the bitmap plus topk_ratio x
+(bits/8 + 8/group_size) for the values: at the defaults (10% random, 1% kept, 8 bits, groups of
+128) 0.023 bytes per parameter, about 170x fewer than a float32 ring allreduce at any R.
+Everything runs on the parameters' device; only the bitmaps are packed on the CPU.
 
 With one replica nothing is sent and the model is the optimizer's (θ would follow x).
 Replicas must start identical, as with every algorithm here that averages changes.
@@ -38,10 +40,9 @@ from compression import QuantizedTensor, dequantize, quantize
 
 from .base import Algorithm, check_int, register
 from .comm import Comm
-from .decentralized import assign, flatten
+from .flat import assign, flatten, worker_seed
 
 DEFAULT_GROUP_SIZE = 128  # values per quantization group: 8 bytes of min and step per 128 kept values
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _ratio(name: str, value: Any) -> float:
@@ -79,9 +80,10 @@ class CocktailSGD(Algorithm):
         self.bounds = comm.shards(self.numel) if comm.size > 1 else [(0, self.numel)]
         self.cycle = math.ceil(round(1 / self.random_ratio, 6))  # steps until every entry came up once
         self.k = [_count(self.topk_ratio, e - s) for s, e in self.bounds]
-        self.generator = torch.Generator().manual_seed((seed + _GOLDEN * (comm.rank + 1)) % (1 << 64))
+        self.generator = torch.Generator().manual_seed(worker_seed(seed, comm.rank))
         s, e = self.bounds[comm.rank]
-        self.owner_error = torch.zeros(e - s)  # e_i of this replica's shard
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.owner_error = torch.zeros(e - s, device=self.device)  # e_i of this replica's shard
         self.anchor: torch.Tensor | None = None  # θ (float32, flat)
         self._perms: tuple[int, list[torch.Tensor]] | None = None  # (cycle index, a permutation per shard)
 
@@ -112,12 +114,12 @@ class CocktailSGD(Algorithm):
     def encode(self, values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of `values` (one shard's subset), quantized: (the message, the dense values it stands for)."""
         if values.numel() == 0:
-            return torch.empty(0, dtype=torch.uint8), values.clone()
+            return values.new_empty(0, dtype=torch.uint8), values.clone()
         k = min(k, values.numel())
-        keep = torch.zeros(values.numel(), dtype=torch.bool)
+        keep = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
         keep[torch.topk(values.abs(), k, sorted=False).indices] = True
         q = quantize(values[keep], self.bits, group_size=self.group_size, generator=self.generator)
-        bitmap = torch.from_numpy(np.packbits(keep.numpy(), bitorder="little"))
+        bitmap = torch.from_numpy(np.packbits(keep.cpu().numpy(), bitorder="little")).to(values.device)
         dense = torch.zeros_like(values)
         dense[keep] = dequantize(q)
         return torch.cat([bitmap, q.to_bytes()]), dense
@@ -125,12 +127,12 @@ class CocktailSGD(Algorithm):
     def decode(self, message: torch.Tensor, subset_size: int, k: int) -> torch.Tensor:
         """The dense values over a subset of `subset_size` entries that `message` stands for."""
         if subset_size == 0:
-            return torch.zeros(0)
+            return message.new_zeros(0, dtype=torch.float32)
         cut = -(-subset_size // 8)
-        keep = np.unpackbits(message[:cut].numpy(), count=subset_size, bitorder="little").astype(bool)
-        keep = torch.from_numpy(keep)
+        keep = np.unpackbits(message[:cut].cpu().numpy(), count=subset_size, bitorder="little").astype(bool)
+        keep = torch.from_numpy(keep).to(message.device)
         k = min(k, subset_size)
-        dense = torch.zeros(subset_size)
+        dense = message.new_zeros(subset_size, dtype=torch.float32)
         dense[keep] = dequantize(QuantizedTensor.from_bytes(message[cut:], (k,), torch.float32, self.bits,
                                                             self.group_size))
         return dense
@@ -150,7 +152,7 @@ class CocktailSGD(Algorithm):
     def synchronize(self, step: int) -> None:
         """One CocktailSGD exchange (see the module doc)."""
         x = flatten(self.params, torch.float32)
-        subsets = [self.subset(i, step) for i in range(self.comm.size)]
+        subsets = [self.subset(i, step).to(x.device) for i in range(self.comm.size)]
         positions = [s + sub for (s, _), sub in zip(self.bounds, subsets)]  # into the flat vector
         pieces = []
         for i, pos in enumerate(positions):
@@ -182,17 +184,24 @@ class CocktailSGD(Algorithm):
         return {**super().state_dict(), "anchor": None if self.anchor is None else self.anchor.clone(),
                 "owner_error": self.owner_error.clone(), "generator": self.generator.get_state(),
                 "random_ratio": self.random_ratio, "topk_ratio": self.topk_ratio, "bits": self.bits,
-                "seed": self.seed, "size": self.comm.size}
+                "seed": self.seed, "group_size": self.group_size, "rank": self.comm.rank, "size": self.comm.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("random_ratio", "topk_ratio", "bits", "seed", "size"):
-            mine = self.comm.size if key == "size" else getattr(self, key)
-            if state[key] != mine:
-                raise ValueError(f"{self.name}: checkpoint has {key}={state[key]!r}, this run has {mine!r}")
+        mine = {"random_ratio": self.random_ratio, "topk_ratio": self.topk_ratio, "bits": self.bits,
+                "seed": self.seed, "group_size": self.group_size, "rank": self.comm.rank, "size": self.comm.size}
+        missing = [key for key in (*mine, "anchor", "owner_error", "generator", "step_count") if key not in state]
+        if missing:
+            raise ValueError(f"{self.name}: checkpoint lacks {', '.join(missing)}: it was not saved by {self.name}")
+        for key, value in mine.items():
+            if state[key] != value:
+                raise ValueError(f"{self.name}: checkpoint has {key}={state[key]!r}, this run has {value!r}")
         if state["owner_error"].numel() != self.owner_error.numel():
             raise ValueError(f"{self.name}: checkpoint's shard has {state['owner_error'].numel()} elements, "
                              f"this replica's {self.owner_error.numel()}")
+        if state["anchor"] is not None and state["anchor"].numel() != self.numel:
+            raise ValueError(f"{self.name}: checkpoint's model has {state['anchor'].numel()} parameters, "
+                             f"this one {self.numel}")
         super().load_state_dict(state)
-        self.anchor = None if state["anchor"] is None else state["anchor"].clone()
-        self.owner_error = state["owner_error"].clone()
+        self.anchor = None if state["anchor"] is None else state["anchor"].to(self.device).clone()
+        self.owner_error = state["owner_error"].to(self.device).clone()
         self.generator.set_state(state["generator"])

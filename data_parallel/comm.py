@@ -11,6 +11,8 @@ allgather of whole quantized tensors sends R-1 copies.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -43,13 +45,14 @@ class Comm:
         Every send is posted before any receive is waited on, so any pattern that pairs each send
         with the peer's receive completes (a ring, a shift, all to all).
         """
-        works = []
+        ops = []
         for p, tensor in sends.items():
             tensor = tensor.contiguous()
-            works.append(dist.isend(tensor, self.ranks[p], group=self.group))
+            ops.append(dist.P2POp(dist.isend, tensor, self.ranks[p], group=self.group))
             self.sent_bytes += self._nbytes(tensor)
-        works += [dist.irecv(buf, self.ranks[q], group=self.group) for q, buf in receives.items()]
-        for w in works:
+        ops += [dist.P2POp(dist.irecv, buf, self.ranks[q], group=self.group) for q, buf in receives.items()]
+        # one batch: NCCL then runs the sends and receives as one group, so a ring cannot deadlock on it
+        for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
         return receives
 
@@ -73,23 +76,25 @@ class Comm:
             start = end
         return bounds
 
-    def reduce_scatter_allgather(self, pieces: list[torch.Tensor], reduce, sizes: list[int]) -> list[torch.Tensor]:
+    def reduce_scatter_allgather(self, pieces: list[torch.Tensor], reduce: Callable[[list[torch.Tensor]], torch.Tensor],
+                                 sizes: list[int]) -> list[torch.Tensor]:
         """The two phases of a sharded average, with payloads the caller encodes.
 
         pieces[i] (uint8) goes to member i, which owns shard i; every member's piece for shard i has
         sizes[i] bytes. reduce(received) turns the pieces of this member's shard (in group order,
         its own included) into its result (uint8); the results are exchanged and returned in group
         order, so every member holds every shard's result. Bytes sent: the pieces for the others,
-        then the own result to each other member.
+        then the own result to each other member. Receive buffers live on the pieces' device.
         """
         me = self.rank
         others = [j for j in range(self.size) if j != me]
-        empty = torch.empty(0, dtype=torch.uint8)
+        like = pieces[me]
+        empty = like.new_empty(0, dtype=torch.uint8)
         got = self.sendrecv({j: pieces[j] for j in others if sizes[j]},  # an empty shard: nothing to send
-                            {j: torch.empty(sizes[me], dtype=torch.uint8) for j in others if sizes[me]})
+                            {j: like.new_empty(sizes[me], dtype=torch.uint8) for j in others if sizes[me]})
         mine = reduce([pieces[me] if j == me else got.get(j, empty) for j in range(self.size)])
         results = self.sendrecv({j: mine for j in others if sizes[me]},
-                                {j: torch.empty(sizes[j], dtype=torch.uint8) for j in others if sizes[j]})
+                                {j: like.new_empty(sizes[j], dtype=torch.uint8) for j in others if sizes[j]})
         return [mine if j == me else results.get(j, empty) for j in range(self.size)]
 
     def quantized_mean(self, x: torch.Tensor, bits: int, *, group_size: int, generator: torch.Generator,
@@ -101,7 +106,8 @@ class Comm:
         error feedback, updated in place, as long as its shard; None: none), quantizes the average
         and sends it to every member. Returns (mean, sent): the mean, bit-identical on every member
         (all decode the same bytes), and this member's x as the others decoded it (x - sent is the
-        error a caller feeds back). Sends 2 (R-1)/R of x at `bits` bits plus 8 bytes per group.
+        error a caller feeds back). Sends 2 (R-1)/R of x (on average over the members, as shards may
+        differ by a group) at `bits` bits plus 8 bytes per group. Everything stays on x's device.
         """
         if self.size == 1:
             return x.clone(), x.clone()
@@ -111,18 +117,18 @@ class Comm:
         # a tensor shorter than R groups leaves some shards empty: nothing is quantized or sent for them
         codes = [quantize(x[s:e], bits, group_size=group_size, generator=generator) if e > s else None
                  for s, e in bounds]
-        payloads = [q.to_bytes() if q is not None else torch.empty(0, dtype=torch.uint8) for q in codes]
-        sent = torch.cat([dequantize(q) if q is not None else torch.zeros(0) for q in codes])
+        payloads = [q.to_bytes() if q is not None else x.new_empty(0, dtype=torch.uint8) for q in codes]
+        sent = torch.cat([dequantize(q) if q is not None else x.new_zeros(0) for q in codes])
 
         def decode(buf: torch.Tensor, n: int) -> torch.Tensor:
             if n == 0:
-                return torch.zeros(0)
+                return x.new_zeros(0)
             return dequantize(QuantizedTensor.from_bytes(buf, (n,), torch.float32, bits, group_size))
 
         def reduce(received: list[torch.Tensor]) -> torch.Tensor:
             n = numels[self.rank]
             if n == 0:
-                return torch.empty(0, dtype=torch.uint8)
+                return x.new_empty(0, dtype=torch.uint8)
             total = decode(received[0], n)
             for buf in received[1:]:
                 total = total + decode(buf, n)

@@ -12,9 +12,7 @@ import torch
 
 from .base import REGISTRY, Algorithm, check_int
 from .comm import Comm
-
-PEER_SELECTIONS = ("shift_one", "all")
-TOPOLOGIES = ("directed_ring", "ring")
+from .decentralized import PEER_SELECTIONS, TOPOLOGIES
 
 
 @dataclass
@@ -52,7 +50,7 @@ class DataParallelConfig:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"dp_topology={self.topology!r}: expected one of {', '.join(TOPOLOGIES)}")
         if self.peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"dp_peer_selection={self.peer_selection!r}: expected shift_one or all")
+            raise ValueError(f"dp_peer_selection={self.peer_selection!r}: expected one of {', '.join(PEER_SELECTIONS)}")
         pairs = self.algorithm == "decentralized" and self.peer_selection == "shift_one"
         if pairs and self.replicas > 1 and self.replicas % 2:
             raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "

@@ -51,34 +51,11 @@ from compression import QuantizedTensor, check_bits, dequantize, quantize
 
 from .base import Algorithm, check_int, register
 from .comm import Comm
+from .flat import assign, flat_dtype, flatten, worker_seed
 
 PEER_SELECTIONS = ("shift_one", "all")
 TOPOLOGIES = ("directed_ring", "ring")
 DEFAULT_GROUP_SIZE = 2048
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def flat_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
-    """The parameters' dtype when they share one, float32 otherwise (the vector that is averaged and sent)."""
-    dtypes = {p.dtype for p in params}
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
-
-
-def flatten(params: list[torch.nn.Parameter], dtype: torch.dtype) -> torch.Tensor:
-    """A copy of all parameters in one vector."""
-    if not params:
-        return torch.zeros(0, dtype=dtype)
-    return torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
-
-
-@torch.no_grad()
-def assign(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Copy `flat` back into the parameters, in place (the optimizer keeps its references)."""
-    start = 0
-    for p in params:
-        n = p.numel()
-        p.copy_(flat[start:start + n].view_as(p))
-        start += n
 
 
 def shift_one_peer(rank: int, size: int, comm_round: int) -> int:
@@ -151,11 +128,6 @@ class DecentralizedSGD(Algorithm):
             if key in state and state[key] != mine:
                 raise ValueError(f"{self.name}: checkpoint has {key}={state[key]!r}, this run has {mine!r}")
         super().load_state_dict(state)
-
-
-def worker_seed(seed: int, rank: int) -> int:
-    """The dither generator's seed for `rank`: distinct per rank, so workers' rounding noise is independent."""
-    return (seed + _GOLDEN * (rank + 1)) % (1 << 64)
 
 
 @register
@@ -246,8 +218,11 @@ class LowPrecisionDecentralizedSGD(Algorithm):
             ("bits", self.bits), ("group_size", self.group_size), ("topology", self.topology), ("rank", self.comm.rank),
             ("size", self.comm.size),
         ):
-            if state.get(key, mine) != mine:
-                raise ValueError(f"{self.name}: checkpoint has {key}={state[key]!r}, this run has {mine!r}")
+            saved = state.get(key, "ring" if key == "topology" else mine)  # before topologies: both neighbours
+            if key == "topology" and self.comm.size <= 2:
+                continue  # with two replicas both topologies are the one neighbour
+            if saved != mine:
+                raise ValueError(f"{self.name}: checkpoint has {key}={saved!r}, this run has {mine!r}")
         replicas = state.get("replicas", {})
         if set(replicas) != set(self.replicas):
             raise ValueError(

@@ -46,17 +46,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-
-from .allreduce import flat_grads, set_flat_grads
 from .base import Algorithm, check_int, register
 from .comm import Comm
+from .flat import flat_grads, set_flat_grads, worker_seed
 
 DEFAULT_GROUP_SIZE = 1024  # elements per quantization group: 8 bytes of min/step per 1024 codes (<1% at 8 bits)
-
-
-def worker_seed(seed: int, rank: int) -> int:
-    """The dither generator's seed on replica `rank`: distinct per replica, reproducible per run."""
-    return seed * 1_000_003 + rank
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -139,7 +133,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         z = torch.cat([(s["exp_avg"].to(torch.float32) + s["error"].to(torch.float32)).reshape(-1) for s in states])
         start, end = self.comm.shards(z.numel(), self.group_size)[self.comm.rank]
         if self.server_error is None:
-            self.server_error = torch.zeros(end - start)
+            self.server_error = z.new_zeros(end - start)
         if self.server_error.numel() != end - start:
             raise RuntimeError(f"qadam: the momentum has {z.numel()} elements, {self.server_error.numel()} in this "
                                f"replica's shard before and {end - start} now: the parameters with gradients changed")
@@ -209,6 +203,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         state = super().state_dict()
         state["qadam"] = {"step_id": self.step_id, "generator": self.generator.get_state(),
                           "warmup_steps": self.warmup_steps, "bits": self.bits, "group_size": self.group_size,
+                          "rank": self.comm.rank if self.comm is not None else 0,
                           "server_error": None if self.server_error is None else self.server_error.clone()}
         return state
 
@@ -221,11 +216,16 @@ class QAdamOptimizer(torch.optim.Optimizer):
             if extra[key] != getattr(self, key):
                 raise ValueError(f"qadam: the checkpoint has {key}={extra[key]!r}, "
                                  f"this optimizer {getattr(self, key)!r}")
+        rank = self.comm.rank if self.comm is not None else 0
+        if extra.get("server_error") is not None and extra.get("rank", rank) != rank:
+            raise ValueError(f"qadam: the checkpoint holds replica {extra['rank']}'s shard of the momentum, "
+                             f"this is replica {rank}")
         super().load_state_dict(state_dict)
         self.step_id = int(extra["step_id"])
         self.generator.set_state(extra["generator"])
         error = extra.get("server_error")
-        self.server_error = None if error is None else error.clone()
+        device = self._params()[0].device if self._params() else torch.device("cpu")
+        self.server_error = None if error is None else error.to(device).clone()
         self._grads_averaged = False
 
 

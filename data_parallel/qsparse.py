@@ -35,13 +35,9 @@ from compression import QuantizedTensor, SparseTensor, randk, topk
 
 from .base import Algorithm, register
 from .comm import Comm
+from .flat import worker_seed
 
 SPARSIFIERS = ("topk", "randk")
-
-
-def worker_seed(seed: int, rank: int) -> int:
-    """The seed of replica `rank`'s generator (rand-k positions, then the quantizer's dither, in that order)."""
-    return seed * 1_000_003 + rank
 
 
 def encode_indices(indices: torch.Tensor, width: int) -> torch.Tensor:

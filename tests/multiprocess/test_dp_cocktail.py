@@ -6,6 +6,7 @@ from compression import dequantize, quantize
 from data_parallel.base import create
 from data_parallel.cocktail import CocktailSGD
 from data_parallel.comm import Comm
+from data_parallel.flat import worker_seed
 from tests.conftest import flat, loss_of, restored, spawn, straight_and_saved, train_steps
 
 LR, STEPS, GROUP = 0.1, 6, 8
@@ -42,7 +43,7 @@ def reference(world: int, owner_feedback: bool = True) -> dict:
     xs = [anchor.clone() for _ in range(world)]
     algo, _ = subsets_of(world, 0)
     owner_errors = [torch.zeros(N) for _ in range(world)]  # owner i's error, indexed like the model
-    gens = [torch.Generator().manual_seed((OPTIONS["seed"] + 0x9E3779B97F4A7C15 * (r + 1)) % (1 << 64))
+    gens = [torch.Generator().manual_seed(worker_seed(OPTIONS["seed"], r))
             for r in range(world)]
     history = []
     for t in range(STEPS):
@@ -114,7 +115,7 @@ def test_replicas_follow_the_reference(runs, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_bytes_are_a_bitmap_and_k_values_per_shard_and_constant_in_the_replica_count(runs, world):
+def test_bytes_are_the_pieces_for_the_others_then_the_own_average_to_each(runs, world):
     for r, res in enumerate(runs[world]):
         for t in range(STEPS):
             sizes = res["sizes"][t]
@@ -125,7 +126,7 @@ def test_bytes_are_a_bitmap_and_k_values_per_shard_and_constant_in_the_replica_c
     assert algo.message_nbytes(0, subset) == -(-subset // 8) + (k * 4 + 7) // 8 + 8 * -(-k // GROUP)
 
 
-def test_default_ratios_send_over_fifty_times_fewer_bytes_than_allreduce():
+def test_default_ratios_send_at_least_150_times_fewer_bytes_than_allreduce():
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))  # 525k parameters
     for world in (2, 4):
         algo = CocktailSGD(list(model.parameters()), Comm(None, list(range(world))))
@@ -143,7 +144,10 @@ def test_random_subsets_cover_every_entry_once_a_cycle_and_agree_everywhere():
             seen = torch.cat([algo.subset(i, t) for t in range(start, start + algo.cycle)])
             assert torch.equal(seen.sort().values, torch.arange(e - s))
         assert not torch.equal(algo.subset(i, 0), algo.subset(i, 2))  # a fresh permutation each cycle
-    other, _ = subsets_of(4, 0)  # another replica (the same seed) draws the same subsets
+    comm = Comm(None, list(range(4)))
+    comm.rank = 2  # replica 2, without a process group: its subsets come from the seed alone, like replica 0's
+    other = CocktailSGD(list(make_model().parameters()), comm, **OPTIONS)
+    assert other.generator.initial_seed() != algo.generator.initial_seed()  # its own dither
     assert all(torch.equal(other.subset(i, 5), algo.subset(i, 5)) for i in range(4))
 
 
@@ -182,3 +186,16 @@ def test_load_state_dict_refuses_another_configuration():
     b = CocktailSGD(list(make_model().parameters()), Comm(None, None), bits=4)
     with pytest.raises(ValueError, match="bits=8, this run has 4"):
         b.load_state_dict(a.state_dict())
+    comm = Comm(None, list(range(2)))
+    comm.rank = 1
+    with pytest.raises(ValueError, match="rank=0, this run has 1"):  # another replica's shard of the error
+        CocktailSGD(list(make_model().parameters()), comm).load_state_dict(
+            CocktailSGD(list(make_model().parameters()), Comm(None, list(range(2)))).state_dict())
+    with pytest.raises(ValueError, match="group_size=128, this run has 64"):
+        CocktailSGD(list(make_model().parameters()), Comm(None, None), group_size=64).load_state_dict(a.state_dict())
+    a.after_backward()
+    small = CocktailSGD(list(torch.nn.Linear(3, 2).parameters()), Comm(None, None), bits=8)
+    with pytest.raises(ValueError, match="checkpoint's model has 420 parameters, this one 8"):
+        small.load_state_dict({**a.state_dict(), "owner_error": small.owner_error})
+    with pytest.raises(ValueError, match="checkpoint lacks anchor, owner_error.*not saved by cocktail_sgd"):
+        a.load_state_dict({k: v for k, v in a.state_dict().items() if k not in ("anchor", "owner_error")})

@@ -9,6 +9,7 @@ import data_parallel.decentralized as dec
 from compression import QuantizedTensor, dequantize, quantize
 from data_parallel.base import REGISTRY, create
 from data_parallel.comm import Comm
+from data_parallel.flat import worker_seed
 from tests.conftest import spawn
 
 STEPS, LR, GS = 5, 0.1, dec.DEFAULT_GROUP_SIZE
@@ -183,7 +184,7 @@ def reference_low_precision(R, steps, bits=8, seed=0, topology="directed_ring"):
     """
     models = [make_model() for _ in range(R)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
-    gens = [torch.Generator().manual_seed(dec.worker_seed(seed, i)) for i in range(R)]
+    gens = [torch.Generator().manual_seed(worker_seed(seed, i)) for i in range(R)]
     history = []
     for t in range(steps):
         for i, m in enumerate(models):

@@ -8,6 +8,7 @@ from compression import dequantize, quantize
 from data_parallel import qadam  # noqa: F401  (registers "qadam")
 from data_parallel.base import create
 from data_parallel.comm import Comm
+from data_parallel.flat import worker_seed
 from data_parallel.qadam import QAdam, QAdamOptimizer
 from tests.conftest import spawn
 from tests.conftest import flat, loss_of, restored, straight_and_saved, train_steps
@@ -32,7 +33,7 @@ def reference(world: int, steps: int, warmup: int, bits: int, seed: int = 0, wd:
     m, v = torch.zeros(n), torch.zeros(n)
     errors = [torch.zeros(n) for _ in range(world)]
     owner_errors = [torch.zeros(b - a) for a, b in shard_bounds(n, world)]
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + r) for r in range(world)]
+    gens = [torch.Generator().manual_seed(worker_seed(seed, r)) for r in range(world)]
     b1, b2 = BETAS
     history = []
     for t in range(1, steps + 1):
@@ -100,7 +101,18 @@ def scenario(rank: int, world: int, bits: int, wd: float) -> dict:
     out = {"train": train(rank, world, 7, 3, bits, wd)}
     if world == 2:
         out["resume"] = resume(rank, world, 7, 4)
+    else:
+        out["short"] = short_mean(rank, world)
     return out
+
+
+def short_mean(rank: int, world: int) -> dict:
+    """quantized_mean of a tensor of 10 elements in groups of 8: shards of 8, 2, 0 and 0 elements."""
+    comm = Comm(None, list(range(world)))
+    x = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    mean, sent = comm.quantized_mean(x, 8, group_size=8, generator=torch.Generator().manual_seed(rank),
+                                     server_error=torch.zeros(len(range(*comm.shards(10, 8)[rank]))))
+    return {"mean": mean, "sent": sent, "x": x, "bytes": comm.take_bytes()}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +170,18 @@ def test_four_replicas_follow_the_reference_and_send_a_constant_share(four):
     # the memory matters: the same run without error feedback ends elsewhere
     without = reference(4, 7, 3, 2, error_feedback=False)["history"][-1]
     assert not torch.allclose(results[0]["history"][-1], without, atol=1e-5)
+
+
+def test_quantized_mean_leaves_empty_shards_out_of_the_exchange(four):
+    short = [res["short"] for res in four]
+    exact = sum(s["x"] for s in short) / 4
+    shard = [8 + 8, 2 + 8, 0, 0]  # bytes of each shard's message at 8 bits: codes, then min and step
+    for r, s in enumerate(short):
+        assert torch.equal(s["mean"], short[0]["mean"])  # every member decodes the same bytes
+        assert torch.allclose(s["mean"], exact, atol=2 * 2.5 * 7 / 255)  # two roundings of a step each
+        assert torch.allclose(s["sent"], s["x"], atol=7 * (r + 1) / 255)
+        # the pieces for the other owners, then the own result to the three others; empty shards send nothing
+        assert s["bytes"] == sum(b for j, b in enumerate(shard) if j != r) + 3 * shard[r]
 
 
 # ----------------------------------------------------------------------------- alone, as an optimizer
@@ -278,7 +302,7 @@ def resume(rank: int, world: int, total: int, cut: int) -> dict:
     straight, saved = straight_and_saved(build, rank, total, cut)
     fresh = restored(build, saved)
     train_steps(*fresh, rank, range(cut, total))
-    # control: momenta, variance and step restored, but not the error memory or the dither generator
+    # control: everything restored (momenta, variance, step, generator) but the error memory, zeroed
     control = restored(build, saved)
     for p in control[0].parameters():
         control[2].state[p]["error"].zero_()

@@ -8,6 +8,7 @@ from compression import QuantizedTensor, randk, topk
 from data_parallel import qsparse  # noqa: F401  (registers "qsparse_local_sgd")
 from data_parallel.base import create
 from data_parallel.comm import Comm
+from data_parallel.flat import worker_seed
 from data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
 from tests.conftest import spawn
 from tests.conftest import flat, loss_of, restored, straight_and_saved, train_steps
@@ -30,7 +31,7 @@ def reference(world: int, sparsifier: str, bits: int | None, seed: int = 0, memo
     anchor = flat(model)
     xs = [anchor.clone() for _ in range(world)]
     mems = [torch.zeros(N) for _ in range(world)]
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + r) for r in range(world)]
+    gens = [torch.Generator().manual_seed(worker_seed(seed, r)) for r in range(world)]
     history = []
     for t in range(1, STEPS + 1):
         for r in range(world):

@@ -61,7 +61,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--dp_algorithm", "gossip"], "dp_algorithm='gossip': expected one of allreduce"),
     (["--dp_bits", "9"], "dp_bits=9: expected an integer from 1 to 8"),
     (["--dp_topk_ratio", "1.5"], "dp_topk_ratio=1.5: expected a fraction in (0, 1]"),
-    (["--dp_peer_selection", "ring"], "dp_peer_selection='ring': expected shift_one or all"),
+    (["--dp_peer_selection", "ring"], "dp_peer_selection='ring': expected one of shift_one, all"),
     (["--dp_random_ratio", "0"], "dp_random_ratio=0.0: expected a fraction in (0, 1]"),
     (["--dp_algorithm", "cocktail_sgd", "--dp_topk_ratio", "0.2"],
      "dp_topk_ratio=0.2: expected at most dp_random_ratio=0.1"),
