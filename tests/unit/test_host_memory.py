@@ -19,7 +19,8 @@ def faults():
         step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 without = faults()
-print(keep_freed_memory(), without, faults())
+kept = keep_freed_memory()
+print(kept, without, min(faults(), faults()))  # the steady state: a first pass may still fault some pages in
 """
 
 
@@ -31,7 +32,7 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     without, with_it = int(without), int(with_it)
     assert kept == "True"
     assert without > 10 * 20000  # of the 24,576 pages of 4 KB a step, most are faulted in anew
-    assert with_it * 4 < without  # 5x to 30x fewer here, by pattern
+    assert with_it * 10 < without  # none once the heap holds the blocks (a first pass may still fault some in)
 
 
 def test_the_users_own_allocator_settings_win(monkeypatch):
