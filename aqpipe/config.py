@@ -146,6 +146,8 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "tie_bits": (int, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd (1-8)",
                  "compression.tie_bits"),
     "buffer_dtype": (str, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}", "compression.buffer_dtype"),
+    "buffer_bits": (int, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of float16's memory; "
+                         "default: rows in buffer_dtype)", "compression.buffer_bits"),
     "buffer_dir": (str, "keep AQ-SGD buffers in files under this directory instead of RAM", "compression.buffer_dir"),
     # the data-parallel section (data_parallel.DataParallelConfig)
     "replicas": (int, "data-parallel replicas of the pipeline", "data_parallel.replicas"),

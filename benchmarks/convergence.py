@@ -40,13 +40,14 @@ class Method:
     forward_bits: int | None
     backward: str
     backward_bits: int | None
+    extra: tuple[str, ...] = ()  # further recipe flags (e.g. --buffer_bits 8)
 
     def flags(self) -> list[str]:
         flags = ["--forward_compress", self.forward, "--backward_compress", self.backward]
         for side, bits in (("forward", self.forward_bits), ("backward", self.backward_bits)):
             if bits is not None:  # "none" ignores bits: the config's defaults stay
                 flags += [f"--{side}_bits", str(bits)]
-        return flags
+        return flags + list(self.extra)
 
 
 METHODS = [Method("fp32", "FP32", "none", None, "none", None)] + [
@@ -58,6 +59,10 @@ METHODS = [Method("fp32", "FP32", "none", None, "none", None)] + [
 ABLATIONS = [
     Method("aqsgd_2_fp32bw", "AQ-SGD fw2 / FP32 bw", "aqsgd", 2, "none", None),
     Method("fp32fw_directq_4bw", "FP32 fw / DirectQ bw4", "none", None, "direct", 4),
+] + [  # beyond the paper: AQ-SGD with quantized buffers
+    Method(f"aqsgd_{fw}_{bw}_buf{b}", f"AQ-SGD fw{fw}/bw{bw}, {b}-bit buffers", "aqsgd", fw, "direct", bw,
+           ("--buffer_bits", str(b)))
+    for fw, bw in BIT_PAIRS[:2] for b in (8, 4)
 ]
 
 
@@ -106,6 +111,7 @@ def summarize(records: list[dict[str, Any]], summary: dict[str, Any], metric: st
         "train_loss": statistics.mean(r["loss"] for r in steps[-per_epoch:]),
         "eval_loss": summary["eval_loss"], f"eval_{metric}": summary[f"eval_{metric}"],
         "fwd_bytes": summary["fwd_bytes"], "bwd_bytes": summary["bwd_bytes"], "seconds": summary["seconds"],
+        "step_seconds": statistics.median(r["seconds"] for r in steps),  # the training step alone, no eval
         "loss": [round(r["loss"], 4) for r in steps],  # 4 decimals: the JSON stays small enough to commit
         "eval_curve": [[r["step"], r["eval_loss"], r.get(f"eval_{metric}")] for r in evals],
     }
@@ -122,8 +128,8 @@ def add_ratios(runs: list[dict[str, Any]], metric: str) -> None:
 def markdown_table(model: str, runs: list[dict[str, Any]], metric: str) -> str:
     """The table RESULTS.md pastes: one row per method, each figure beside its ratio to FP32."""
     head = (f"| {model} boundary | train loss (last epoch) | vs FP32 | eval loss | vs FP32 | eval {metric} "
-            f"| vs FP32 | forward MB | backward MB |")
-    lines = [head, "|" + "---|" * 9]
+            f"| vs FP32 | forward MB | backward MB | s/step |")
+    lines = [head, "|" + "---|" * 10]
 
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -133,7 +139,7 @@ def markdown_table(model: str, runs: list[dict[str, Any]], metric: str) -> str:
             f"| {r['label']} | {r['train_loss']:.3f} | {ratio(r['train_loss_ratio'])} | {r['eval_loss']:.3f} "
             f"| {ratio(r['eval_loss_ratio'])} | {r[f'eval_{metric}']:.{1 if metric == 'perplexity' else 3}f} "
             f"| {ratio(r[f'eval_{metric}_ratio'])} "
-            f"| {r['fwd_bytes'] / 1e6:.1f} | {r['bwd_bytes'] / 1e6:.1f} |")
+            f"| {r['fwd_bytes'] / 1e6:.1f} | {r['bwd_bytes'] / 1e6:.1f} | {r.get('step_seconds', 0):.3f} |")
     return "\n".join(lines)
 
 
@@ -161,7 +167,7 @@ def run_model(name: str, model: Model, methods: list[Method], extra: list[str], 
             records, summary = run_recipe(model.script, args + method.flags(), run_dir)
         row = {"method": method.name, "label": method.label, "forward": method.forward,
                "forward_bits": method.forward_bits, "backward": method.backward,
-               "backward_bits": method.backward_bits,
+               "backward_bits": method.backward_bits, "extra": list(method.extra),
                **summarize(records, summary, model.metric)}
         runs.append(row)
         print(f"  {name:<8} {method.label:<18} train {row['train_loss']:.4f}  eval {row['eval_loss']:.4f}  "

@@ -8,7 +8,9 @@ and when it needs --buffer_dir (a sparse memory-mapped file).
 The measured rows build the buffers exactly as the engine does (`ForwardCodec("aqsgd", ...)`) and
 read the real allocation: the tensor's storage in memory; the file's size and the blocks the file
 system allocated after every row was written, on disk. Each must equal the formula
-num_samples x seq_len x hidden x bytes per element (plus one "seen" byte per sample).
+num_samples x seq_len x hidden x bytes per element (plus one "seen" byte per sample); for
+quantized buffers (--buffer_bits 8 or 4) num_samples x seq_len x (hidden x bits/8 + 8), each
+token's hidden vector carrying its float32 min and step.
 
     python -m benchmarks.memory                  # benchmark shapes measured + 1.5B models by formula
     python -m benchmarks.memory --quick --json /tmp/memory.json   # tiny shape, for the tests
@@ -28,7 +30,8 @@ import torch
 
 from compression import ForwardCodec  # noqa: E402
 
-DTYPES = {"float16": torch.float16, "float32": torch.float32}
+BUFFERS = {"float16": (torch.float16, None), "float32": (torch.float32, None),  # name: (buffer_dtype, buffer_bits)
+           "8-bit": (torch.float16, 8), "4-bit": (torch.float16, 4)}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,18 +46,21 @@ class Shape:
     stages: int
     source: str  # where the numbers come from
 
-    def buffer_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of m[ξ] for one side of one boundary: samples x seq_len x hidden x element size."""
-        return self.samples * self.seq_len * self.hidden * dtype.itemsize
+    def buffer_bytes(self, kind: str) -> int:
+        """Bytes of m[ξ] for one side of one boundary: samples x seq_len x hidden x element size, or for a
+        quantized buffer samples x seq_len x (hidden x bits / 8 + 8: a float32 min and step per token)."""
+        dtype, bits = BUFFERS[kind]
+        per_token = self.hidden * dtype.itemsize if bits is None else self.hidden * bits // 8 + 8
+        return self.samples * self.seq_len * per_token
 
-    def per_stage(self, dtype: torch.dtype) -> tuple[int, int]:
+    def per_stage(self, kind: str) -> tuple[int, int]:
         """(first or last stage, middle stage): one buffer on an end stage, two on a middle one."""
-        one = self.buffer_bytes(dtype) + self.samples  # + the seen bits, one bool per sample
+        one = self.buffer_bytes(kind) + self.samples  # + the seen bits, one bool per sample
         return one, (2 * one if self.stages > 2 else 0)
 
-    def pipeline_total(self, dtype: torch.dtype) -> int:
+    def pipeline_total(self, kind: str) -> int:
         """All stages together: two sides of each of the stages - 1 boundaries."""
-        return 2 * (self.stages - 1) * (self.buffer_bytes(dtype) + self.samples)
+        return 2 * (self.stages - 1) * (self.buffer_bytes(kind) + self.samples)
 
 
 MEASURED = [  # the shapes the benchmarks and the default recipe actually run (2 stages, width 128)
@@ -71,23 +77,26 @@ FORMULA = [  # the paper's fine-tuning setups (AQ-SGD, 004): 1.5B models, 8 pipe
 ]
 
 
-def measure(shape: Shape, dtype: torch.dtype, workdir: Path) -> dict[str, Any]:
+def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
     """Allocate one boundary side's buffer as the engine does, in memory and as a file; read its real size."""
-    kw = {"num_samples": shape.samples, "sample_shape": (shape.seq_len, shape.hidden), "buffer_dtype": dtype}
+    dtype, bits = BUFFERS[kind]
+    kw = {"num_samples": shape.samples, "sample_shape": (shape.seq_len, shape.hidden), "buffer_dtype": dtype,
+          "buffer_bits": bits}
     in_memory = ForwardCodec("aqsgd", 2, **kw).buffer
     memory_bytes = in_memory.values.untyped_storage().nbytes() + in_memory.seen.untyped_storage().nbytes()
     del in_memory
-    path = workdir / f"{shape.samples}x{shape.seq_len}x{shape.hidden}_{dtype}.buf"
+    path = workdir / f"{shape.samples}x{shape.seq_len}x{shape.hidden}_{kind}.buf"
     on_disk = ForwardCodec("aqsgd", 2, buffer_path=path, **kw).buffer
     sparse_blocks = os.stat(path).st_blocks * 512  # created sparse: nothing allocated before a row is written
     ids = torch.arange(shape.samples)
     for start in range(0, shape.samples, 64):  # one epoch's first visits: every row written once
         chunk = ids[start:start + 64]
-        on_disk.store(chunk, torch.ones(chunk.numel(), shape.seq_len, shape.hidden))
+        rows = torch.ones(chunk.numel(), shape.seq_len, shape.hidden)
+        on_disk.store(chunk, on_disk.prepare(chunk, rows)[0])
     st = os.stat(path)
     row = {
-        "shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."),
-        "formula_bytes": shape.buffer_bytes(dtype), "seen_bytes": shape.samples,
+        "shape": asdict(shape), "dtype": kind,
+        "formula_bytes": shape.buffer_bytes(kind), "seen_bytes": shape.samples,
         "memory_bytes": memory_bytes, "file_bytes": st.st_size, "file_allocated_empty": sparse_blocks,
         "file_allocated_full": st.st_blocks * 512,
     }
@@ -96,11 +105,12 @@ def measure(shape: Shape, dtype: torch.dtype, workdir: Path) -> dict[str, Any]:
     return row
 
 
-def formula(shape: Shape, dtype: torch.dtype) -> dict[str, Any]:
-    end, middle = shape.per_stage(dtype)
-    return {"shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."),
-            "formula_bytes": shape.buffer_bytes(dtype), "seen_bytes": shape.samples,
-            "end_stage_bytes": end, "middle_stage_bytes": middle, "pipeline_bytes": shape.pipeline_total(dtype)}
+def formula(shape: Shape, kind: str) -> dict[str, Any]:
+    end, middle = shape.per_stage(kind)
+    return {"shape": asdict(shape), "dtype": kind,
+            "formula_bytes": shape.buffer_bytes(kind), "seen_bytes": shape.samples,
+            "vs_float16": shape.buffer_bytes(kind) / shape.buffer_bytes("float16"),
+            "end_stage_bytes": end, "middle_stage_bytes": middle, "pipeline_bytes": shape.pipeline_total(kind)}
 
 
 def human(n: float) -> str:
@@ -113,26 +123,29 @@ def human(n: float) -> str:
 
 def measured_table(rows: list[dict[str, Any]]) -> str:
     """Exact bytes, so the reader sees measured == formula; the seen bits are counted apart."""
-    lines = ["| shape (samples x seq x hidden) | buffer | formula bytes | in memory, measured | file size "
+    lines = ["| shape (samples x seq x hidden) | buffer | formula bytes | vs float16 | in memory, measured | file size "
              "| file blocks, new (sparse) | file blocks, after one epoch | = formula | per stage (2 stages) |",
-             "|" + "---|" * 9]
+             "|" + "---|" * 10]
     for r in rows:
         s = r["shape"]
         ok = r["memory_bytes"] - r["seen_bytes"] == r["file_bytes"] == r["file_allocated_full"] == r["formula_bytes"]
+        half = Shape(**s).buffer_bytes("float16")
         lines.append(f"| {s['name']} ({s['samples']} x {s['seq_len']} x {s['hidden']}) | {r['dtype']} "
-                     f"| {r['formula_bytes']:,} | {r['memory_bytes'] - r['seen_bytes']:,} + {r['seen_bytes']:,} seen "
+                     f"| {r['formula_bytes']:,} | {r['formula_bytes'] / half:.3f} "
+                     f"| {r['memory_bytes'] - r['seen_bytes']:,} + {r['seen_bytes']:,} seen "
                      f"| {r['file_bytes']:,} | {r['file_allocated_empty']:,} | {r['file_allocated_full']:,} "
                      f"| {'yes' if ok else '**no**'} | {human(r['formula_bytes'] + r['seen_bytes'])} |")
     return "\n".join(lines)
 
 
 def formula_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model and data (samples x seq x hidden, stages) | buffer | one boundary side | first / last stage "
-             "| middle stage | whole pipeline |", "|" + "---|" * 6]
+    lines = ["| model and data (samples x seq x hidden, stages) | buffer | one boundary side | vs float16 "
+             "| first / last stage | middle stage | whole pipeline |", "|" + "---|" * 7]
     for r in rows:
         s = r["shape"]
         lines.append(f"| {s['name']} ({s['samples']} x {s['seq_len']} x {s['hidden']}, {s['stages']}) "
-                     f"| {r['dtype']} | {human(r['formula_bytes'])} | {human(r['end_stage_bytes'])} "
+                     f"| {r['dtype']} | {human(r['formula_bytes'])} | {r['vs_float16']:.3f} "
+                     f"| {human(r['end_stage_bytes'])} "
                      f"| {human(r['middle_stage_bytes'])} | {human(r['pipeline_bytes'])} |")
     return "\n".join(lines)
 
@@ -145,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer_dir", default=None, help="where the file-backed buffers are made (default: a temp dir)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.buffer_dir) as tmp:
-        measured = [measure(s, d, Path(tmp)) for s in (QUICK if args.quick else MEASURED) for d in DTYPES.values()]
-    by_formula = [formula(s, d) for s in FORMULA for d in DTYPES.values()]
+        measured = [measure(s, kind, Path(tmp)) for s in (QUICK if args.quick else MEASURED) for kind in BUFFERS]
+    by_formula = [formula(s, kind) for s in FORMULA for kind in BUFFERS]
     print("Measured (one boundary side; a 2-stage pipeline keeps one per stage):\n")
     print(measured_table(measured))
-    print("\nBy formula (samples x seq_len x hidden x bytes, + 1 seen byte per sample; "
-          "a middle stage keeps two buffers):\n")
+    print("\nBy formula (samples x seq_len x hidden x bytes, or x (hidden x bits/8 + 8) quantized; + 1 seen byte "
+          "per sample; a middle stage keeps two buffers):\n")
     print(formula_table(by_formula))
     mismatched = [r for r in measured if not r["memory_bytes"] - r["seen_bytes"] == r["file_bytes"]
                   == r["formula_bytes"]]

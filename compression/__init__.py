@@ -5,16 +5,16 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 - `quantize` / `dequantize` / `QuantizedTensor`: k-bit (1..8) min-max quantization with
   unbiased stochastic rounding, packed densely into bytes.
 - `ForwardCodec` / `BackwardCodec` / `Message`: boundary codecs (`none`, `direct`,
-  `aqsgd` with per-sample buffers in memory or on disk).
+  `aqsgd` with per-sample buffers in memory or on disk, in a float dtype or quantized).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
-from .buffers import BufferRangeError, SampleBuffer, SampleIds
+from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, SampleIds
 from .codecs import BACKWARD_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
 from .quantizer import QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
-    "BACKWARD_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message",
+    "BACKWARD_MODES", "BUFFER_BITS", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message",
     "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "check_bits", "check_finite", "dequantize",
     "quantize", "randk", "topk",
 ]

@@ -4,6 +4,13 @@ One row per dataset sample plus a "seen" bit. Both sides of a boundary keep one
 and apply the same updates, so their rows stay bit-identical. A disk-backed
 buffer is a memory-mapped file (`torch.from_file`), created sparse, so a dataset
 whose activations exceed RAM only costs the pages it touches.
+
+A row is held in a float dtype (float16 by default) or, with `bits` (4 or 8), quantized:
+every vector of the last dimension (a token's hidden state) as `bits`-bit codes with its own
+float32 min and step, rounded to nearest. Rounding is deterministic, so both sides, given the
+same values, hold the same bytes; what a row loses to rounding returns in the next change the
+sender computes against it. At 8 bits a GPT-2 row costs (1 + 8/hidden) bytes per value, about
+half of float16; at 4 bits about a quarter.
 """
 from __future__ import annotations
 
@@ -14,6 +21,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .quantizer import QuantizedTensor, dequantize, quantize
+
+BUFFER_BITS = (4, 8)  # quantized rows: byte-aligned codes, and at 8 bits half of float16
 
 def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -> torch.Tensor:
     """Validate dataset indices for one micro-batch; returns them as a CPU int64 vector (at once for ids already
@@ -80,11 +90,14 @@ def check_storable(ids: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) ->
 
 
 class SampleBuffer:
-    """m[ξ] (one row of `sample_shape` per sample) and the seen bit of each sample."""
+    """m[ξ] (one row of `sample_shape` per sample) and the seen bit of each sample.
+
+    `bits` None: rows held as `dtype`; 4 or 8: rows quantized (see the module doc), `dtype` unused.
+    """
 
     def __init__(
         self, num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dtype = torch.float16,
-        path: str | os.PathLike | None = None,
+        path: str | os.PathLike | None = None, bits: int | None = None,
     ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples={num_samples!r}: expected a positive integer (the dataset size)")
@@ -93,40 +106,77 @@ class SampleBuffer:
             raise ValueError(f"sample_shape={sample_shape!r}: expected a tuple of positive integers")
         if not dtype.is_floating_point:
             raise ValueError(f"buffer_dtype={dtype}: expected a floating dtype (float16, bfloat16, float32)")
-        self.num_samples, self.sample_shape, self.dtype = num_samples, shape, dtype
+        if bits is not None and bits not in BUFFER_BITS:
+            raise ValueError(f"buffer_bits={bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
+                             "or none for rows in the buffer dtype")
+        self.num_samples, self.sample_shape, self.bits = num_samples, shape, bits
+        self.dtype = dtype if bits is None else torch.float32  # what a row decodes to (and the range it holds)
         self.path = None if path is None else Path(path)
-        self.values = self._allocate()
+        if bits is None:
+            row_shape, storage = shape, dtype
+        else:
+            numel = math.prod(shape)
+            if numel * bits % 8:
+                raise ValueError(f"buffer_bits={bits}: a sample of {numel} values at {bits} bits is not whole bytes; "
+                                 "use 8 bits")
+            self._groups = numel // shape[-1]  # one per vector of the last dimension
+            row_shape, storage = (QuantizedTensor.wire_nbytes(shape, bits),), torch.uint8
+        self.values = self._allocate(row_shape, storage)
         self.seen = torch.zeros(num_samples, dtype=torch.bool)
 
     @property
     def nbytes(self) -> int:
         return self.values.numel() * self.values.element_size()
 
-    def _allocate(self) -> torch.Tensor:
-        full_shape = (self.num_samples, *self.sample_shape)
+    def _allocate(self, row_shape: tuple[int, ...], storage: torch.dtype) -> torch.Tensor:
+        full_shape = (self.num_samples, *row_shape)
         if self.path is None:
-            return torch.zeros(full_shape, dtype=self.dtype)
+            return torch.zeros(full_shape, dtype=storage)
         numel = math.prod(full_shape)
-        size = numel * self.dtype.itemsize
+        size = numel * storage.itemsize
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and self.path.stat().st_size != size:
+            kind = f"{self.bits}-bit" if self.bits else str(self.dtype)
             raise ValueError(
                 f"buffer_path {self.path} holds {self.path.stat().st_size} bytes; a buffer of "
-                f"{self.num_samples} x {self.sample_shape} {self.dtype} needs {size}: remove it or choose another path"
+                f"{self.num_samples} x {self.sample_shape} {kind} needs {size}: remove it or choose another path"
             )
         with open(self.path, "ab") as f:  # create if missing; sparse until rows are written
             f.truncate(size)
-        return torch.from_file(str(self.path), shared=True, size=numel, dtype=self.dtype).view(full_shape)
+        return torch.from_file(str(self.path), shared=True, size=numel, dtype=storage).view(full_shape)
 
     def check_ids(self, sample_ids: Any, batch: int | None = None) -> torch.Tensor:
         return as_sample_ids(sample_ids, self.num_samples, batch)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.values.index_select(0, ids)
+        """The rows of `ids` as the buffer holds them (quantized rows decoded to float32)."""
+        held = self.values.index_select(0, ids)
+        if self.bits is None:
+            return held
+        n, g = ids.numel(), self._groups
+        scales = held[:, :8 * g].contiguous()  # each row: its mins, its steps, then its codes
+        q = QuantizedTensor(held[:, 8 * g:].reshape(-1), scales[:, :4 * g].contiguous().view(torch.float32).reshape(-1),
+                            scales[:, 4 * g:].contiguous().view(torch.float32).reshape(-1),
+                            torch.Size((n, *self.sample_shape)), torch.float32, self.bits)
+        return dequantize(q)
 
-    def store(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    def prepare(self, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what `store` writes for `rows`, the rows as the buffer will then hold them), on rows' device.
+        BufferRangeError before anything changes when a row does not fit (float16 beyond 65504)."""
+        if self.bits is None:
+            stored = check_storable(ids, rows, self.dtype)
+            return stored, stored
+        check_storable(ids, rows, torch.float32)
+        q = quantize(rows.float(), self.bits, stochastic=False)  # groups: vectors of the last dimension
+        n, g = rows.shape[0], self._groups
+        packed = torch.cat([q.mins.view(torch.uint8).view(n, 4 * g), q.steps.view(torch.uint8).view(n, 4 * g),
+                            q.codes.view(n, self.values.shape[1] - 8 * g)], dim=1)
+        return packed, dequantize(q)
+
+    def store(self, ids: torch.Tensor, stored: torch.Tensor) -> None:
+        """Write rows in the buffer's own form (`prepare`'s first result; for a float buffer, rows in any dtype)."""
         if ids.numel():
-            self.values.index_copy_(0, ids, rows.to(device="cpu", dtype=self.dtype))
+            self.values.index_copy_(0, ids, stored.to(device="cpu", dtype=self.values.dtype))
             self.seen[ids] = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -137,10 +187,11 @@ class SampleBuffer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The inverse of state_dict; `values` None keeps the rows this buffer holds (a file's, see read_rows)."""
         values, seen = state["values"], state["seen"]
-        if values is not None and (tuple(values.shape) != tuple(self.values.shape) or values.dtype != self.dtype):
+        if values is not None and (tuple(values.shape) != tuple(self.values.shape)
+                                   or values.dtype != self.values.dtype):
             raise ValueError(
                 f"buffer state holds {tuple(values.shape)} {values.dtype}; this buffer is "
-                f"{tuple(self.values.shape)} {self.dtype}"
+                f"{tuple(self.values.shape)} {self.values.dtype}"
             )
         if tuple(seen.shape) != (self.num_samples,):
             raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
@@ -164,7 +215,7 @@ class SampleBuffer:
         size = Path(source).stat().st_size
         if size != self.nbytes:
             raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes, the buffer {self.nbytes}")
-        saved = torch.from_file(str(source), shared=False, size=self.values.numel(), dtype=self.dtype)
+        saved = torch.from_file(str(source), shared=False, size=self.values.numel(), dtype=self.values.dtype)
         self.values.copy_(saved.view(self.values.shape))
 
     def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

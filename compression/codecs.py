@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .buffers import SampleBuffer, check_storable
+from .buffers import SampleBuffer
 from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
 
 FORWARD_MODES = ("none", "direct", "aqsgd")
@@ -146,7 +146,8 @@ class ForwardCodec(_Codec):
 
     With `aqsgd`, `num_samples` (dataset size) and `sample_shape` (one sample's activation,
     e.g. (seq_len, hidden)) size the buffer; `buffer_path` puts it in a file instead of RAM
-    (each side needs its own file). `refresh=True` in encode/decode (both sides alike)
+    (each side needs its own file); `buffer_bits` (4 or 8) holds its rows quantized (buffers.py).
+    `refresh=True` in encode/decode (both sides alike)
     sends every sample of the micro-batch in full precision and resets its row: the
     full-precision warm-up epochs.
     """
@@ -157,7 +158,7 @@ class ForwardCodec(_Codec):
         self, mode: str, bits: int | None = None, *, num_samples: int | None = None,
         sample_shape: tuple[int, ...] | None = None, buffer_dtype: torch.dtype = torch.float16,
         buffer_path: str | os.PathLike | None = None, stochastic: bool = True, seed: int = 0,
-        group_size: int | None = None,
+        group_size: int | None = None, buffer_bits: int | None = None,
     ) -> None:
         super().__init__(mode, bits, stochastic, seed, group_size)
         self.buffer: SampleBuffer | None = None
@@ -165,7 +166,7 @@ class ForwardCodec(_Codec):
             if num_samples is None or sample_shape is None:
                 raise ValueError("mode='aqsgd' needs num_samples (dataset size) "
                                  "and sample_shape (one sample's activation)")
-            self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path)
+            self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits)
             if self.bits == 1:
                 warnings.warn(
                     "aqsgd at 1 bit: min-max quantization then errs by more than the change it sends "
@@ -206,11 +207,10 @@ class ForwardCodec(_Codec):
         BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype."""
         buf, device = self.buffer, m.device
         whole_ids, delta_ids = ids[whole], ids[delta]
-        updated = check_storable(delta_ids, m + change, buf.dtype)
+        stored, updated = buf.prepare(delta_ids, m + change)
         if whole_ids.numel():
-            check_storable(whole_ids, rows, buf.dtype)
-            buf.store(whole_ids, rows)
-        buf.store(delta_ids, updated)
+            buf.store(whole_ids, buf.prepare(whole_ids, rows)[0])
+        buf.store(delta_ids, stored)
         if not whole_ids.numel():  # the steady state: every sample sent as a change
             return updated.to(dtype)
         if not delta_ids.numel():  # first visits
@@ -277,7 +277,7 @@ class ForwardCodec(_Codec):
         config = super()._config()
         if self.buffer is not None:
             config.update(num_samples=self.buffer.num_samples, sample_shape=self.buffer.sample_shape,
-                          buffer_dtype=str(self.buffer.dtype))
+                          buffer_dtype=str(self.buffer.dtype), buffer_bits=self.buffer.bits)
         return config
 
     def state_dict(self) -> dict[str, Any]:

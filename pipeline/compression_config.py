@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression import BACKWARD_MODES, FORWARD_MODES, check_bits
+from compression import BACKWARD_MODES, BUFFER_BITS, FORWARD_MODES, check_bits
 
 from .ties import TIE_MODES
 
@@ -40,6 +40,7 @@ class CompressionConfig:
     backward_bits: int | None = None
     warmup_epochs: int = 0
     buffer_dtype: torch.dtype = torch.float16
+    buffer_bits: int | None = None  # AQ-SGD rows quantized to 4 or 8 bits (buffers.py); None: held as buffer_dtype
     buffer_dir: str | None = None  # disk-backed AQ-SGD buffers: one file per boundary side
     forward_group_size: int | str | None = "auto"
     backward_group_size: int | str | None = "auto"
@@ -66,6 +67,9 @@ class CompressionConfig:
             raise ValueError(f"warmup_epochs={self.warmup_epochs!r}: expected an integer >= 0")
         if self.buffer_dtype not in BUFFER_DTYPES.values():
             raise ValueError(f"buffer_dtype={self.buffer_dtype!r}: expected one of {', '.join(BUFFER_DTYPES)}")
+        if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
+            raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
+                             "or none for rows in buffer_dtype")
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic={self.stochastic!r}: expected true or false")
         return self

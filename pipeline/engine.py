@@ -206,7 +206,7 @@ class PipelineEngine:
             path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
         shape = (seq_len, self.stage.hidden_size)
         kw = {"num_samples": num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
-              "buffer_path": path} if c.forward == "aqsgd" else {}
+              "buffer_path": path, "buffer_bits": c.buffer_bits} if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
         forward = ForwardCodec(c.forward, c.forward_bits, stochastic=c.stochastic, seed=codec_seed,
                                group_size=c.group_size("forward", shape[-1]), **kw)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from compression import SampleBuffer
 from tests.conftest import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from pipeline.compression_config import AUTO_GROUP_SIZE
@@ -136,13 +137,14 @@ class Recording(ToyStage):
         return out
 
 
-def recorded_aqsgd(rank, world, epochs=2):
+def recorded_aqsgd(rank, world, epochs=2, buffer_bits=None):
     """2 stages, AQ-SGD 2-bit forward, exact backward: the last step's notes, weights before it, the buffers."""
     stage = Recording(toy_stages(world)[rank])
     groups = build_groups(Grid.for_world(world, world), rank)
     engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), num_samples=SAMPLES,
                             seq_len=SEQ, ties=toy_ties(world), compression=CompressionConfig(
-                                forward="aqsgd", forward_bits=2, backward="none", tie="none"))
+                                forward="aqsgd", forward_bits=2, backward="none", tie="none",
+                                buffer_bits=buffer_bits))
     batches = [(epoch, mbs) for epoch in range(epochs) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch)]
     for epoch, mbs in batches[:-1]:
         engine.train_batch(mbs, epoch)
@@ -167,6 +169,18 @@ def test_aqsgd_buffers_stay_bit_identical_on_both_sides_of_a_real_run(recorded):
     # and the receiver computed with exactly those rows: m[ξ] after this step's update
     for note in recorded[1]["notes"]:
         assert torch.equal(note["input"], receiver["values"][note["sample_id"]].float())
+
+
+def test_quantized_buffers_stay_bit_identical_and_are_what_the_receiver_computes_with():
+    first, last = spawn(recorded_aqsgd, 2, 2, 8)
+    sender, receiver = first["buffer"], last["buffer"]
+    assert sender["values"].dtype == torch.uint8 and bool(sender["seen"].all())
+    assert torch.equal(sender["values"], receiver["values"]) and torch.equal(sender["seen"], receiver["seen"])
+    held = SampleBuffer(SAMPLES, tuple(last["notes"][0]["input"].shape[1:]), bits=8)
+    assert tuple(held.values.shape) == tuple(receiver["values"].shape)  # 8-bit codes, a min and step per token
+    held.load_state_dict(receiver)
+    for note in last["notes"]:  # the receiver computed with the rows as the buffer holds them, decoded
+        assert torch.equal(note["input"], held.rows(note["sample_id"]))
 
 
 def test_the_gradient_sent_back_is_taken_at_what_the_receiver_computed_with(recorded):

@@ -1,11 +1,12 @@
 """Boundary codecs: the two sides agree bit for bit, AQ-SGD sends less and errs less over time."""
+import copy
 import math
 
 import pytest
 import torch
 
 from compression import (BackwardCodec, BufferRangeError, ForwardCodec, Message, QuantizedTensor, SampleBuffer,
-                         SampleIds)
+                         SampleIds, dequantize, quantize)
 
 N, SHAPE = 24, (4, 64)  # dataset size, one sample's activation (seq, hidden)
 
@@ -312,3 +313,80 @@ def test_a_buffer_kept_in_a_file_leaves_its_rows_there_and_copies_them_as_bytes(
 def _file(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+# ----------------------------------------------------------------------------- quantized buffers (buffer_bits)
+def quantized_pair(buffer_bits, sender_path=None, receiver_path=None):
+    kw = {"num_samples": N, "sample_shape": SHAPE, "buffer_bits": buffer_bits}
+    return (ForwardCodec("aqsgd", 2, seed=1, buffer_path=sender_path, **kw),
+            ForwardCodec("aqsgd", 2, seed=1, buffer_path=receiver_path, **kw))
+
+
+@pytest.mark.parametrize("buffer_bits", [8, 4])
+def test_quantized_buffers_stay_bit_identical_and_hold_a_row_in_a_fraction_of_float16(buffer_bits):
+    sender, receiver = quantized_pair(buffer_bits)
+    stats = run_epochs(sender, receiver, epochs=3, batch=5)  # asserts decode == the sender's copy, every batch
+    assert torch.equal(sender.buffer.values, receiver.buffer.values) and bool(sender.buffer.seen.all())
+    # a row: a float32 min and step per token (8 bytes per 64 values), then the codes
+    row = SHAPE[0] * (8 + SHAPE[1] * buffer_bits // 8)
+    assert sender.buffer.nbytes == N * row
+    assert sender.buffer.nbytes / pair()[0].buffer.nbytes == row / (math.prod(SHAPE) * 2)  # 0.5625 / 0.3125 here
+    floats = run_epochs(*pair(), epochs=3, batch=5)
+    assert [s for s, _ in stats] == [s for s, _ in floats]  # the same bytes cross the wire
+    error, float_error = stats[-1][1], floats[-1][1]
+    # 8 bits: within 10% of the float16 buffer's error; 4 bits: more, its rounding is coarser than the change
+    assert error < 1.1 * float_error if buffer_bits == 8 else error > 1.1 * float_error, (error, float_error)
+
+
+def test_a_quantized_row_is_the_nearest_codes_of_each_token():
+    sender, receiver = quantized_pair(8)
+    ids = torch.tensor([2, 9])
+    x = activation(ids, 0, 0.0)
+    receiver.decode(wire(sender.encode(x, ids)), ids)
+    expected = dequantize(quantize(x, 8, stochastic=False))  # groups: a token's hidden vector
+    assert torch.equal(receiver.buffer.rows(ids), expected) and torch.equal(sender.buffer.rows(ids), expected)
+    assert not torch.equal(expected, x.half().float())  # not what a float16 buffer would hold
+    later = x + 0.01
+    y = receiver.decode(wire(sender.encode(later, ids)), ids)
+    assert torch.equal(y, receiver.buffer.rows(ids))  # the receiver computes with the row as held
+    assert float((y - later).abs().max()) < 0.05
+
+
+def test_quantized_buffers_resume_in_a_file_and_refuse_another_setting(tmp_path):
+    mem = quantized_pair(4)
+    disk = quantized_pair(4, tmp_path / "s.buf", tmp_path / "r.buf")
+    assert run_epochs(*disk, epochs=2) == run_epochs(*mem, epochs=2)
+    assert torch.equal(disk[1].buffer.values, mem[1].buffer.values)
+    assert (tmp_path / "r.buf").stat().st_size == mem[1].buffer.nbytes
+    state = copy.deepcopy({"s": mem[0].state_dict(), "r": mem[1].state_dict()})  # state_dicts are references
+    reference = run_epochs(*mem, epochs=1, seed=5)
+    again = quantized_pair(4)
+    again[0].load_state_dict(state["s"])
+    again[1].load_state_dict(state["r"])
+    assert run_epochs(*again, epochs=1, seed=5) == reference
+    with pytest.raises(ValueError, match="buffer_bits: checkpoint 4 vs codec 8"):
+        quantized_pair(8)[0].load_state_dict(state["s"])
+    with pytest.raises(ValueError, match="buffer_bits: checkpoint None vs codec 4"):
+        quantized_pair(4)[0].load_state_dict(pair()[0].state_dict())
+
+
+def test_quantized_buffer_undo_puts_the_bytes_back():
+    sender, receiver = quantized_pair(8)
+    ids = torch.tensor([1, 4])
+    sender.encode(activation(ids, 0, 0.0), ids)
+    before = sender.buffer.values.clone()
+    undo = sender.undo_point(ids)
+    sender.encode(activation(ids, 1, 0.5), ids)
+    assert not torch.equal(sender.buffer.values, before)
+    undo()
+    assert torch.equal(sender.buffer.values, before)
+
+
+@pytest.mark.parametrize("bits, shape, match", [
+    (3, SHAPE, "buffer_bits=3: expected one of 4, 8"),
+    (16, SHAPE, "buffer_bits=16: expected one of 4, 8"),
+    (4, (3, 5), "a sample of 15 values at 4 bits is not whole bytes"),
+])
+def test_bad_buffer_bits_are_named(bits, shape, match):
+    with pytest.raises(ValueError, match=match):
+        ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=shape, buffer_bits=bits)

@@ -58,6 +58,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--model", "/no/such/model"], "model='/no/such/model': no such file or directory"),
     (["--deepspeed_config", "/no/such.json"], "--deepspeed_config /no/such.json: no such file"),
     (["--buffer_dtype", "int8"], "buffer_dtype='int8': expected one of float16, bfloat16, float32"),
+    (["--buffer_bits", "6"], "buffer_bits=6: expected one of 4, 8, or none"),
     (["--dp_algorithm", "gossip"], "dp_algorithm='gossip': expected one of allreduce"),
     (["--dp_bits", "9"], "dp_bits=9: expected an integer from 1 to 8"),
     (["--dp_topk_ratio", "1.5"], "dp_topk_ratio=1.5: expected a fraction in (0, 1]"),
