@@ -63,6 +63,8 @@ ABLATIONS = [
     Method(f"aqsgd_{fw}_{bw}_buf{b}", f"AQ-SGD fw{fw}/bw{bw}, {b}-bit buffers", "aqsgd", fw, "direct", bw,
            ("--buffer_bits", str(b)))
     for fw, bw in BIT_PAIRS[:2] for b in (8, 4)
+] + [  # and the cache-free codec: a randomized Hadamard rotation, then the same quantizer as DirectQ
+    Method(f"hadamard_{fw}_{bw}", f"Hadamard fw{fw}/bw{bw}", "hadamard", fw, "direct", bw) for fw, bw in BIT_PAIRS[:2]
 ]
 
 

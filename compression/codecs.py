@@ -6,11 +6,15 @@ the receiver `decode`, and both sides' state (AQ-SGD's buffers) evolves the same
 Forward modes:
   none    the activation as is (the FP32 baseline);
   direct  Q(a) (the DirectQ baseline);
+  hadamard  Q(R a), decoded as R^T deQ(...): a seeded randomized Hadamard rotation R first spreads
+          outliers across each block (hadamard.py), so min-max groups lose less; no buffer, no
+          state between steps (for buffers that do not fit, or samples seen once);
   aqsgd   AQ-SGD: a sample's first visit sends a in full precision (its own dtype), the
           receiver computes with it and both sides store m[ξ] = a (in the buffer dtype);
           later visits send Q(a - m[ξ]), both sides set m[ξ] += deQ(Q(a - m[ξ])) and the
           receiver computes with m[ξ].
-Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation).
+Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation), hadamard (the same
+after the rotation).
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from typing import Any, Callable
 import torch
 
 from .buffers import SampleBuffer
+from .hadamard import block_size, random_signs, rotate, unrotate
 from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
 
-FORWARD_MODES = ("none", "direct", "aqsgd")
-BACKWARD_MODES = ("none", "direct")
+FORWARD_MODES = ("none", "direct", "hadamard", "aqsgd")
+BACKWARD_MODES = ("none", "direct", "hadamard")
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,16 @@ def _check_payload(message: Message, expected: int, why: str) -> None:
 
 
 class _Codec:
-    """The `none` and `direct` modes shared by both directions."""
+    """The `none`, `direct` and `hadamard` modes shared by both directions.
+
+    `rotation_seed` draws hadamard's random signs: both sides of a boundary must pass the same
+    (`seed` only drives the sender's rounding dither, so the two sides' may differ).
+    """
 
     modes: tuple[str, ...] = ()
 
-    def __init__(self, mode: str, bits: int | None, stochastic: bool, seed: int, group_size: int | None) -> None:
+    def __init__(self, mode: str, bits: int | None, stochastic: bool, seed: int, group_size: int | None,
+                 rotation_seed: int = 0) -> None:
         if mode not in self.modes:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(self.modes)}")
         if mode != "none" and bits is None:
@@ -77,6 +87,13 @@ class _Codec:
         self.mode, self.bits = mode, None if bits is None else check_bits(bits)
         self.stochastic, self.group_size = bool(stochastic), group_size
         self.generator = torch.Generator().manual_seed(int(seed))
+        self.rotation_seed = int(rotation_seed)
+        self._signs: dict[int, torch.Tensor] = {}  # row width -> the rotation's signs (one block's worth)
+
+    def _rotation(self, width: int) -> torch.Tensor:
+        if width not in self._signs:
+            self._signs[width] = random_signs(block_size(width), self.rotation_seed)
+        return self._signs[width]
 
     def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
         return quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator)
@@ -86,6 +103,11 @@ class _Codec:
         if self.mode == "none":
             check_finite(x, type(self).__name__ + " input")
             return Message(_raw_bytes(x), x.shape, x.dtype, decoded=x.detach())
+        if self.mode == "hadamard":
+            check_finite(x, type(self).__name__ + " input")  # before the rotation smears a NaN over its block
+            signs = self._rotation(x.shape[-1])
+            q = self._quantize(rotate(x.detach(), signs))
+            return Message(q.to_bytes(), x.shape, x.dtype, decoded=unrotate(dequantize(q), signs).to(x.dtype))
         q = self._quantize(x)
         return Message(q.to_bytes(), x.shape, x.dtype, decoded=dequantize(q))
 
@@ -100,11 +122,17 @@ class _Codec:
                        f"for mode {self.mode!r} and shape {tuple(shape)}")
         if self.mode == "none":
             return _from_raw(message.payload, shape, message.dtype)
+        if self.mode == "hadamard":
+            q = QuantizedTensor.from_bytes(message.payload, shape, torch.float32, self.bits, self.group_size)
+            return unrotate(dequantize(q), self._rotation(shape[-1])).to(message.dtype)
         q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size)
         return dequantize(q)
 
     def _config(self) -> dict[str, Any]:
-        return {"mode": self.mode, "bits": self.bits, "stochastic": self.stochastic, "group_size": self.group_size}
+        config = {"mode": self.mode, "bits": self.bits, "stochastic": self.stochastic, "group_size": self.group_size}
+        if self.mode == "hadamard":
+            config["rotation_seed"] = self.rotation_seed
+        return config
 
     def _check_config(self, state: dict[str, Any]) -> None:
         mine, theirs = self._config(), state.get("config", {})
@@ -121,13 +149,13 @@ class _Codec:
 
 
 class BackwardCodec(_Codec):
-    """Gradient w.r.t. a boundary activation: `none` (as is) or `direct` (Q(g))."""
+    """Gradient w.r.t. a boundary activation: `none` (as is), `direct` (Q(g)) or `hadamard` (Q(R g))."""
 
     modes = BACKWARD_MODES
 
     def __init__(self, mode: str, bits: int | None = None, *, stochastic: bool = True, seed: int = 0,
-                 group_size: int | None = None) -> None:
-        super().__init__(mode, bits, stochastic, seed, group_size)
+                 group_size: int | None = None, rotation_seed: int = 0) -> None:
+        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed)
 
     def encode(self, g: torch.Tensor, sample_ids: Any = None) -> Message:
         """`sample_ids` is accepted for symmetry with ForwardCodec; gradients are not buffered."""
@@ -142,7 +170,7 @@ class BackwardCodec(_Codec):
 
 
 class ForwardCodec(_Codec):
-    """Activation at a boundary: `none`, `direct` or `aqsgd` (see the module docstring).
+    """Activation at a boundary: `none`, `direct`, `hadamard` or `aqsgd` (see the module docstring).
 
     With `aqsgd`, `num_samples` (dataset size) and `sample_shape` (one sample's activation,
     e.g. (seq_len, hidden)) size the buffer; `buffer_path` puts it in a file instead of RAM
@@ -158,9 +186,9 @@ class ForwardCodec(_Codec):
         self, mode: str, bits: int | None = None, *, num_samples: int | None = None,
         sample_shape: tuple[int, ...] | None = None, buffer_dtype: torch.dtype = torch.float16,
         buffer_path: str | os.PathLike | None = None, stochastic: bool = True, seed: int = 0,
-        group_size: int | None = None, buffer_bits: int | None = None,
+        group_size: int | None = None, buffer_bits: int | None = None, rotation_seed: int = 0,
     ) -> None:
-        super().__init__(mode, bits, stochastic, seed, group_size)
+        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed)
         self.buffer: SampleBuffer | None = None
         if mode == "aqsgd":
             if num_samples is None or sample_shape is None:

@@ -23,7 +23,7 @@ def _bits(name: str, value: object, needed: bool) -> None:
 
 @dataclass
 class CompressionConfig:
-    """Per boundary: forward none|direct|aqsgd, backward none|direct, warm-up epochs at full precision.
+    """Per boundary: forward none|direct|hadamard|aqsgd, backward none|direct|hadamard, full-precision warm-up epochs.
 
     `forward_group_size` / `backward_group_size`: elements per quantization group (its min and step
     travel as 8 bytes); None: a whole row of the last dimension; "auto": AUTO_GROUP_SIZE for a quantizer

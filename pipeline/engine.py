@@ -208,10 +208,11 @@ class PipelineEngine:
         kw = {"num_samples": num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
               "buffer_path": path, "buffer_bits": c.buffer_bits} if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
+        rotation_seed = seed * 1000 + index * 10  # hadamard's signs: the same on both sides and in every replica
         forward = ForwardCodec(c.forward, c.forward_bits, stochastic=c.stochastic, seed=codec_seed,
-                               group_size=c.group_size("forward", shape[-1]), **kw)
+                               group_size=c.group_size("forward", shape[-1]), rotation_seed=rotation_seed, **kw)
         backward = BackwardCodec(c.backward, c.backward_bits, stochastic=c.stochastic, seed=codec_seed + 1,
-                                 group_size=c.group_size("backward", shape[-1]))
+                                 group_size=c.group_size("backward", shape[-1]), rotation_seed=rotation_seed + 1)
         ahead, back = (index, index + 1), (index + 1, index)  # activations flow ahead, gradients back
         out_link, in_link = (ahead, back) if side == "send" else (back, ahead)
         return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"),

@@ -103,6 +103,17 @@ def test_warmup_epochs_send_full_precision_then_compress():
     assert later[0]["bwd_bytes"] == rows * (16 * 4 // 8 + 8)
 
 
+def test_hadamard_boundaries_send_directs_bytes_and_learn(single):
+    cfg = CompressionConfig(forward="hadamard", forward_bits=4, backward="hadamard", backward_bits=4)
+    log = spawn(train, 2, cfg, 1)[0]["log"]
+    rows, ids = MICRO * MBS * SEQ, MICRO * MBS * 8
+    assert log[0]["fwd_bytes"] == rows * (16 * 4 // 8 + 8) + ids  # 4-bit codes + min/step per row, as direct
+    assert log[0]["bwd_bytes"] == rows * (16 * 4 // 8 + 8)
+    losses, exact = [s["loss"] for s in log], [s["loss"] for s in single["log"]]
+    assert losses != pytest.approx(exact, rel=1e-4)  # the rotated, quantized wires tell from the start...
+    assert losses == pytest.approx(exact, rel=0.05) and losses[-1] < losses[0]  # ...and follow the exact run
+
+
 def test_stages_with_different_data_orders_fail_loudly():
     with pytest.raises(RuntimeError, match="data orders differ"):
         spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=120)  # imports are slow on a loaded machine

@@ -185,7 +185,7 @@ def test_wrong_sample_shape_is_refused_with_the_numbers():
         s.encode(torch.randn(2, 4, 65), torch.tensor([0, 1]))
 
 
-@pytest.mark.parametrize("mode", ["none", "direct", "aqsgd"])
+@pytest.mark.parametrize("mode", ["none", "direct", "hadamard", "aqsgd"])
 def test_nan_is_never_encoded(mode):
     s = pair(mode)[0]
     x = torch.randn(2, *SHAPE)
@@ -195,7 +195,7 @@ def test_nan_is_never_encoded(mode):
 
 
 def test_bad_configuration_is_refused():
-    with pytest.raises(ValueError, match="mode='int8': expected one of none, direct, aqsgd"):
+    with pytest.raises(ValueError, match="mode='int8': expected one of none, direct, hadamard, aqsgd"):
         ForwardCodec("int8", 8)
     with pytest.raises(ValueError, match="needs bits"):
         ForwardCodec("direct")
@@ -390,3 +390,64 @@ def test_quantized_buffer_undo_puts_the_bytes_back():
 def test_bad_buffer_bits_are_named(bits, shape, match):
     with pytest.raises(ValueError, match=match):
         ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=shape, buffer_bits=bits)
+
+
+# ----------------------------------------------------------------------------- hadamard (cache-free)
+def outlier_activation(n: int = 6, seed: int = 0) -> torch.Tensor:
+    """Activations with GPT-2's shape of trouble: a few channels tens of times larger than the rest."""
+    x = torch.randn(n, *SHAPE, generator=torch.Generator().manual_seed(seed))
+    x[..., [5, 40]] *= 40
+    return x
+
+
+def test_hadamard_rotation_is_orthonormal_and_undone_exactly_enough():
+    from compression.hadamard import block_size, random_signs, rotate, unrotate
+
+    signs = random_signs(64, seed=3)
+    assert set(signs.tolist()) == {-1.0, 1.0} and torch.equal(signs, random_signs(64, seed=3))
+    assert not torch.equal(signs, random_signs(64, seed=4))
+    x = outlier_activation()
+    y = rotate(x, signs)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))  # orthonormal: norms kept per row
+    torch.testing.assert_close(unrotate(y, signs), x, rtol=0, atol=1e-4)
+    assert float(y.abs().max()) < float(x.abs().max()) / 3  # the outliers spread over their block
+    h = torch.tensor([[1.0, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]) / 2  # H_4 / sqrt(4)
+    ones = torch.ones(4)
+    torch.testing.assert_close(rotate(torch.eye(4), ones), h)  # the Walsh-Hadamard matrix itself
+    assert [block_size(w) for w in (768, 1600, 1536, 128, 6)] == [256, 64, 256, 128, 2]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_hadamard_codec_round_trips_bit_identically_and_errs_less_than_direct_on_outliers(bits):
+    s, r = (ForwardCodec("hadamard", bits, seed=1, rotation_seed=7), ForwardCodec("hadamard", bits, rotation_seed=7))
+    x = outlier_activation()
+    msg = s.encode(x)
+    y = r.decode(wire(msg))
+    assert torch.equal(y, msg.decoded)
+    assert msg.nbytes == QuantizedTensor.wire_nbytes(x.shape, bits) == r.payload_nbytes(x.shape, x.dtype)
+    direct = ForwardCodec("direct", bits, seed=1).encode(x).decoded
+    err, direct_err = float((y - x).norm()), float((direct - x).norm())
+    assert err < direct_err / 2, (err, direct_err)  # the same bytes, under half the error
+    other = ForwardCodec("hadamard", bits, rotation_seed=8).decode(wire(msg))
+    assert float((other - x).norm()) > 5 * err  # the receiver needs the sender's rotation
+
+
+def test_hadamard_keeps_no_state_between_steps_and_checks_its_rotation_on_resume():
+    s = ForwardCodec("hadamard", 4, seed=1, rotation_seed=2)
+    x = outlier_activation()
+    state = copy.deepcopy(s.state_dict())
+    first = s.encode(x)
+    again = ForwardCodec("hadamard", 4, seed=1, rotation_seed=2)
+    again.load_state_dict(state)
+    assert torch.equal(again.encode(x).payload, first.payload)  # only the dither stream is state
+    with pytest.raises(ValueError, match="rotation_seed: checkpoint 2 vs codec 3"):
+        ForwardCodec("hadamard", 4, rotation_seed=3).load_state_dict(state)
+
+
+def test_hadamard_backward_and_half_precision():
+    s, r = BackwardCodec("hadamard", 4, seed=3, rotation_seed=1), BackwardCodec("hadamard", 4, rotation_seed=1)
+    g = outlier_activation().half() * 1e-3
+    msg = s.encode(g)
+    y = r.decode(wire(msg))
+    assert y.dtype == torch.float16 and torch.equal(y, msg.decoded)
+    assert float((y.float() - g.float()).norm() / g.float().norm()) < 0.1

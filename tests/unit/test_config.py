@@ -42,7 +42,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--backward_bits", "0"], "backward_bits=0: expected an integer from 1 to 8"),
     (["--tie_bits", "9"], "tie_bits=9: expected an integer from 1 to 8"),
     (["--tie_compress", "zip"], "tie_compress='zip': expected auto or one of none, aqsgd"),
-    (["--forward_compress", "int4"], "forward_compress='int4': expected one of none, direct, aqsgd"),
+    (["--forward_compress", "int4"], "forward_compress='int4': expected one of none, direct, hadamard, aqsgd"),
     (["--backward_compress", "aqsgd"], "backward_compress='aqsgd': expected one of none, direct"),
     (["--schedule", "zigzag"], "schedule='zigzag': expected one of gpipe, 1f1b"),
     (["--num_micro_batches", "0"], "num_micro_batches=0: expected an integer >= 1"),
