@@ -43,6 +43,7 @@ class RunConfig:
     schedule: str = "1f1b"
     partition: str | list[int] = "parameters"
     activation_checkpointing: bool = False
+    dropout: float | None = None  # every dropout probability of the model; None: the model's own (HF: 0.1)
     micro_batch_size: int = 4
     num_micro_batches: int = 4
     epochs: int = 3
@@ -107,6 +108,8 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "label_column": (str, "a local table's label column (integers 0..K-1 or strings); default: label, else labels",
                      "label_column"),
     "seq_len": (int, "tokens per sample", "seq_len"),
+    "dropout": (float, "every dropout probability of the model (embeddings, attention, residual, classifier); "
+                       "default: the model's own, 0.1 for HF GPT2 and DeBERTa", "dropout"),
     "pipeline_stages": (str, "stages per pipeline, or auto = world size / replicas (world = stages x replicas)",
                         "pipeline_stages"),
     "schedule": (str, f"one of {', '.join(SCHEDULES)}", "schedule"),
@@ -348,6 +351,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
             raise ValueError(f"{name}={value!r}: expected a column name")
     if not cfg.lr > 0:
         raise ValueError(f"lr={cfg.lr}: expected a positive learning rate")
+    if cfg.dropout is not None and not (isinstance(cfg.dropout, (int, float)) and 0 <= cfg.dropout < 1):
+        raise ValueError(f"dropout={cfg.dropout!r}: expected a probability in [0, 1)")
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
     for name in ("dist_timeout", "peer_timeout"):

@@ -53,10 +53,22 @@ def label_maps(label_names: list[str] | None) -> dict[str, dict]:
     return {"id2label": dict(enumerate(label_names)), "label2id": {name: i for i, name in enumerate(label_names)}}
 
 
+def set_dropout(net: PreTrainedModel, p: float) -> None:
+    """Every dropout of `net` at probability p, in its modules and in its config (which the exported model keeps)."""
+    for module in net.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+    for key, value in net.config.to_dict().items():
+        if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
+            setattr(net.config, key, p)
+
+
 def build_model(model: str | None, family: str, kind: str, tokenizer: Any, seq_len: int,
-                num_labels: int | None, seed: int, label_names: list[str] | None = None) -> PreTrainedModel:
+                num_labels: int | None, seed: int, label_names: list[str] | None = None,
+                dropout: float | None = None) -> PreTrainedModel:
     """The full HF model every rank partitions; identical on every rank (same seed or same weights).
-    A classifier's config maps label ids to `label_names` (the data's, e.g. a CSV's string labels) where given."""
+    A classifier's config maps label ids to `label_names` (the data's, e.g. a CSV's string labels) where given;
+    `dropout` sets every dropout probability (None: the model's own)."""
     auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForSequenceClassification
     labels = label_maps(label_names) if kind == "classification" else {}
     extra = {"num_labels": num_labels, **labels} if kind == "classification" and num_labels else labels
@@ -80,4 +92,6 @@ def build_model(model: str | None, family: str, kind: str, tokenizer: Any, seq_l
                     setattr(config, name, getattr(tokenizer, name))
     if getattr(net.config, "pad_token_id", None) is None:
         net.config.pad_token_id = pad_id
+    if dropout is not None:
+        set_dropout(net, float(dropout))
     return net

@@ -143,7 +143,7 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
 
     def model_factory() -> Any:
         return build_model(cfg.model, task.family, task.kind, tokenizer, cfg.seq_len, num_labels, cfg.seed,
-                           label_names=label_names)
+                           label_names=label_names, dropout=cfg.dropout)
 
     stages = partition(model_factory(), cfg.pipeline_stages, cfg.partition, cfg.activation_checkpointing)
     grid = Grid.for_world(world.size, cfg.pipeline_stages)

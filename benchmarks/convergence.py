@@ -63,6 +63,9 @@ ABLATIONS = [
     Method(f"aqsgd_{fw}_{bw}_buf{b}", f"AQ-SGD fw{fw}/bw{bw}, {b}-bit buffers", "aqsgd", fw, "direct", bw,
            ("--buffer_bits", str(b)))
     for fw, bw in BIT_PAIRS[:2] for b in (8, 4)
+] + [  # dropout off on every stage (the dropout study: AQ-SGD's change cannot shrink below dropout's noise)
+    Method("fp32_nodropout", "FP32, dropout 0", "none", None, "none", None, ("--dropout", "0")),
+    Method("aqsgd_2_4_nodropout", "AQ-SGD fw2/bw4, dropout 0", "aqsgd", 2, "direct", 4, ("--dropout", "0")),
 ] + [  # and the cache-free codec: a randomized Hadamard rotation, then the same quantizer as DirectQ
     Method(f"hadamard_{fw}_{bw}", f"Hadamard fw{fw}/bw{bw}", "hadamard", fw, "direct", bw) for fw, bw in BIT_PAIRS[:2]
 ]
@@ -114,6 +117,10 @@ def summarize(records: list[dict[str, Any]], summary: dict[str, Any], metric: st
         "eval_loss": summary["eval_loss"], f"eval_{metric}": summary[f"eval_{metric}"],
         "fwd_bytes": summary["fwd_bytes"], "bwd_bytes": summary["bwd_bytes"], "seconds": summary["seconds"],
         "step_seconds": statistics.median(r["seconds"] for r in steps),  # the training step alone, no eval
+        # AQ-SGD's relative change ||a - m|| / ||a||, the mean over each epoch's steps (none before a first revisit)
+        "change_by_epoch": [round(statistics.mean(changes), 4) if changes else None for changes in
+                            ([r["fwd_change"] for r in steps if r["epoch"] == e and r.get("fwd_change") is not None]
+                             for e in sorted({r["epoch"] for r in steps}))],
         "loss": [round(r["loss"], 4) for r in steps],  # 4 decimals: the JSON stays small enough to commit
         "eval_curve": [[r["step"], r["eval_loss"], r.get(f"eval_{metric}")] for r in evals],
     }

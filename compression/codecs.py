@@ -190,6 +190,7 @@ class ForwardCodec(_Codec):
     ) -> None:
         super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed)
         self.buffer: SampleBuffer | None = None
+        self._squares: tuple[Any, Any] = (0.0, 0.0)  # sum ||a - m||^2, sum ||a||^2 over changes sent (take_change)
         if mode == "aqsgd":
             if num_samples is None or sample_shape is None:
                 raise ValueError("mode='aqsgd' needs num_samples (dataset size) "
@@ -260,7 +261,10 @@ class ForwardCodec(_Codec):
         steady = not bool(whole.any())  # every sample sent as a change: no masks to apply
         rows = x[:0] if steady else x[whole.to(x.device)]
         m = self.buffer.rows(ids[delta]).to(device=x.device, dtype=torch.float32)
-        q = self._quantize((x if steady else x[delta.to(x.device)]).float() - m)
+        moved = (x if steady else x[delta.to(x.device)]).float()
+        change = moved - m
+        self._squares = (self._squares[0] + change.square().sum(), self._squares[1] + moved.square().sum())
+        q = self._quantize(change)
         decoded = self._apply(ids, whole, delta, rows, m, dequantize(q), x.dtype)
         payload = torch.cat([_raw_bytes(rows), q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
@@ -292,6 +296,13 @@ class ForwardCodec(_Codec):
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta]).to(device=payload.device, dtype=torch.float32)
         return self._apply(ids, whole, delta, rows, m, dequantize(q), message.dtype)
+
+    def take_change(self) -> tuple[float, float]:
+        """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: their ratio's root
+        is the relative change AQ-SGD compresses, which must shrink for its error to (dropout keeps it up)."""
+        change, activation = self._squares
+        self._squares = (0.0, 0.0)
+        return float(change), float(activation)
 
     def undo_point(self, sample_ids: Any) -> Callable[[], None]:
         """A function that puts back the buffer rows and seen bits of `sample_ids` as they are now: how a step

@@ -87,6 +87,12 @@ class StepTotals(StepCounters):
     nonfinite: int = 0
     schedule_seconds: float = 0.0
     compute_seconds: float = 0.0
+    change_squares: float = 0.0  # AQ-SGD senders' sum of ||a - m||^2 over the changes they sent
+    activation_squares: float = 0.0  # and of ||a||^2 over the same rows
+
+    def change(self) -> float | None:
+        """||a - m|| / ||a|| over every AQ-SGD change the step sent (None when it sent none)."""
+        return (self.change_squares / self.activation_squares) ** 0.5 if self.activation_squares > 0 else None
 
     def bubble(self) -> float | None:
         """The fraction of the schedule's time the stages waited instead of computing (the pipeline bubble)."""
@@ -120,6 +126,7 @@ class StepMetrics:
     skipped: str | None = None  # why, for a step skipped on every rank (skip_nonfinite)
     bubble: float | None = None  # of the schedule's time over all ranks, the fraction outside forwards/backwards
     # (on CUDA an approximation: kernels run asynchronously, so some compute shows as the next sync's wait)
+    fwd_change: float | None = None  # ||a - m|| / ||a|| over the AQ-SGD changes sent (None: no aqsgd boundary)
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
@@ -408,7 +415,7 @@ class PipelineEngine:
                  skipped: str | None = None) -> StepMetrics:
         loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
-                           t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble())
+                           t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change())
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -456,9 +463,11 @@ class PipelineEngine:
         buffer could not hold, its gradients' squared norm, its totals), summed over the job so that every rank
         holds every row (a rank that found something non-finite sends no squares)."""
         grid, over = self.groups.grid, flight.overflow
+        change, activation = self.next.forward.take_change() if self.next is not None else (0.0, 0.0)
         mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
                           counted=flight.counted, nonfinite=int(flight.bad != 0),
-                          schedule_seconds=flight.schedule_seconds, compute_seconds=flight.compute_seconds)
+                          schedule_seconds=flight.schedule_seconds, compute_seconds=flight.compute_seconds,
+                          change_squares=change, activation_squares=activation)
         row = [flight.bad, flight.bad_mb + 1, over.sample_id if over else 0, over.value if over else 0.0,
                grad_squares if flight.bad == 0 else 0.0, *(float(getattr(mine, n)) for n in _TOTALS)]
         table = torch.zeros(grid.world_size, len(row), dtype=torch.float64)

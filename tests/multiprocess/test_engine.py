@@ -89,6 +89,8 @@ def test_aqsgd_sends_2_bit_changes_in_groups_after_the_first_epoch_and_learns():
     assert per_epoch[1] * 10 < per_epoch[0]
     losses = [s["loss"] for s in log]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 * 0.8
+    # ||a - m|| / ||a||: nothing sent as a change in the first epoch, then every step reports it
+    assert [s["fwd_change"] is None for s in log] == [s["epoch"] == 0 for s in log]
 
 
 def test_warmup_epochs_send_full_precision_then_compress():

@@ -451,3 +451,18 @@ def test_hadamard_backward_and_half_precision():
     y = r.decode(wire(msg))
     assert y.dtype == torch.float16 and torch.equal(y, msg.decoded)
     assert float((y.float() - g.float()).norm() / g.float().norm()) < 0.1
+
+
+def test_take_change_reports_the_relative_change_of_what_was_sent():
+    sender, receiver = pair()
+    ids = torch.tensor([3, 8])
+    x = activation(ids, 0, 0.0)
+    receiver.decode(wire(sender.encode(x, ids)), ids)
+    assert sender.take_change() == (0.0, 0.0)  # first visits are sent whole: no change
+    later = activation(ids, 1, 0.3)
+    receiver.decode(wire(sender.encode(later, ids)), ids)
+    change, total = sender.take_change()
+    m = x.half().float()  # what the float16 buffer held
+    assert change == pytest.approx(float((later - m).square().sum()), rel=1e-5)
+    assert total == pytest.approx(float(later.square().sum()), rel=1e-5)
+    assert sender.take_change() == (0.0, 0.0)  # taken: the counters start again

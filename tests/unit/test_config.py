@@ -55,6 +55,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--pipeline_stages", "two"], "pipeline_stages='two': expected a positive integer or auto"),
     (["--partition", "2,x"], "partition='2,x': expected parameters, uniform, or block counts"),
     (["--lr", "0"], "lr=0.0: expected a positive learning rate"),
+    (["--dropout", "1"], "dropout=1.0: expected a probability in [0, 1)"),
     (["--model", "/no/such/model"], "model='/no/such/model': no such file or directory"),
     (["--deepspeed_config", "/no/such.json"], "--deepspeed_config /no/such.json: no such file"),
     (["--buffer_dtype", "int8"], "buffer_dtype='int8': expected one of float16, bfloat16, float32"),

@@ -186,6 +186,21 @@ def test_the_model_config_maps_ids_to_the_label_names(cls_tok, tmp_path):
     assert bare.config.id2label == {0: "LABEL_0", 1: "LABEL_1"}  # transformers' default where the data has none
 
 
+def test_dropout_sets_every_dropout_of_the_model_and_its_config(cls_tok):
+    import torch
+
+    plain = build_model(None, "deberta", "classification", cls_tok, SEQ, 2, 0)
+    assert max(m.p for m in plain.modules() if isinstance(m, torch.nn.Dropout)) == 0.1  # HF default (pooler: 0)
+    off = build_model(None, "deberta", "classification", cls_tok, SEQ, 2, 0, dropout=0.0)
+    assert {m.p for m in off.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
+    assert off.config.hidden_dropout_prob == off.config.attention_probs_dropout_prob == 0.0
+    off.train()
+    x = torch.randint(0, 50, (2, SEQ))
+    assert torch.equal(off(input_ids=x).logits, off(input_ids=x).logits)  # no mask drawn: two passes agree
+    plain.train()
+    assert not torch.equal(plain(input_ids=x).logits, plain(input_ids=x).logits)
+
+
 # ----------------------------------------------------------------------------- naming other columns
 
 @pytest.mark.parametrize("suffix", FORMATS)
