@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only: no display on the benchmark machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 LINES = {2: ("-", 1.0), 3: ("--", 0.75), 4: (":", 0.6)}  # forward bits -> line style, colour strength
-COLOURS = {"none": "black", "direct": "tab:red", "aqsgd": "tab:blue"}  # by forward codec
+COLOURS = {"none": "black", "direct": "tab:red", "aqsgd": "tab:blue", "hadamard": "tab:purple"}  # by forward codec
 MAIN = ("fp32", "aqsgd_2_4", "directq_2_4")
 
 
@@ -30,6 +30,8 @@ def line_style(run: dict[str, Any]) -> dict[str, Any]:
     else:
         dash, alpha = LINES.get(run["forward_bits"] or 2, ("-", 1.0))
         colour = COLOURS[run["forward"]]
+        if run.get("extra"):  # a variant of the codec (quantized buffers, dropout off): a lighter shade
+            colour = {"tab:blue": "tab:cyan", "black": "tab:gray"}.get(colour, colour)
     return {"color": colour, "linestyle": dash, "alpha": alpha, "label": run["label"],
             "linewidth": 1.6 if run["method"] in MAIN else 1.1}
 

@@ -4,7 +4,7 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 
 - `quantize` / `dequantize` / `QuantizedTensor`: k-bit (1..8) min-max quantization with
   unbiased stochastic rounding, packed densely into bytes.
-- `ForwardCodec` / `BackwardCodec` / `Message`: boundary codecs (`none`, `direct`,
+- `ForwardCodec` / `BackwardCodec` / `Message`: boundary codecs (`none`, `direct`, `hadamard`,
   `aqsgd` with per-sample buffers in memory or on disk, in a float dtype or quantized).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """

@@ -148,9 +148,12 @@ class SampleBuffer:
     def check_ids(self, sample_ids: Any, batch: int | None = None) -> torch.Tensor:
         return as_sample_ids(sample_ids, self.num_samples, batch)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of `ids` as the buffer holds them (quantized rows decoded to float32)."""
+    def rows(self, ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """The rows of `ids` as the buffer holds them (quantized rows decoded to float32), on `device` (default:
+        the buffer's): quantized rows travel there as their codes and are decoded there."""
         held = self.values.index_select(0, ids)
+        if device is not None:
+            held = held.to(device)
         if self.bits is None:
             return held
         n, g = ids.numel(), self._groups

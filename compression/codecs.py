@@ -10,7 +10,8 @@ Forward modes:
           outliers across each block (hadamard.py), so min-max groups lose less; no buffer, no
           state between steps (for buffers that do not fit, or samples seen once);
   aqsgd   AQ-SGD: a sample's first visit sends a in full precision (its own dtype), the
-          receiver computes with it and both sides store m[ξ] = a (in the buffer dtype);
+          receiver computes with it and both sides store m[ξ] = a (in the buffer dtype, or quantized
+          with buffer_bits);
           later visits send Q(a - m[ξ]), both sides set m[ξ] += deQ(Q(a - m[ξ])) and the
           receiver computes with m[ξ].
 Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation), hadamard (the same
@@ -88,12 +89,13 @@ class _Codec:
         self.stochastic, self.group_size = bool(stochastic), group_size
         self.generator = torch.Generator().manual_seed(int(seed))
         self.rotation_seed = int(rotation_seed)
-        self._signs: dict[int, torch.Tensor] = {}  # row width -> the rotation's signs (one block's worth)
+        self._signs: dict[tuple[int, str], torch.Tensor] = {}  # (row width, device) -> the rotation's signs
 
-    def _rotation(self, width: int) -> torch.Tensor:
-        if width not in self._signs:
-            self._signs[width] = random_signs(block_size(width), self.rotation_seed)
-        return self._signs[width]
+    def _rotation(self, width: int, device: torch.device) -> torch.Tensor:
+        key = (width, str(device))
+        if key not in self._signs:
+            self._signs[key] = random_signs(block_size(width), self.rotation_seed).to(device)
+        return self._signs[key]
 
     def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
         return quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator)
@@ -105,7 +107,7 @@ class _Codec:
             return Message(_raw_bytes(x), x.shape, x.dtype, decoded=x.detach())
         if self.mode == "hadamard":
             check_finite(x, type(self).__name__ + " input")  # before the rotation smears a NaN over its block
-            signs = self._rotation(x.shape[-1])
+            signs = self._rotation(x.shape[-1], x.device)
             q = self._quantize(rotate(x.detach(), signs))
             return Message(q.to_bytes(), x.shape, x.dtype, decoded=unrotate(dequantize(q), signs).to(x.dtype))
         q = self._quantize(x)
@@ -124,7 +126,7 @@ class _Codec:
             return _from_raw(message.payload, shape, message.dtype)
         if self.mode == "hadamard":
             q = QuantizedTensor.from_bytes(message.payload, shape, torch.float32, self.bits, self.group_size)
-            return unrotate(dequantize(q), self._rotation(shape[-1])).to(message.dtype)
+            return unrotate(dequantize(q), self._rotation(shape[-1], message.payload.device)).to(message.dtype)
         q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size)
         return dequantize(q)
 
@@ -260,10 +262,11 @@ class ForwardCodec(_Codec):
         check_finite(x, "activation")
         steady = not bool(whole.any())  # every sample sent as a change: no masks to apply
         rows = x[:0] if steady else x[whole.to(x.device)]
-        m = self.buffer.rows(ids[delta]).to(device=x.device, dtype=torch.float32)
+        m = self.buffer.rows(ids[delta], x.device).float()
         moved = (x if steady else x[delta.to(x.device)]).float()
         change = moved - m
-        self._squares = (self._squares[0] + change.square().sum(), self._squares[1] + moved.square().sum())
+        self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
+                         self._squares[1] + torch.linalg.vector_norm(moved).square())
         q = self._quantize(change)
         decoded = self._apply(ids, whole, delta, rows, m, dequantize(q), x.dtype)
         payload = torch.cat([_raw_bytes(rows), q.to_bytes().to(x.device)])
@@ -294,12 +297,13 @@ class ForwardCodec(_Codec):
         rows = _from_raw(payload[:row_bytes], self._delta_shape(n_whole), message.dtype)
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size)
-        m = self.buffer.rows(ids[delta]).to(device=payload.device, dtype=torch.float32)
+        m = self.buffer.rows(ids[delta], payload.device).float()
         return self._apply(ids, whole, delta, rows, m, dequantize(q), message.dtype)
 
     def take_change(self) -> tuple[float, float]:
-        """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: their ratio's root
-        is the relative change AQ-SGD compresses, which must shrink for its error to (dropout keeps it up)."""
+        """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: the root of their ratio
+        is the relative change AQ-SGD compresses. Its quantization error scales with it, so it must shrink as
+        training settles for AQ-SGD to pay off (dropout's fresh masks keep it up)."""
         change, activation = self._squares
         self._squares = (0.0, 0.0)
         return float(change), float(activation)

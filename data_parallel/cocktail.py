@@ -188,12 +188,13 @@ class CocktailSGD(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = {"random_ratio": self.random_ratio, "topk_ratio": self.topk_ratio, "bits": self.bits,
-                "seed": self.seed, "group_size": self.group_size, "rank": self.comm.rank, "size": self.comm.size}
+                "seed": self.seed, "size": self.comm.size}
+        later = {"group_size": self.group_size, "rank": self.comm.rank}  # saved since; older checkpoints lack them
         missing = [key for key in (*mine, "anchor", "owner_error", "generator", "step_count") if key not in state]
         if missing:
             raise ValueError(f"{self.name}: checkpoint lacks {', '.join(missing)}: it was not saved by {self.name}")
-        for key, value in mine.items():
-            if state[key] != value:
+        for key, value in {**mine, **later}.items():
+            if state.get(key, value) != value:
                 raise ValueError(f"{self.name}: checkpoint has {key}={state[key]!r}, this run has {value!r}")
         if state["owner_error"].numel() != self.owner_error.numel():
             raise ValueError(f"{self.name}: checkpoint's shard has {state['owner_error'].numel()} elements, "

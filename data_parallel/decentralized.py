@@ -235,7 +235,7 @@ class LowPrecisionDecentralizedSGD(Algorithm):
                     f"{self.name}: checkpoint replica of worker {j} has {x.numel()} elements, the model has "
                     f"{self.replicas[j].numel()}"
                 )
-            self.replicas[j] = x.to(self.dtype).clone()
+            self.replicas[j] = x.to(device=self.replicas[j].device, dtype=self.dtype).clone()  # checkpoints load on CPU
         super().load_state_dict(state)
         self.generator.set_state(state["generator"])
         self.seed = state.get("seed", self.seed)

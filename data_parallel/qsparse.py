@@ -35,7 +35,7 @@ from compression import QuantizedTensor, SparseTensor, randk, topk
 
 from .base import Algorithm, register
 from .comm import Comm
-from .flat import worker_seed
+from .flat import assign, flatten, worker_seed
 
 SPARSIFIERS = ("topk", "randk")
 
@@ -48,7 +48,7 @@ def encode_indices(indices: torch.Tensor, width: int) -> torch.Tensor:
 
 def decode_indices(buf: torch.Tensor, width: int) -> torch.Tensor:
     cols = buf.to(torch.int64).view(-1, width)
-    out = torch.zeros(cols.shape[0], dtype=torch.int64)
+    out = torch.zeros(cols.shape[0], dtype=torch.int64, device=buf.device)
     for b in range(width):
         out |= cols[:, b] << (8 * b)
     return out
@@ -84,22 +84,13 @@ class QsparseLocalSGD(Algorithm):
         self.k = min(self.numel, max(1, math.ceil(round(self.topk_ratio * self.numel, 6)))) if self.numel else 0
         self.generator = torch.Generator().manual_seed(worker_seed(seed, comm.rank))
         self.anchor: torch.Tensor | None = None  # θ, the model at the last sync (float32, flat)
-        self.memory = torch.zeros(self.numel, dtype=torch.float32)  # m_r
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.memory = torch.zeros(self.numel, dtype=torch.float32, device=self.device)  # m_r
         self.syncs = 0
 
     # ------------------------------------------------------------------ helpers
     def _flat(self) -> torch.Tensor:
-        if not self.params:
-            return torch.zeros(0, dtype=torch.float32)
-        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
-
-    def _assign(self, flat: torch.Tensor) -> None:
-        start = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(flat[start:start + n].view_as(p))
-                start += n
+        return flatten(self.params, torch.float32)
 
     @property
     def index_width(self) -> int:
@@ -162,7 +153,7 @@ class QsparseLocalSGD(Algorithm):
             part = self.decode(buf)
             total = part if total is None else total + part
         self.memory = delta - self.decode(gathered[self.comm.rank])
-        self._assign(self.anchor - total / len(gathered))
+        assign(self.params, self.anchor - total / len(gathered))
         self.anchor = self._flat()
         self.syncs += 1
 
@@ -179,7 +170,7 @@ class QsparseLocalSGD(Algorithm):
             raise ValueError(f"{self.name}: the checkpoint's memory has {memory.numel()} elements, "
                              f"the parameters {self.numel}")
         super().load_state_dict(state)
-        self.anchor = None if state["anchor"] is None else state["anchor"].clone().to(torch.float32)
-        self.memory = memory.clone().to(torch.float32)
+        self.anchor = None if state["anchor"] is None else state["anchor"].to(self.device, torch.float32).clone()
+        self.memory = memory.to(self.device, torch.float32).clone()
         self.generator.set_state(state["generator"])
         self.syncs = int(state["syncs"])

@@ -126,7 +126,8 @@ class StepMetrics:
     skipped: str | None = None  # why, for a step skipped on every rank (skip_nonfinite)
     bubble: float | None = None  # of the schedule's time over all ranks, the fraction outside forwards/backwards
     # (on CUDA an approximation: kernels run asynchronously, so some compute shows as the next sync's wait)
-    fwd_change: float | None = None  # ||a - m|| / ||a|| over the AQ-SGD changes sent (None: no aqsgd boundary)
+    fwd_change: float | None = None  # ||a - m|| / ||a|| over the AQ-SGD changes sent (None: the step sent none:
+    # no aqsgd boundary, a warm-up step, or first visits only)
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""

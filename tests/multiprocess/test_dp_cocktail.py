@@ -199,3 +199,4 @@ def test_load_state_dict_refuses_another_configuration():
         small.load_state_dict({**a.state_dict(), "owner_error": small.owner_error})
     with pytest.raises(ValueError, match="checkpoint lacks anchor, owner_error.*not saved by cocktail_sgd"):
         a.load_state_dict({k: v for k, v in a.state_dict().items() if k not in ("anchor", "owner_error")})
+    a.load_state_dict({k: v for k, v in a.state_dict().items() if k not in ("group_size", "rank")})  # saved before

@@ -52,7 +52,7 @@ def run_epochs(sender, receiver, epochs=3, batch=5, drift=0.1, seed=0):
 
 def test_buffers_stay_bit_identical_over_three_shuffled_epochs():
     sender, receiver = pair()
-    run_epochs(sender, receiver, epochs=3, batch=5)  # batches of 5 over 24 samples: epochs mix new and seen
+    run_epochs(sender, receiver, epochs=3, batch=5)  # the first epoch's visits whole, later ones as changes
     assert torch.equal(sender.buffer.values, receiver.buffer.values)
     assert torch.equal(sender.buffer.seen, receiver.buffer.seen)
     assert bool(sender.buffer.seen.all())
@@ -466,3 +466,17 @@ def test_take_change_reports_the_relative_change_of_what_was_sent():
     assert change == pytest.approx(float((later - m).square().sum()), rel=1e-5)
     assert total == pytest.approx(float(later.square().sum()), rel=1e-5)
     assert sender.take_change() == (0.0, 0.0)  # taken: the counters start again
+
+
+@pytest.mark.parametrize("buffer_bits", [8, 4])
+def test_quantized_buffers_with_mixed_batches_and_refresh(buffer_bits):
+    sender, receiver = quantized_pair(buffer_bits)
+    for ids, kw in (([0, 1], {}), ([1, 2, 5], {}), ([2, 1], {"refresh": True}), ([5, 2], {})):
+        ids = torch.tensor(ids)  # 1 seen and 2, 5 new: one message of whole rows and changes
+        x = activation(ids, 1, 0.2) + 0.1 * int(ids.sum())
+        msg = sender.encode(x, ids, **kw)
+        assert torch.equal(receiver.decode(wire(msg), ids, **kw), msg.decoded)
+        assert torch.equal(sender.buffer.values, receiver.buffer.values)
+    held = sender.buffer.rows(torch.tensor([1]))  # refreshed at the third step: the whole row, nearest codes
+    x = activation(torch.tensor([2, 1]), 1, 0.2)[1:] + 0.1 * 3
+    assert torch.equal(held, dequantize(quantize(x, buffer_bits, stochastic=False)))
