@@ -74,13 +74,15 @@ class _Codec:
     """The `none`, `direct` and `hadamard` modes shared by both directions.
 
     `rotation_seed` draws hadamard's random signs: both sides of a boundary must pass the same
-    (`seed` only drives the sender's rounding dither, so the two sides' may differ).
+    (`seed` only drives the sender's rounding dither, so the two sides' may differ). An `adaptive` codec's
+    bits and group size are state, not configuration: `set_bits` changes them (both sides between the same
+    two messages) and a checkpoint carries the current ones.
     """
 
     modes: tuple[str, ...] = ()
 
     def __init__(self, mode: str, bits: int | None, stochastic: bool, seed: int, group_size: int | None,
-                 rotation_seed: int = 0) -> None:
+                 rotation_seed: int = 0, adaptive: bool = False) -> None:
         if mode not in self.modes:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(self.modes)}")
         if mode != "none" and bits is None:
@@ -89,6 +91,7 @@ class _Codec:
         self.stochastic, self.group_size = bool(stochastic), group_size
         self.generator = torch.Generator().manual_seed(int(seed))
         self.rotation_seed = int(rotation_seed)
+        self.adaptive = bool(adaptive) and mode != "none"
         self._signs: dict[tuple[int, str], torch.Tensor] = {}  # (row width, device) -> the rotation's signs
 
     def _rotation(self, width: int, device: torch.device) -> torch.Tensor:
@@ -130,24 +133,37 @@ class _Codec:
         q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size)
         return dequantize(q)
 
+    def set_bits(self, bits: int, group_size: int | None) -> None:
+        """The bits and group of the messages from now on (an adaptive codec; both sides alike)."""
+        if not self.adaptive:
+            raise RuntimeError(f"set_bits on a {self.mode!r} codec built without adaptive=True")
+        self.bits, self.group_size = check_bits(bits), group_size
+
     def _config(self) -> dict[str, Any]:
-        config = {"mode": self.mode, "bits": self.bits, "stochastic": self.stochastic, "group_size": self.group_size}
+        config = {"mode": self.mode, "stochastic": self.stochastic, "adaptive": self.adaptive}
+        if not self.adaptive:
+            config.update(bits=self.bits, group_size=self.group_size)
         if self.mode == "hadamard":
             config["rotation_seed"] = self.rotation_seed
         return config
 
     def _check_config(self, state: dict[str, Any]) -> None:
-        mine, theirs = self._config(), state.get("config", {})
+        mine, theirs = self._config(), {"adaptive": False, **state.get("config", {})}  # saved before adaptive codecs
         diff = [f"{k}: checkpoint {theirs.get(k)!r} vs codec {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"{type(self).__name__} state does not match this codec: " + "; ".join(diff))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self._config(), "generator": self.generator.get_state()}
+        state = {"config": self._config(), "generator": self.generator.get_state()}
+        if self.adaptive:
+            state["bits"], state["group_size"] = self.bits, self.group_size
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_config(state)
         self.generator.set_state(state["generator"])
+        if self.adaptive:
+            self.set_bits(state["bits"], state["group_size"])
 
 
 class BackwardCodec(_Codec):
@@ -156,8 +172,8 @@ class BackwardCodec(_Codec):
     modes = BACKWARD_MODES
 
     def __init__(self, mode: str, bits: int | None = None, *, stochastic: bool = True, seed: int = 0,
-                 group_size: int | None = None, rotation_seed: int = 0) -> None:
-        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed)
+                 group_size: int | None = None, rotation_seed: int = 0, adaptive: bool = False) -> None:
+        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive)
 
     def encode(self, g: torch.Tensor, sample_ids: Any = None) -> Message:
         """`sample_ids` is accepted for symmetry with ForwardCodec; gradients are not buffered."""
@@ -189,8 +205,9 @@ class ForwardCodec(_Codec):
         sample_shape: tuple[int, ...] | None = None, buffer_dtype: torch.dtype = torch.float16,
         buffer_path: str | os.PathLike | None = None, stochastic: bool = True, seed: int = 0,
         group_size: int | None = None, buffer_bits: int | None = None, rotation_seed: int = 0,
+        adaptive: bool = False,
     ) -> None:
-        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed)
+        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive)
         self.buffer: SampleBuffer | None = None
         self._squares: tuple[Any, Any] = (0.0, 0.0)  # sum ||a - m||^2, sum ||a||^2 over changes sent (take_change)
         if mode == "aqsgd":

@@ -143,6 +143,15 @@ def quantize(
     return QuantizedTensor(packed, mins, steps, x.shape, x.dtype, bits, group_size)
 
 
+def error_constant(bits: int, width: int, group_size: int | None = None, rows: int = 256) -> float:
+    """c_Q = E ||x - Q(x)|| / ||x|| over seeded Gaussian rows of `width` (groups: a row, or `group_size`),
+    stochastic rounding: the constant AQ-SGD's convergence theorem bounds (c_Q < sqrt(1/2)). Deterministic,
+    so every process computes the same value."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(bits))
+    y = dequantize(quantize(x, bits, group_size=group_size, generator=torch.Generator().manual_seed(0)))
+    return float(((y - x).norm(dim=1) / x.norm(dim=1)).mean())
+
+
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """The decoded tensor, in q's shape and dtype."""
     gs = _group_size(q.shape, q.group_size)

@@ -480,3 +480,25 @@ def test_quantized_buffers_with_mixed_batches_and_refresh(buffer_bits):
     held = sender.buffer.rows(torch.tensor([1]))  # refreshed at the third step: the whole row, nearest codes
     x = activation(torch.tensor([2, 1]), 1, 0.2)[1:] + 0.1 * 3
     assert torch.equal(held, dequantize(quantize(x, buffer_bits, stochastic=False)))
+
+
+def test_adaptive_codecs_change_bits_on_both_sides_and_resume_with_the_current_ones():
+    kw = {"num_samples": N, "sample_shape": SHAPE, "adaptive": True}
+    sender, receiver = ForwardCodec("aqsgd", 2, seed=1, **kw), ForwardCodec("aqsgd", 2, seed=1, **kw)
+    first = run_epochs(sender, receiver, epochs=2)
+    for codec in (sender, receiver):  # both sides, between the same two messages
+        codec.set_bits(4, None)
+    later = run_epochs(sender, receiver, epochs=1, seed=3)
+    assert torch.equal(sender.buffer.values, receiver.buffer.values)
+    assert later[0][0] == N * SHAPE[0] * (SHAPE[1] * 4 // 8 + 8)  # 4-bit changes, a min and step per row
+    assert later[0][0] > first[1][0] and later[0][1] < first[1][1]  # more bytes, less error than at 2 bits
+    state = copy.deepcopy({"s": sender.state_dict(), "r": receiver.state_dict()})
+    again = ForwardCodec("aqsgd", 2, seed=1, **kw), ForwardCodec("aqsgd", 2, seed=1, **kw)
+    again[0].load_state_dict(state["s"])
+    again[1].load_state_dict(state["r"])
+    assert (again[0].bits, again[1].bits) == (4, 4)
+    assert run_epochs(*again, epochs=1, seed=4) == run_epochs(sender, receiver, epochs=1, seed=4)
+    with pytest.raises(RuntimeError, match="set_bits on a 'aqsgd' codec built without adaptive=True"):
+        pair()[0].set_bits(4, None)
+    with pytest.raises(ValueError, match="adaptive: checkpoint False vs codec True"):
+        again[0].load_state_dict(pair()[0].state_dict())
