@@ -92,6 +92,11 @@ def _count_or_auto(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else int(text)
 
 
+def _rates(text: str) -> list[float]:
+    """Comma-separated link rates in Mbit/s, one per boundary."""
+    return [float(v) for v in text.split(",")]
+
+
 # flag -> (type, help, where it lands: a RunConfig field, or "section.field"); every flag defaults to None so
 # the file's value survives unless the flag is given
 FLAGS: dict[str, tuple[Any, str, str]] = {
@@ -133,9 +138,17 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "save_total_limit": (int, "keep only the N newest checkpoints (default 2; 0: all)", "save_total_limit"),
     # the compression section (the engine's CompressionConfig)
     "forward_compress": (str, f"activations: one of {', '.join(FORWARD_MODES)}", "compression.forward"),
-    "forward_bits": (int, "bits of forward compression (1-8)", "compression.forward_bits"),
+    "forward_bits": (_count_or_auto, "bits of forward compression (1-8), or auto: per boundary, from its link and "
+                                     "the receiver's compute", "compression.forward_bits"),
     "backward_compress": (str, f"gradients: one of {', '.join(BACKWARD_MODES)}", "compression.backward"),
-    "backward_bits": (int, "bits of backward compression (1-8)", "compression.backward_bits"),
+    "backward_bits": (_count_or_auto, "bits of backward compression (1-8), or auto",
+                      "compression.backward_bits"),
+    "auto_bits_min": (int, "the fewest bits auto may choose (default 2)", "compression.auto_bits_min"),
+    "auto_bits_max": (int, "the most bits auto may choose (default 8)", "compression.auto_bits_max"),
+    "auto_bits_every": (int, "steps between auto's decisions, each after probing the links (default 20)",
+                        "compression.auto_bits_every"),
+    "link_mbit": (_rates, "known link rates, Mbit/s, one per boundary (comma-separated): auto decides from them "
+                          "instead of probing", "compression.link_mbit"),
     "group_size": (_group, "elements per quantization group on both boundaries (each group's min and step: 8 "
                            "bytes), auto, or none for whole rows; sets --forward_group_size and --backward_group_size",
                    "compression.group_size"),
@@ -337,6 +350,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
     cfg.compression.validate()
+    rates = cfg.compression.link_mbit
+    if rates is not None and len(rates) != cfg.pipeline_stages - 1:
+        raise ValueError(f"link_mbit={rates}: expected {cfg.pipeline_stages - 1} rates, one per boundary of "
+                         f"{cfg.pipeline_stages} stages")
     if isinstance(cfg.partition, str) and cfg.partition not in ("parameters", "uniform"):
         try:
             cfg.partition = [int(v) for v in cfg.partition.split(",")]

@@ -17,6 +17,8 @@ AUTO_GROUP_BITS = 2
 
 
 def _bits(name: str, value: object, needed: bool) -> None:
+    if value == "auto" and name != "tie_bits":
+        return
     if value is not None or needed:
         check_bits(value, name)
 
@@ -32,6 +34,10 @@ class CompressionConfig:
     it), else round to nearest. `tie`: how tied weights' rows and gradients travel (ties.py): `none`
     exactly, `aqsgd` as `tie_bits` changes against the follower's rows and `tie_bits` gradients;
     `auto` is `none` when both boundary codecs are and `aqsgd` otherwise.
+
+    `forward_bits` / `backward_bits` "auto": bits per boundary from its measured link and the receiving
+    stage's compute (auto_bits.py), between `auto_bits_min` and `auto_bits_max`, decided every
+    `auto_bits_every` steps; `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement.
     """
 
     forward: str = "none"
@@ -47,6 +53,10 @@ class CompressionConfig:
     stochastic: bool = True
     tie: str = "auto"
     tie_bits: int = 8
+    auto_bits_min: int = 2
+    auto_bits_max: int = 8
+    auto_bits_every: int = 20  # steps between decisions (each probes the links first)
+    link_mbit: list[float] | None = None  # known link rates per boundary: no probes
 
     def validate(self) -> "CompressionConfig":
         """Every value against its range, one line naming the setting as its flag does; no I/O."""
@@ -67,6 +77,18 @@ class CompressionConfig:
             raise ValueError(f"warmup_epochs={self.warmup_epochs!r}: expected an integer >= 0")
         if self.buffer_dtype not in BUFFER_DTYPES.values():
             raise ValueError(f"buffer_dtype={self.buffer_dtype!r}: expected one of {', '.join(BUFFER_DTYPES)}")
+        if self.auto():
+            for name in ("auto_bits_min", "auto_bits_max"):
+                check_bits(getattr(self, name), name)
+            if self.auto_bits_min > self.auto_bits_max:
+                raise ValueError(f"auto_bits_min={self.auto_bits_min} > auto_bits_max={self.auto_bits_max}: "
+                                 "expected min <= max")
+            every = self.auto_bits_every
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ValueError(f"auto_bits_every={every!r}: expected a positive number of steps")
+        if self.link_mbit is not None and (not isinstance(self.link_mbit, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.link_mbit)):
+            raise ValueError(f"link_mbit={self.link_mbit!r}: expected positive rates in Mbit/s, one per boundary")
         if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in buffer_dtype")
@@ -74,9 +96,16 @@ class CompressionConfig:
             raise ValueError(f"stochastic={self.stochastic!r}: expected true or false")
         return self
 
-    def group_size(self, direction: str, width: int) -> int | None:
-        """The group the `direction` ("forward" or "backward") quantizer uses on rows of `width`, auto resolved."""
-        value, bits = getattr(self, f"{direction}_group_size"), getattr(self, f"{direction}_bits")
+    def auto(self, direction: str | None = None) -> bool:
+        """Whether `direction`'s bits (either's, for None) are chosen per link."""
+        directions = (direction,) if direction else ("forward", "backward")
+        return any(getattr(self, d) != "none" and getattr(self, f"{d}_bits") == "auto" for d in directions)
+
+    def group_size(self, direction: str, width: int, bits: int | None = None) -> int | None:
+        """The group the `direction` ("forward" or "backward") quantizer uses on rows of `width` at `bits` (default:
+        its configured bits), auto resolved."""
+        value = getattr(self, f"{direction}_group_size")
+        bits = getattr(self, f"{direction}_bits") if bits is None else bits
         if value == "auto":
             small = bits is not None and bits <= AUTO_GROUP_BITS and width > AUTO_GROUP_SIZE
             return AUTO_GROUP_SIZE if small else None

@@ -31,9 +31,10 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from compression import BackwardCodec, BufferRangeError, ForwardCodec, SampleIds
+from compression import BackwardCodec, BufferRangeError, ForwardCodec, QuantizedTensor, SampleIds
 
 from . import schedule as sched
+from .auto_bits import DIRECTIONS, AutoBits, Link, allowed_bits
 from .compression_config import CompressionConfig
 from . import split_backward
 from .ties import Tie, TiedWeights
@@ -49,6 +50,7 @@ _KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gr
 # the columns of a rank's row in the step's one collective (_exchange): its verdict (what, first micro-batch,
 # overflowing sample and value), its gradients' squared norm, then its StepTotals fields
 _ROW_SQUARES, _ROW_TOTALS = 4, 5
+PROBE_BYTES = 256 << 10  # a link probe's large message (auto bits): 0.1 s on 20 Mbit/s, well above the noise
 
 
 class Stage(Protocol):
@@ -89,6 +91,10 @@ class StepTotals(StepCounters):
     compute_seconds: float = 0.0
     change_squares: float = 0.0  # AQ-SGD senders' sum of ||a - m||^2 over the changes they sent
     activation_squares: float = 0.0  # and of ||a||^2 over the same rows
+    # this rank's probe of the link to its next stage (auto bits): read per row from the table, never summed
+    link_ahead: float = 0.0  # seconds a byte, activations' way
+    link_back: float = 0.0  # seconds a byte, gradients' way
+    link_latency: float = 0.0  # seconds a message
 
     def change(self) -> float | None:
         """||a - m|| / ||a|| over every AQ-SGD change the step sent (None when it sent none)."""
@@ -128,6 +134,8 @@ class StepMetrics:
     # (on CUDA an approximation: kernels run asynchronously, so some compute shows as the next sync's wait)
     fwd_change: float | None = None  # ||a - m|| / ||a|| over the AQ-SGD changes sent (None: the step sent none:
     # no aqsgd boundary, a warm-up step, or first visits only)
+    bits: dict[str, int] | None = None  # with auto bits: "boundary.direction" -> the bits this step's messages used
+    bits_decision: dict[str, Any] | None = None  # with auto bits, on a decision step: its inputs and outcome
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
@@ -200,6 +208,8 @@ class PipelineEngine:
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
         self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
+        self.auto_bits = self._auto_bits() if c.auto() else None
+        self._link = (0.0, 0.0, 0.0)  # this step's probe of the next link (auto bits)
         self.prev = self._boundary(groups.stage - 1, num_samples, seq_len, seed) if not stage.is_first else None
         self.next = self._boundary(groups.stage, num_samples, seq_len, seed) if not stage.is_last else None
 
@@ -217,15 +227,74 @@ class PipelineEngine:
               "buffer_path": path, "buffer_bits": c.buffer_bits} if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
         rotation_seed = seed * 1000 + index * 10  # hadamard's signs: the same on both sides and in every replica
-        forward = ForwardCodec(c.forward, c.forward_bits, stochastic=c.stochastic, seed=codec_seed,
-                               group_size=c.group_size("forward", shape[-1]), rotation_seed=rotation_seed, **kw)
-        backward = BackwardCodec(c.backward, c.backward_bits, stochastic=c.stochastic, seed=codec_seed + 1,
-                                 group_size=c.group_size("backward", shape[-1]), rotation_seed=rotation_seed + 1)
+        bits = {d: self.auto_bits.bits[(index, d)] if c.auto(d) else getattr(c, f"{d}_bits") for d in DIRECTIONS}
+        forward = ForwardCodec(c.forward, bits["forward"], stochastic=c.stochastic, seed=codec_seed,
+                               group_size=c.group_size("forward", shape[-1], bits["forward"]),
+                               rotation_seed=rotation_seed, adaptive=c.auto("forward"), **kw)
+        backward = BackwardCodec(c.backward, bits["backward"], stochastic=c.stochastic, seed=codec_seed + 1,
+                                 group_size=c.group_size("backward", shape[-1], bits["backward"]),
+                                 rotation_seed=rotation_seed + 1, adaptive=c.auto("backward"))
         ahead, back = (index, index + 1), (index + 1, index)  # activations flow ahead, gradients back
         out_link, in_link = (ahead, back) if side == "send" else (back, ahead)
         return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"),
                         outgoing=self.groups.channel(BOUNDARY, *out_link),
                         incoming=self.groups.channel(BOUNDARY, *in_link))
+
+    def _auto_bits(self) -> AutoBits:
+        """The candidates of every automatic direction (inside the bounds and the theorem) at this model's width."""
+        c, width, boundaries = self.compression, self.stage.hidden_size, self.groups.grid.stages - 1
+        if c.link_mbit is not None and len(c.link_mbit) != boundaries:
+            raise ValueError(f"link_mbit={c.link_mbit}: expected {boundaries} rates, one per boundary")
+        allowed = {d: allowed_bits(c.auto_bits_min, c.auto_bits_max, width,
+                                   lambda bits, d=d: c.group_size(d, width, bits)) for d in DIRECTIONS if c.auto(d)}
+        return AutoBits(boundaries, allowed)
+
+    # ------------------------------------------------------------------ bits per link
+    def _decision_step(self) -> bool:
+        return self.auto_bits is not None and self.global_step % self.compression.auto_bits_every == 0
+
+    def _probe_links(self) -> tuple[float, float, float]:
+        """Probe this rank's links, even boundaries first, then odd ones (a rank is in one probe at a time);
+        returns the probe of the next link (zeros on the last stage)."""
+        mine, stage = (0.0, 0.0, 0.0), self.groups.stage
+        for parity in (0, 1):
+            if self.next is not None and stage % 2 == parity:
+                mine = self.next.probe(True, PROBE_BYTES, self.device)
+            if self.prev is not None and (stage - 1) % 2 == parity:
+                self.prev.probe(False, PROBE_BYTES, self.device)
+        return mine
+
+    def _decide_bits(self, table: torch.Tensor, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """New bits from the job-wide table, the same on every rank: per boundary, its slowest replica's link
+        each way against its receivers' least compute per micro-batch. Sets this rank's codecs."""
+        c, grid, width = self.compression, self.groups.grid, self.stage.hidden_size
+        col = {n: _ROW_TOTALS + _TOTALS.index(n) for n in ("compute_seconds", "link_ahead", "link_back",
+                                                            "link_latency")}
+        rows, seq = micro_batches[0]["input_ids"].shape[:2]
+        links, budgets = {}, {}
+        for b in range(grid.stages - 1):
+            senders = [grid.rank(b, r) for r in range(grid.replicas)]
+            receivers = [grid.rank(b + 1, r) for r in range(grid.replicas)]
+            for direction, way, computing in (("forward", "link_ahead", receivers), ("backward", "link_back", senders)):
+                if c.link_mbit is not None:
+                    links[(b, direction)] = Link(8 / (c.link_mbit[b] * 1e6))
+                else:
+                    links[(b, direction)] = Link(float(table[senders, col[way]].max()),
+                                                 float(table[senders, col["link_latency"]].max()))
+                budgets[(b, direction)] = float(table[computing, col["compute_seconds"]].min()) / len(micro_batches)
+
+        def message_bytes(b: int, direction: str, bits: int) -> int:
+            n = QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits))
+            return n + (8 * rows if direction == "forward" else 0)  # the sample ids travel with activations
+
+        auto = [key for key in links if key[1] in self.auto_bits.allowed]
+        changed = self.auto_bits.decide(self.global_step + 1, {k: links[k] for k in auto},  # the step it ends
+                                        {k: budgets[k] for k in auto}, message_bytes)
+        for (b, direction), bits in changed.items():
+            for boundary, index in ((self.next, self.groups.stage), (self.prev, self.groups.stage - 1)):
+                if boundary is not None and index == b:
+                    getattr(boundary, direction).set_bits(bits, c.group_size(direction, width, bits))
+        return self.auto_bits.last
 
     # ------------------------------------------------------------------ one batch
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -384,6 +453,9 @@ class PipelineEngine:
         start = time.perf_counter()
         self._counters = StepCounters()
         phase = "warmup" if epoch < self.compression.warmup_epochs else "train"
+        deciding = self._decision_step()
+        self._link = self._probe_links() if deciding and self.compression.link_mbit is None else (0.0, 0.0, 0.0)
+        bits_used = None if self.auto_bits is None else self.auto_bits.record()
         self.stage.train()
         actions = sched.train_schedule(self.schedule, self.groups.stage, self.groups.grid.stages, len(micro_batches))
         generators = self._generator_states()
@@ -391,6 +463,7 @@ class PipelineEngine:
         self.tied.finish()  # the owner's tied gradient is whole from here
         table = self._exchange(flight, self._grad_squares(flight))
         totals = self._totals(table)
+        self._bits = (bits_used, self._decide_bits(table, micro_batches) if deciding else None)  # for the next steps
         verdict = self._verdict(table, flight)
         if verdict is not None:
             return self._reject(flight, totals, generators, verdict, epoch, phase, start, len(micro_batches))
@@ -415,8 +488,10 @@ class PipelineEngine:
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  skipped: str | None = None) -> StepMetrics:
         loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
+        bits, decision = getattr(self, "_bits", (None, None))
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
-                           t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change())
+                           t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change(), bits,
+                           decision)
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -468,7 +543,8 @@ class PipelineEngine:
         mine = StepTotals(**vars(self._counters), loss_sum=sum(flight.losses.values()), correct=flight.correct,
                           counted=flight.counted, nonfinite=int(flight.bad != 0),
                           schedule_seconds=flight.schedule_seconds, compute_seconds=flight.compute_seconds,
-                          change_squares=change, activation_squares=activation)
+                          change_squares=change, activation_squares=activation, link_ahead=self._link[0],
+                          link_back=self._link[1], link_latency=self._link[2])
         row = [flight.bad, flight.bad_mb + 1, over.sample_id if over else 0, over.value if over else 0.0,
                grad_squares if flight.bad == 0 else 0.0, *(float(getattr(mine, n)) for n in _TOTALS)]
         table = torch.zeros(grid.world_size, len(row), dtype=torch.float64)
@@ -558,6 +634,7 @@ class PipelineEngine:
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "codecs": {name: codec.state_dict() for name, codec in self._codecs().items()},
             "data_parallel": None if self.data_parallel is None else self.data_parallel.state_dict(),
+            "auto_bits": None if self.auto_bits is None else self.auto_bits.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -585,6 +662,10 @@ class PipelineEngine:
             codec.load_state_dict(state["codecs"][name])
         if self.data_parallel is not None:
             self.data_parallel.load_state_dict(state["data_parallel"])
+        if (state.get("auto_bits") is None) != (self.auto_bits is None):
+            raise ValueError("engine state and this engine differ in whether bits are chosen per link (auto)")
+        if self.auto_bits is not None:
+            self.auto_bits.load_state_dict(state["auto_bits"])  # the codecs restored their current bits themselves
         self.global_step = int(state["global_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 

@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from compression import BackwardCodec, ForwardCodec, Message, SampleIds
 
+PROBE_REPEATS = 3  # round trips per size in a link probe; the fastest of them counts
+
 
 class Incoming:
     """A receive posted ahead of its use. gloo starts moving a message only once its receive is
@@ -171,6 +173,33 @@ class Boundary:
 
     def recv_raw(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self.wire.recv(nbytes, self.peer, device, tag=self.tag, group=self.incoming)
+
+    def probe(self, leads: bool, large: int, device: torch.device,
+              small: int = 64) -> tuple[float, float, float] | None:
+        """Time this boundary's link each way with ping-pongs of `large` and `small` bytes (both sides call it at
+        the same point; the two directions may differ, as shaped uplinks do). The side that `leads` (the stage
+        that sends activations) returns (seconds a byte ahead, seconds a byte back, one-way delay); the other
+        side answers each message and returns None. Not counted as any wire's bytes: it is measurement."""
+        big = torch.zeros(large, dtype=torch.uint8, device=device)
+        little = torch.zeros(small, dtype=torch.uint8, device=device)
+        plan = [(small, small)] + [(small, small), (large, small), (small, large)] * PROBE_REPEATS  # (out, back)
+        if not leads:
+            for n_out, n_in in plan:
+                self.recv_raw(n_out, device)
+                self.send_raw(big[:n_in] if n_in == large else little)
+            self.wire.flush()
+            return None
+        times: dict[tuple[int, int], float] = {}
+        for n_out, n_in in plan:  # the first message on a path pays its set-up: it is timed, then bettered
+            start = time.perf_counter()
+            self.send_raw(big if n_out == large else little)
+            self.recv_raw(n_in, device)
+            took = time.perf_counter() - start
+            times[(n_out, n_in)] = min(took, times.get((n_out, n_in), took))  # the least: the link, not the noise
+        self.wire.flush()
+        rtt = times[(small, small)]
+        per_byte = [max(0.0, times[pair] - rtt) / (large - small) for pair in ((large, small), (small, large))]
+        return per_byte[0], per_byte[1], rtt / 2
 
     def take_grad(self, posted: "Posted") -> torch.Tensor:
         buf = posted.incoming.wait()
