@@ -117,6 +117,25 @@ class Network:
                   "burst", str(burst), "latency", "50ms"])
         self.rate = rate
 
+    def shape_links(self, rates: dict[tuple[int, int], str], default: str) -> None:
+        """Each host's egress to host j at rates[(i, j)], to every other host at `default`: one slow link among
+        fast ones (an HTB class per destination, a u32 filter on its address; the rest, ARP included, default)."""
+        for i in range(self.hosts):
+            dev = self.interface(i)
+            tc = ["ip", "netns", "exec", self.namespace(i), "tc"]
+            _run([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
+            _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "999"])
+            classes = {999: default, **{10 + j: rate for (src, j), rate in rates.items() if src == i}}
+            for minor, rate in classes.items():
+                burst = max(16 * 1024, int(rate_bits(rate) / 8 / 250))
+                _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor}", "htb", "rate", rate,
+                      "burst", str(burst), "cburst", str(burst)])
+            for (src, j) in rates:
+                if src == i:
+                    _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                          "match", "ip", "dst", f"{self.address(j)}/32", "flowid", f"1:{10 + j}"])
+        self.rate = f"{default}, " + ", ".join(f"{i}->{j} {r}" for (i, j), r in sorted(rates.items()))
+
     def throughput_mbit(self, src: int = 0, dst: int = 1, nbytes: int = 4 << 20, port: int = 29999) -> float:
         """Measured Mbit/s of one TCP stream from host src to host dst (what the shaping really gives)."""
         receiver = ("import socket,sys\n"
