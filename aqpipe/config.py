@@ -147,6 +147,8 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "auto_bits_max": (int, "the most bits auto may choose (default 8)", "compression.auto_bits_max"),
     "auto_bits_every": (int, "steps between auto's decisions, each after probing the links (default 20)",
                         "compression.auto_bits_every"),
+    "auto_bits_headroom": (float, "the share of the receiving stage's compute per micro-batch a message may take "
+                                  "(default 1: all of it)", "compression.auto_bits_headroom"),
     "link_mbit": (_rates, "known link rates, Mbit/s, one per boundary (comma-separated): auto decides from them "
                           "instead of probing", "compression.link_mbit"),
     "group_size": (_group, "elements per quantization group on both boundaries (each group's min and step: 8 "

@@ -56,6 +56,7 @@ class CompressionConfig:
     auto_bits_min: int = 2
     auto_bits_max: int = 8
     auto_bits_every: int = 20  # steps between decisions (each probes the links first)
+    auto_bits_headroom: float = 1.0  # the share of the receiver's compute per micro-batch a message may take
     link_mbit: list[float] | None = None  # known link rates per boundary: no probes
 
     def validate(self) -> "CompressionConfig":
@@ -83,6 +84,9 @@ class CompressionConfig:
             if self.auto_bits_min > self.auto_bits_max:
                 raise ValueError(f"auto_bits_min={self.auto_bits_min} > auto_bits_max={self.auto_bits_max}: "
                                  "expected min <= max")
+            room = self.auto_bits_headroom
+            if isinstance(room, bool) or not isinstance(room, (int, float)) or not 0 < room <= 1:
+                raise ValueError(f"auto_bits_headroom={room!r}: expected a fraction in (0, 1]")
             every = self.auto_bits_every
             if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 raise ValueError(f"auto_bits_every={every!r}: expected a positive number of steps")

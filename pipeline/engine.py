@@ -50,7 +50,7 @@ _KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gr
 # the columns of a rank's row in the step's one collective (_exchange): its verdict (what, first micro-batch,
 # overflowing sample and value), its gradients' squared norm, then its StepTotals fields
 _ROW_SQUARES, _ROW_TOTALS = 4, 5
-PROBE_BYTES = 256 << 10  # a link probe's large message (auto bits): 0.1 s on 20 Mbit/s, well above the noise
+PROBE_BYTES = 64 << 10  # a link probe's large message (auto bits): 52 ms on 10 Mbit/s, above the noise
 
 
 class Stage(Protocol):
@@ -281,7 +281,8 @@ class PipelineEngine:
                 else:
                     links[(b, direction)] = Link(float(table[senders, col[way]].max()),
                                                  float(table[senders, col["link_latency"]].max()))
-                budgets[(b, direction)] = float(table[computing, col["compute_seconds"]].min()) / len(micro_batches)
+                compute = float(table[computing, col["compute_seconds"]].min()) / len(micro_batches)
+                budgets[(b, direction)] = c.auto_bits_headroom * compute
 
         def message_bytes(b: int, direction: str, bits: int) -> int:
             n = QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits))

@@ -63,6 +63,8 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--forward_bits", "auto", "--auto_bits_min", "6", "--auto_bits_max", "4"],
      "auto_bits_min=6 > auto_bits_max=4: expected min <= max"),
     (["--forward_bits", "auto", "--auto_bits_every", "0"], "auto_bits_every=0: expected a positive number of steps"),
+    (["--forward_bits", "auto", "--auto_bits_headroom", "1.5"],
+     "auto_bits_headroom=1.5: expected a fraction in (0, 1]"),
     (["--link_mbit", "100,0"], "link_mbit=[100.0, 0.0]: expected positive rates in Mbit/s, one per boundary"),
     (["--link_mbit", "100,20"], "link_mbit=[100.0, 20.0]: expected 0 rates, one per boundary of 1 stages"),
     (["--dp_algorithm", "gossip"], "dp_algorithm='gossip': expected one of allreduce"),

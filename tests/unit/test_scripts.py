@@ -65,3 +65,20 @@ def test_bench_data_parallel_reads_a_run_and_times_only_the_steps_after_the_firs
     assert row["steps"] == 7 and row["dp_bytes_per_step"] == 400 and row["dp_bytes_last_step"] == 700
     assert row["loss_first_5"] == 6.0 and row["eval_loss"] == 2.5
     assert row["wire_bytes_last_step"] == {"fwd_bytes": 7, "bwd_bytes": 0, "tie_bytes": 0, "dp_bytes": 700}
+
+
+def test_bench_auto_bits_verdict_names_what_beats_auto():
+    from benchmarks import bench_auto_bits
+
+    def row(method, seconds, loss, fwd):
+        return {"method": method, "seconds_per_step": seconds, "eval_loss": loss, "bits": None,
+                "bytes_per_step": {"fwd_bytes": fwd, "bwd_bytes": 0, "tie_bytes": 0, "dp_bytes": 0}}
+
+    rows = [row("aqsgd_2_4", 0.50, 5.60, 100), row("aqsgd_8_8", 0.90, 5.40, 300), row("auto", 0.49, 5.45, 200)]
+    v = bench_auto_bits.verdict(rows)
+    assert v["fastest_fixed"] == "aqsgd_2_4" and v["auto_vs_fastest_speed"] == 0.50 / 0.49
+    assert v["auto_better_loss_than_fastest"] and not v["auto_fewer_bytes_than_fastest"]
+    assert v["fixed_better_on_both"] == []
+    rows.append(row("aqsgd_4_8", 0.45, 5.44, 150))  # faster and better than auto: named
+    assert bench_auto_bits.verdict(rows)["fixed_better_on_both"] == ["aqsgd_4_8"]
+    assert "| auto | 0.490 | 5.4500 | 0.2 | 0.0 | 0.0 | - |" in bench_auto_bits.table(rows)
