@@ -210,6 +210,7 @@ class PipelineEngine:
         self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
         self.auto_bits = self._auto_bits() if c.auto() else None
         self._link = (0.0, 0.0, 0.0)  # this step's probe of the next link (auto bits)
+        self._bits: tuple[dict[str, int] | None, dict[str, Any] | None] = (None, None)  # the step's bits, decision
         self.prev = self._boundary(groups.stage - 1, num_samples, seq_len, seed) if not stage.is_first else None
         self.next = self._boundary(groups.stage, num_samples, seq_len, seed) if not stage.is_last else None
 
@@ -489,7 +490,7 @@ class PipelineEngine:
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  skipped: str | None = None) -> StepMetrics:
         loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
-        bits, decision = getattr(self, "_bits", (None, None))
+        bits, decision = self._bits
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
                            t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change(), bits,
                            decision)
