@@ -89,7 +89,13 @@ def _group(text: str) -> int | str | None:
 
 
 def _count_or_auto(text: str) -> int | str:
-    return "auto" if text.strip().lower() == "auto" else int(text)
+    """An integer or the word auto; argparse says which was expected when it is neither."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer or auto") from None
 
 
 def _rates(text: str) -> list[float]:

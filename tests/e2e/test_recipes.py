@@ -143,6 +143,6 @@ def test_bad_flags_under_torchrun_are_one_line():
                            str(ROOT / "recipes" / "finetune_gpt2.py"), "--forward_bits", "2.5"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "finetune_gpt2.py: error:" in line]
-    assert ours == ["finetune_gpt2.py: error: argument --forward_bits: invalid int value: '2.5' "
+    assert ours == ["finetune_gpt2.py: error: argument --forward_bits: '2.5': expected an integer or auto "
                     "(finetune_gpt2.py --help lists the flags)"]
     assert proc.returncode == 1  # torchrun reports a failed rank as 1 (the README says so)
