@@ -144,8 +144,8 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "save_total_limit": (int, "keep only the N newest checkpoints (default 2; 0: all)", "save_total_limit"),
     # the compression section (the engine's CompressionConfig)
     "forward_compress": (str, f"activations: one of {', '.join(FORWARD_MODES)}", "compression.forward"),
-    "forward_bits": (_count_or_auto, "bits of forward compression (1-8), or auto: per boundary, from its link and "
-                                     "the receiver's compute", "compression.forward_bits"),
+    "forward_bits": (_count_or_auto, "bits of forward compression (1-8), or auto: per boundary, the most its link "
+                                     "and the stages' compute make cheap", "compression.forward_bits"),
     "backward_compress": (str, f"gradients: one of {', '.join(BACKWARD_MODES)}", "compression.backward"),
     "backward_bits": (_count_or_auto, "bits of backward compression (1-8), or auto",
                       "compression.backward_bits"),
@@ -153,8 +153,8 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "auto_bits_max": (int, "the most bits auto may choose (default 8)", "compression.auto_bits_max"),
     "auto_bits_every": (int, "steps between auto's decisions, each after probing the links (default 20)",
                         "compression.auto_bits_every"),
-    "auto_bits_headroom": (float, "the share of the receiving stage's compute per micro-batch a message may take "
-                                  "(default 1: all of it)", "compression.auto_bits_headroom"),
+    "auto_bits_slack": (float, "how much longer than at the fewest bits auto may make a step to send more bits, "
+                               "a fraction (default 0.02)", "compression.auto_bits_slack"),
     "link_mbit": (_rates, "known link rates, Mbit/s, one per boundary (comma-separated): auto decides from them "
                           "instead of probing", "compression.link_mbit"),
     "group_size": (_group, "elements per quantization group on both boundaries (each group's min and step: 8 "

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--headroom", type=float, default=None, help="auto's --auto_bits_headroom (default: the recipe's)")
+    p.add_argument("--slack", type=float, default=None, help="auto's --auto_bits_slack (default: the recipe's)")
     p.add_argument("--output_dir", default="runs/bench_auto_bits")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "auto_bits.json"))
     args = p.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"links: middle {measured['slow']:.1f} Mbit/s, others {measured['fast']:.0f} Mbit/s", flush=True)
         for name in args.methods.split(","):
             run_dir = out / name
-            extra = ["--auto_bits_headroom", str(args.headroom)] if name == "auto" and args.headroom else []
+            extra = ["--auto_bits_slack", str(args.slack)] if name == "auto" and args.slack is not None else []
             launch(SCRIPTS["aqpipe"], [*flags, *METHODS[name], *extra, "--output_dir", str(run_dir)], 4, net,
                    out / f"{name}.log", timeout=1800)
             row = {"method": name, **steady_figures(run_dir, shape), "eval_loss": eval_loss(run_dir),
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + table(rows))
     result = {"command": " ".join(["python", "-m", "benchmarks.bench_auto_bits", *(argv or sys.argv[1:])]),
               "links": {"slow": args.slow, "fast": args.fast, "measured_mbit": measured}, "shape": vars(shape),
-              "headroom": args.headroom,
+              "slack": args.slack,
               "runs": rows, "verdict": verdict(rows) if any(r["method"] == "auto" for r in rows) else None}
     print(json.dumps(result["verdict"]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

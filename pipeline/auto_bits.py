@@ -1,24 +1,30 @@
-"""Bits per boundary, chosen from the link and the receiver's compute (`--forward_bits auto`).
+"""Bits per boundary, chosen by what they cost the step (`--forward_bits auto`).
 
-A boundary's message hides under the receiving stage's compute when it arrives before that stage
-needs it: in a 1F1B steady state a micro-batch's activation travels while the receiver runs the
-previous micro-batch's forward and backward. So for each boundary and direction the choice is the
-most bits whose message, at the link's measured speed, takes no longer than the receiver's compute
-per micro-batch; where even the fewest bits take longer, the fewest. More bits where they are free,
-fewer where the link is the bottleneck.
+A boundary's message costs the step only where it is on the critical path: in a pipeline's fill and drain
+every link's messages are (the first micro-batch's activation crosses each link before the next stage can
+start), in the steady state only a link slower than the stages' compute is. So a decision prices a setting
+by playing the step's schedule (schedule.makespan) with every stage's measured compute per micro-batch and
+every message's time on its link at its bits. It starts from the fewest bits everywhere (the fastest step
+the bounds allow) and raises, one setting at a time, the bits whose raise costs the step least, while the
+step stays within `slack` of that fastest one: more bits where they are free, the fewest where the link is
+the bottleneck.
 
 Bits are drawn from the user's bounds (default 2 to 8) and only where the quantizer stays inside
 AQ-SGD's convergence theorem, c_Q < sqrt(1/2) at the group size those bits get (`error_constant`).
 
-Everything here is a pure function of numbers every rank holds alike (the step's job-wide table), so
-both sides of a boundary, and every replica, reach the same choice at the same step without a message.
+Everything here is a pure function of numbers every rank holds alike (the job-wide tables of the steps since
+the last decision), so both sides of a boundary, and every replica, reach the same choice at the same step
+without a message.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from compression.quantizer import error_constant
+
+from .schedule import COMPUTE, Action, makespan
 
 THEOREM_C_Q = 0.5 ** 0.5  # AQ-SGD's bound on the quantizer's relative error
 DIRECTIONS = ("forward", "backward")
@@ -47,24 +53,64 @@ def allowed_bits(low: int, high: int, width: int, group_of: Callable[[int], int 
     return bits
 
 
-def choose(allowed: list[int], message_bytes: Callable[[int], int], link: Link, budget: float) -> int:
-    """The most allowed bits whose message crosses `link` within `budget` seconds; the fewest if none does."""
-    fitting = [b for b in allowed if link.seconds(message_bytes(b)) <= budget]
-    return max(fitting) if fitting else min(allowed)
+Key = tuple[int, str]  # (boundary, direction)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a decision prices bits against: every stage's action list for one step and its compute per micro-batch
+    (forward and backward together; split as schedule.COMPUTE has it, a backward twice a forward)."""
+
+    schedules: list[list[Action]]
+    compute: list[float]
+
+    def seconds(self, transfer: dict[Key, float]) -> float:
+        """The step's length when boundary b's messages each way take `transfer[(b, direction)]` seconds."""
+        costs = [{op: c * share / 3 for op, share in COMPUTE.items()} for c in self.compute]
+        links = {(b, b + 1) if d == "forward" else (b + 1, b): t for (b, d), t in transfer.items()}
+        return makespan(self.schedules, costs, links)
+
+
+def choose(allowed: dict[str, list[int]], keys: list[Key], message_seconds: Callable[[Key, int], float],
+           step: Step, slack: float, fixed: dict[Key, float] | None = None) -> tuple[dict[Key, int], float, float]:
+    """Bits for every key: from the fewest allowed, raise the setting whose next bits lengthen the step least
+    while the step stays within `slack` of its length at the fewest. `message_seconds(key, bits)`: one message's
+    time on its link; `fixed`: the message times of directions not chosen here. Returns the bits, the step's
+    length at the fewest bits and at the choice."""
+    fixed = fixed or {}
+
+    def length(bits: dict[Key, int]) -> float:
+        return step.seconds({**fixed, **{k: message_seconds(k, b) for k, b in bits.items()}})
+
+    bits = {k: min(allowed[k[1]]) for k in keys}
+    fastest = current = length(bits)
+    while True:
+        raises = []
+        for k in keys:
+            higher = [b for b in allowed[k[1]] if b > bits[k]]
+            if higher:
+                trial = {**bits, k: higher[0]}
+                raises.append((length(trial), k, trial))
+        affordable = [r for r in raises if r[0] <= fastest * (1 + slack)]
+        if not affordable:
+            return bits, fastest, current
+        current, _, bits = min(affordable, key=lambda r: (r[0], r[1]))
 
 
 @dataclass
 class AutoBits:
-    """The current bits of every (boundary, direction) set to auto, and the decisions that set them.
+    """The current bits of every (boundary, direction) set to auto, the compute seen since the last decision and
+    the last decision's inputs and outcome.
 
-    `allowed[direction]` holds the candidate bits (from `allowed_bits`); a decision takes, per boundary,
-    the links each way, the receivers' compute per micro-batch and the message sizes, and returns what
-    changed. Its state (current bits, the last decision's inputs) travels in checkpoints.
+    `allowed[direction]` holds the candidate bits (from `allowed_bits`); `observe` takes every step's compute per
+    micro-batch of each stage; `decide` prices settings on the median of those (one step's timing is noisy) and
+    returns what changed. Its state travels in checkpoints.
     """
 
     boundaries: int
     allowed: dict[str, list[int]]  # direction -> candidate bits; a direction absent is not automatic
-    bits: dict[tuple[int, str], int] = field(default_factory=dict)
+    bits: dict[Key, int] = field(default_factory=dict)
+    seen: list[list[float]] = field(default_factory=list)  # per step since the last decision: compute per stage
     last: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -72,19 +118,29 @@ class AutoBits:
             for b in range(self.boundaries):  # until measured: the most bits allowed
                 self.bits.setdefault((b, direction), max(candidates))
 
-    def decide(self, step: int, links: dict[tuple[int, str], Link], budgets: dict[tuple[int, str], float],
-               message_bytes: Callable[[int, str, int], int]) -> dict[tuple[int, str], int]:
-        """New bits for every automatic (boundary, direction) from its link and its receiver's compute budget
-        per micro-batch; returns those that changed."""
-        changed = {}
-        for (b, direction), current in sorted(self.bits.items()):
-            pick = choose(self.allowed[direction], lambda bits: message_bytes(b, direction, bits),
-                          links[(b, direction)], budgets[(b, direction)])
-            if pick != current:
-                changed[(b, direction)] = self.bits[(b, direction)] = pick
-        self.last = {"step": step, "bits": self.record(),
+    def observe(self, compute: list[float]) -> None:
+        """One step's compute per micro-batch, per stage."""
+        if len(compute) != self.boundaries + 1:
+            raise ValueError(f"compute of {len(compute)} stages: expected {self.boundaries + 1}")
+        self.seen.append([float(c) for c in compute])
+
+    def decide(self, step: int, schedules: list[list[Action]], links: dict[Key, Link],
+               message_bytes: Callable[[int, str, int], int], slack: float,
+               fixed: dict[Key, float] | None = None) -> dict[Key, int]:
+        """New bits for every automatic (boundary, direction) from the links (every automatic key's) and the
+        median compute observed since the last decision; returns those that changed."""
+        if not self.seen:
+            raise ValueError("auto bits: no step observed before a decision")
+        compute = [statistics.median(column) for column in zip(*self.seen)]
+        keys = sorted(self.bits)
+        pick, fastest, chosen = choose(self.allowed, keys, lambda k, b: links[k].seconds(message_bytes(*k, b)),
+                                       Step(schedules, compute), slack, fixed)
+        changed = {k: b for k, b in pick.items() if b != self.bits[k]}
+        self.bits.update(pick)
+        self.last = {"step": step, "bits": self.record(), "steps_seen": len(self.seen),
                      "links": {f"{b}.{d}": [link.seconds_per_byte, link.latency] for (b, d), link in links.items()},
-                     "budgets": {f"{b}.{d}": s for (b, d), s in budgets.items()}}
+                     "compute": compute, "step_seconds_fewest": fastest, "step_seconds_chosen": chosen}
+        self.seen = []
         return changed
 
     def record(self) -> dict[str, int]:
@@ -92,7 +148,8 @@ class AutoBits:
         return {f"{b}.{d}": bits for (b, d), bits in sorted(self.bits.items())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"bits": self.record(), "allowed": {d: list(v) for d, v in self.allowed.items()}, "last": self.last}
+        return {"bits": self.record(), "allowed": {d: list(v) for d, v in self.allowed.items()},
+                "seen": [list(row) for row in self.seen], "last": self.last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["allowed"] != {d: list(v) for d, v in self.allowed.items()} or set(state["bits"]) != set(
@@ -102,4 +159,5 @@ class AutoBits:
         for key, bits in state["bits"].items():
             b, direction = key.split(".")
             self.bits[(int(b), direction)] = int(bits)
+        self.seen = [list(row) for row in state.get("seen", [])]  # absent in checkpoints before it was kept
         self.last = dict(state["last"])

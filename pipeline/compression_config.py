@@ -35,9 +35,10 @@ class CompressionConfig:
     exactly, `aqsgd` as `tie_bits` changes against the follower's rows and `tie_bits` gradients;
     `auto` is `none` when both boundary codecs are and `aqsgd` otherwise.
 
-    `forward_bits` / `backward_bits` "auto": bits per boundary from its measured link and the receiving
-    stage's compute (auto_bits.py), between `auto_bits_min` and `auto_bits_max`, decided every
-    `auto_bits_every` steps; `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement.
+    `forward_bits` / `backward_bits` "auto": bits per boundary priced on the schedule from its measured link
+    and the stages' compute (auto_bits.py), between `auto_bits_min` and `auto_bits_max`, as many as keep the
+    step within `auto_bits_slack` of its length at the fewest, decided every `auto_bits_every` steps;
+    `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement.
     """
 
     forward: str = "none"
@@ -56,7 +57,7 @@ class CompressionConfig:
     auto_bits_min: int = 2
     auto_bits_max: int = 8
     auto_bits_every: int = 20  # steps between decisions (each probes the links first)
-    auto_bits_headroom: float = 1.0  # the share of the receiver's compute per micro-batch a message may take
+    auto_bits_slack: float = 0.02  # how much longer than at the fewest bits more bits may make the step
     link_mbit: list[float] | None = None  # known link rates per boundary: no probes
 
     def validate(self) -> "CompressionConfig":
@@ -84,9 +85,9 @@ class CompressionConfig:
             if self.auto_bits_min > self.auto_bits_max:
                 raise ValueError(f"auto_bits_min={self.auto_bits_min} > auto_bits_max={self.auto_bits_max}: "
                                  "expected min <= max")
-            room = self.auto_bits_headroom
-            if isinstance(room, bool) or not isinstance(room, (int, float)) or not 0 < room <= 1:
-                raise ValueError(f"auto_bits_headroom={room!r}: expected a fraction in (0, 1]")
+            slack = self.auto_bits_slack
+            if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 1:
+                raise ValueError(f"auto_bits_slack={slack!r}: expected a fraction in [0, 1]")
             every = self.auto_bits_every
             if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 raise ValueError(f"auto_bits_every={every!r}: expected a positive number of steps")

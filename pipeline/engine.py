@@ -265,33 +265,38 @@ class PipelineEngine:
                 self.prev.probe(False, PROBE_BYTES, self.device)
         return mine
 
+    def _observe_compute(self, table: torch.Tensor, micro_batches: int) -> None:
+        """Every step, for auto bits: each stage's compute per micro-batch (its slowest replica's)."""
+        grid, col = self.groups.grid, _ROW_TOTALS + _TOTALS.index("compute_seconds")
+        self.auto_bits.observe([float(table[[grid.rank(s, r) for r in range(grid.replicas)], col].max()) / micro_batches
+                                for s in range(grid.stages)])
+
     def _decide_bits(self, table: torch.Tensor, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """New bits from the job-wide table, the same on every rank: per boundary, its slowest replica's link
-        each way against its receivers' least compute per micro-batch. Sets this rank's codecs."""
+        """New bits from the job-wide table, the same on every rank: per boundary, its slowest replica's link each
+        way, priced on the schedule with the compute seen since the last decision. Sets this rank's codecs."""
         c, grid, width = self.compression, self.groups.grid, self.stage.hidden_size
-        col = {n: _ROW_TOTALS + _TOTALS.index(n) for n in ("compute_seconds", "link_ahead", "link_back",
-                                                            "link_latency")}
+        col = {n: _ROW_TOTALS + _TOTALS.index(n) for n in ("link_ahead", "link_back", "link_latency")}
         rows, seq = micro_batches[0]["input_ids"].shape[:2]
-        links, budgets = {}, {}
+        links = {}
         for b in range(grid.stages - 1):
             senders = [grid.rank(b, r) for r in range(grid.replicas)]
-            receivers = [grid.rank(b + 1, r) for r in range(grid.replicas)]
-            for direction, way, computing in (("forward", "link_ahead", receivers), ("backward", "link_back", senders)):
-                if c.link_mbit is not None:
-                    links[(b, direction)] = Link(8 / (c.link_mbit[b] * 1e6))
-                else:
-                    links[(b, direction)] = Link(float(table[senders, col[way]].max()),
-                                                 float(table[senders, col["link_latency"]].max()))
-                compute = float(table[computing, col["compute_seconds"]].min()) / len(micro_batches)
-                budgets[(b, direction)] = c.auto_bits_headroom * compute
+            for direction, way in (("forward", "link_ahead"), ("backward", "link_back")):
+                links[(b, direction)] = Link(8 / (c.link_mbit[b] * 1e6)) if c.link_mbit is not None else Link(
+                    float(table[senders, col[way]].max()), float(table[senders, col["link_latency"]].max()))
 
-        def message_bytes(b: int, direction: str, bits: int) -> int:
-            n = QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits))
-            return n + (8 * rows if direction == "forward" else 0)  # the sample ids travel with activations
+        def message_bytes(b: int, direction: str, bits: int | None) -> int:
+            ids = 8 * rows if direction == "forward" else 0  # the sample ids travel with activations
+            if getattr(c, direction) == "none":
+                return rows * seq * width * self.wire_dtype.itemsize + ids
+            return QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits)) + ids
 
-        auto = [key for key in links if key[1] in self.auto_bits.allowed]
-        changed = self.auto_bits.decide(self.global_step + 1, {k: links[k] for k in auto},  # the step it ends
-                                        {k: budgets[k] for k in auto}, message_bytes)
+        fixed = {k: link.seconds(message_bytes(*k, getattr(c, f"{k[1]}_bits"))) for k, link in links.items()
+                 if k[1] not in self.auto_bits.allowed}
+        schedules = [sched.train_schedule(self.schedule, s, grid.stages, len(micro_batches))
+                     for s in range(grid.stages)]
+        changed = self.auto_bits.decide(self.global_step + 1, schedules,  # the step it ends
+                                        {k: v for k, v in links.items() if k[1] in self.auto_bits.allowed},
+                                        message_bytes, c.auto_bits_slack, fixed)
         for (b, direction), bits in changed.items():
             for boundary, index in ((self.next, self.groups.stage), (self.prev, self.groups.stage - 1)):
                 if boundary is not None and index == b:
@@ -465,6 +470,8 @@ class PipelineEngine:
         self.tied.finish()  # the owner's tied gradient is whole from here
         table = self._exchange(flight, self._grad_squares(flight))
         totals = self._totals(table)
+        if self.auto_bits is not None:
+            self._observe_compute(table, len(micro_batches))
         self._bits = (bits_used, self._decide_bits(table, micro_batches) if deciding else None)  # for the next steps
         verdict = self._verdict(table, flight)
         if verdict is not None:

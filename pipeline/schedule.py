@@ -113,7 +113,7 @@ def simulate(schedules: list[list[Action]]) -> list[tuple[int, Action]]:
     Sends go into per-link FIFO queues; a receive blocks until its queue is non-empty and
     raises if the head is not the micro-batch it expects (the engine would decode garbage).
     """
-    return _play(schedules, COMPUTE, 0.0)[0]
+    return _play(schedules, [COMPUTE] * len(schedules), {})[0]
 
 
 def bubble(schedules: list[list[Action]], costs: dict[str, float] | None = None, transfer: float = 0.0) -> float:
@@ -122,15 +122,26 @@ def bubble(schedules: list[list[Action]], costs: dict[str, float] | None = None,
     Compute actions take `costs` (default COMPUTE: a backward twice a forward, each half of it once split),
     a message arrives `transfer` after it is sent, sends do not block. 1F1B's is (S-1) / (M+S-1) at no transfer.
     """
-    _, clock, busy = _play(schedules, COMPUTE if costs is None else costs, transfer)
-    return 1.0 - sum(busy) / (len(schedules) * max(clock))
+    stages = len(schedules)
+    links = {(a, b): transfer for a in range(stages) for b in (a - 1, a + 1) if 0 <= b < stages}
+    _, clock, busy = _play(schedules, [COMPUTE if costs is None else costs] * stages, links)
+    return 1.0 - sum(busy) / (stages * max(clock))
 
 
-def _play(schedules: list[list[Action]], costs: dict[str, float],
-          transfer: float) -> tuple[list[tuple[int, Action]], list[float], list[float]]:
+def makespan(schedules: list[list[Action]], costs: list[dict[str, float]],
+             transfer: dict[tuple[int, int], float]) -> float:
+    """Seconds one step takes when stage s's compute actions take `costs[s][op]` and a message from stage a to
+    stage b takes `transfer[(a, b)]` (absent: no time), each direction of a link carrying one message at a time
+    (a message sent while the link is busy waits behind the one on it). Used to price bits per link."""
+    return max(_play(schedules, costs, transfer)[1])
+
+
+def _play(schedules: list[list[Action]], costs: list[dict[str, float]],
+          transfer: dict[tuple[int, int], float]) -> tuple[list[tuple[int, Action]], list[float], list[float]]:
     """The global order of the actions, each stage's clock at its end and its time computing."""
     stages = len(schedules)
     queues = {(src, dst): deque() for src in range(stages) for dst in (src - 1, src + 1) if 0 <= dst < stages}
+    free = dict.fromkeys(queues, 0.0)  # when each direction of each link is next idle
     pos, order = [0] * stages, []
     clock, busy = [0.0] * stages, [0.0] * stages
     progress = True
@@ -148,13 +159,14 @@ def _play(schedules: list[list[Action]], costs: dict[str, float],
                     if (kind, mb) != (action.op, action.micro_batch):
                         raise RuntimeError(f"stage {s} expected {action} but stage {src} sent {kind} {mb}")
                     clock[s] = max(clock[s], arrives)
-                elif action.op == SEND_ACT:
-                    queues[(s, s + 1)].append((RECV_ACT, action.micro_batch, clock[s] + transfer))
-                elif action.op == SEND_GRAD:
-                    queues[(s, s - 1)].append((RECV_GRAD, action.micro_batch, clock[s] + transfer))
+                elif action.op in (SEND_ACT, SEND_GRAD):
+                    link = (s, s + 1) if action.op == SEND_ACT else (s, s - 1)
+                    free[link] = max(clock[s], free[link]) + transfer.get(link, 0.0)
+                    kind = RECV_ACT if action.op == SEND_ACT else RECV_GRAD
+                    queues[link].append((kind, action.micro_batch, free[link]))
                 else:
-                    clock[s] += costs[action.op]
-                    busy[s] += costs[action.op]
+                    clock[s] += costs[s][action.op]
+                    busy[s] += costs[s][action.op]
                 order.append((s, action))
                 pos[s] += 1
                 progress = True

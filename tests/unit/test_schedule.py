@@ -131,6 +131,19 @@ def test_a_slow_link_stretches_every_bubble_and_zb1_still_has_the_smallest():
     assert slow["zb1"] < min(slow["1f1b"], slow["gpipe"])
 
 
+def test_makespan_queues_messages_on_a_busy_link():
+    """GPipe on 2 stages, 3 micro-batches (forward 1, backward 2), the activations' link 5 a message: each
+    activation waits for the one before it to cross (arrivals 6, 11, 16), so stage 1's forwards end at 17, its
+    backwards at 23 and stage 0's at 25. A link that carried messages side by side would finish at 17."""
+    lists = [sched.gpipe(s, 2, 3) for s in range(2)]
+    costs = [{sched.FORWARD: 1.0, sched.BACKWARD: 2.0}] * 2
+    assert sched.makespan(lists, costs, {(0, 1): 5.0}) == 25.0
+    assert sched.makespan(lists, costs, {}) == 1 + 3 + 6 + 2  # no wire: stage 0's first forward, stage 1's all,
+    # then stage 0's last backward
+    slow_stage = [costs[0], {sched.FORWARD: 3.0, sched.BACKWARD: 6.0}]  # each stage at its own speed
+    assert sched.makespan(lists, slow_stage, {}) == 1 + 9 + 18 + 2
+
+
 def _torch_actions(lists: list[list[sched.Action]]) -> dict:
     """Our lists in torch.distributed.pipelining's form: one stage per rank, F / I / W (or B) per micro-batch."""
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
