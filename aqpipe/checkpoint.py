@@ -98,6 +98,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> dict[str, Any]:
     auto = "data_parallel.warmup_steps"  # resolved when the run started: a resume keeps that number
     if mine.get(auto) == "auto" and isinstance(theirs.get(auto), int):
         cfg.data_parallel.warmup_steps = mine[auto] = theirs[auto]
+    theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
             for k, v in mine.items() if theirs.get(k) != v]
     if diff:

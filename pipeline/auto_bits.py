@@ -129,8 +129,8 @@ class AutoBits:
                fixed: dict[Key, float] | None = None) -> dict[Key, int]:
         """New bits for every automatic (boundary, direction) from the links (every automatic key's) and the
         median compute observed since the last decision; returns those that changed."""
-        if not self.seen:
-            raise ValueError("auto bits: no step observed before a decision")
+        if not self.seen:  # every step since the last decision rejected: nothing to price, the bits stay
+            return {}
         compute = [statistics.median(column) for column in zip(*self.seen)]
         keys = sorted(self.bits)
         pick, fastest, chosen = choose(self.allowed, keys, lambda k, b: links[k].seconds(message_bytes(*k, b)),

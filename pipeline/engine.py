@@ -470,10 +470,10 @@ class PipelineEngine:
         self.tied.finish()  # the owner's tied gradient is whole from here
         table = self._exchange(flight, self._grad_squares(flight))
         totals = self._totals(table)
-        if self.auto_bits is not None:
+        verdict = self._verdict(table, flight)
+        if self.auto_bits is not None and verdict is None:  # a rejected step's compute is partial (no backward)
             self._observe_compute(table, len(micro_batches))
         self._bits = (bits_used, self._decide_bits(table, micro_batches) if deciding else None)  # for the next steps
-        verdict = self._verdict(table, flight)
         if verdict is not None:
             return self._reject(flight, totals, generators, verdict, epoch, phase, start, len(micro_batches))
         norm = None  # the algorithm may change the gradients: their norm is taken again after it

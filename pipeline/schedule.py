@@ -120,7 +120,8 @@ def bubble(schedules: list[list[Action]], costs: dict[str, float] | None = None,
     """The fraction of the stages' time spent idle in one step: 1 - busy / (stages x makespan).
 
     Compute actions take `costs` (default COMPUTE: a backward twice a forward, each half of it once split),
-    a message arrives `transfer` after it is sent, sends do not block. 1F1B's is (S-1) / (M+S-1) at no transfer.
+    a message takes `transfer` on its link, which carries one at a time each way, sends do not block. 1F1B's is
+    (S-1) / (M+S-1) at no transfer.
     """
     stages = len(schedules)
     links = {(a, b): transfer for a in range(stages) for b in (a - 1, a + 1) if 0 <= b < stages}

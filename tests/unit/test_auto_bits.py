@@ -59,26 +59,28 @@ def test_choose_raises_bits_while_the_step_stays_within_the_slack():
     assert set(bits.values()) == {2} and chosen == fastest  # no slack: every byte in the fill costs, the fewest
     bits, fastest, chosen = choose(BOTH, KEYS, seconds, step, slack=0.05)
     assert fastest < chosen <= 1.05 * fastest
-    assert bits[(1, "forward")] < 8 and bits[(1, "backward")] < 8  # the slow link stays near the fewest
-    assert bits[(0, "forward")] == bits[(0, "backward")] == 8  # a fast link gets the most
-    assert min(bits[(0, d)] + bits[(2, d)] for d in ("forward", "backward")) > bits[(1, "forward")] * 2
+    # the slow link stays near the fewest (3 bits' rows cost 3% over 2 bits in groups of 64); the fast links'
+    # messages are on the fill's path too, so only the raises that cost least reach 8
+    assert bits == {(0, "forward"): 8, (0, "backward"): 8, (1, "forward"): 3, (1, "backward"): 3,
+                    (2, "forward"): 3, (2, "backward"): 8}
     every = choose(BOTH, KEYS, seconds, step, slack=1.0)[0]  # room for everything: the most everywhere
     assert set(every.values()) == {8}
-    fixed = choose({"forward": BOTH["forward"]}, [k for k in KEYS if k[1] == "forward"], seconds, step, 0.05,
-                   fixed={k: seconds(k, 8) for k in KEYS if k[1] == "backward"})[0]
+    backward = {k: seconds(k, 8) for k in KEYS if k[1] == "backward"}  # not chosen here: priced as given
+    fixed, fastest, _ = choose({"forward": BOTH["forward"]}, [k for k in KEYS if k[1] == "forward"], seconds, step,
+                               0.05, fixed=backward)
     assert set(fixed) == {(0, "forward"), (1, "forward"), (2, "forward")}
+    assert fastest == pytest.approx(step.seconds({**backward, **{k: seconds(k, 2) for k in fixed}}))
 
 
 def test_four_stages_one_slow_link_two_fast():
     auto = AutoBits(3, {"forward": list(range(2, 9)), "backward": list(range(2, 9))})
     assert auto.record() == {f"{b}.{d}": 8 for b, d in KEYS}  # until measured
-    with pytest.raises(ValueError, match="no step observed"):
-        auto.decide(0, SCHEDULE, links(100), lambda b, d, bits: message(bits), 0.05)
+    assert auto.decide(0, SCHEDULE, links(100), lambda b, d, bits: message(bits), 0.05) == {}  # no step seen:
+    assert auto.record() == {f"{b}.{d}": 8 for b, d in KEYS}  # (all rejected) nothing to price, the bits stay
     for compute in ([0.02] * 4, [0.02] * 4, [0.5] * 4):  # one noisy step among three, the last: the median ignores it
         auto.observe(compute)
     changed = auto.decide(10, SCHEDULE, links(100), lambda b, d, bits: message(bits), 0.05)
-    assert changed and all(bits < 8 for bits in changed.values())
-    assert auto.bits[(1, "forward")] < 8 and auto.bits[(0, "forward")] == 8
+    assert changed == {(1, "forward"): 3, (1, "backward"): 3, (2, "forward"): 3}
     assert auto.last["step"] == 10 and auto.last["compute"] == [0.02] * 4 and auto.last["steps_seen"] == 3
     assert auto.seen == []  # each decision prices the steps since the last
     auto.observe([0.02] * 4)
