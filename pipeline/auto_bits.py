@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 from compression.quantizer import error_constant
@@ -64,11 +65,15 @@ class Step:
     schedules: list[list[Action]]
     compute: list[float]
 
+    @cached_property
+    def costs(self) -> list[dict[str, float]]:
+        """Each stage's seconds per compute action (a decision prices many settings on the same compute)."""
+        return [{op: c * share / 3 for op, share in COMPUTE.items()} for c in self.compute]
+
     def seconds(self, transfer: dict[Key, float]) -> float:
         """The step's length when boundary b's messages each way take `transfer[(b, direction)]` seconds."""
-        costs = [{op: c * share / 3 for op, share in COMPUTE.items()} for c in self.compute]
         links = {(b, b + 1) if d == "forward" else (b + 1, b): t for (b, d), t in transfer.items()}
-        return makespan(self.schedules, costs, links)
+        return makespan(self.schedules, self.costs, links)
 
 
 def choose(allowed: dict[str, list[int]], keys: list[Key], message_seconds: Callable[[Key, int], float],
