@@ -37,6 +37,7 @@ from . import schedule as sched
 from .auto_bits import DIRECTIONS, AutoBits, Link, allowed_bits
 from .compression_config import CompressionConfig
 from . import split_backward
+from .seeding import derive_seed
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
 from .transport import Boundary, Wire
@@ -62,7 +63,9 @@ class Stage(Protocol):
     is_last: bool
     hidden_size: int
 
-    def __call__(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> Any: ...
+    def __call__(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor], seed: int | None = None) -> Any:
+        """`seed`: this micro-batch's (training only); a stage with dropout seeds each part from it (seeding.py)."""
+
     def parameters(self) -> Any: ...
     def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...
 
@@ -205,6 +208,7 @@ class PipelineEngine:
                                 mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
                                 seed=seed * 100 + groups.replica)
         self.global_step = 0
+        self.seed = seed
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
         self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
@@ -350,8 +354,9 @@ class PipelineEngine:
 
         def forward(mb: int) -> None:
             self.tied.before_forward(mb, undo)
+            seed = derive_seed(self.seed, self.groups.replica, self.global_step, mb) if training else None
             with self._autocast(), torch.set_grad_enabled(training):
-                out = self.stage(flight.inputs.get(mb), micro_batches[mb])
+                out = self.stage(flight.inputs.get(mb), micro_batches[mb], seed=seed)
             if self.stage.is_last:
                 loss = out.loss.float()
                 flight.losses[mb] = loss.item()

@@ -14,6 +14,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..seeding import reseed
+
 
 @dataclass
 class StageOutput:
@@ -26,10 +28,12 @@ class StageOutput:
 class PipelineStage(nn.Module):
     """One contiguous slice of an HF model: optional embeddings, blocks ``block_indices``, optional head + loss.
 
-    ``forward(hidden, batch)``: the first stage takes ``hidden=None`` and reads ``batch["input_ids"]`` (and
-    ``attention_mask``, ``token_type_ids`` when present); later stages take the boundary activation
+    ``forward(hidden, batch, seed=None)``: the first stage takes ``hidden=None`` and reads ``batch["input_ids"]``
+    (and ``attention_mask``, ``token_type_ids`` when present); later stages take the boundary activation
     ``(B, T, hidden_size)``. Every stage rebuilds its masks / positions from ``batch``. The last stage returns a
-    :class:`StageOutput`, the others the next boundary activation.
+    :class:`StageOutput`, the others the next boundary activation. With ``seed`` (the engine's, per step and
+    micro-batch) each part's dropout draws from ``reseed(seed, part)``: part ``"embed"`` before the embeddings'
+    dropout, the block's global index before each block, ``"head"`` before the head's.
     """
 
     def __init__(self, config: Any, stage_index: int, num_stages: int, block_indices: list[int],
@@ -48,7 +52,8 @@ class PipelineStage(nn.Module):
         # tie key -> local parameter name, for parameters of which other stages hold copies (set by partition())
         self._tie_keys: dict[str, str] = {}
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor | StageOutput:
+    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                seed: int | None = None) -> torch.Tensor | StageOutput:
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -80,8 +85,10 @@ class PipelineStage(nn.Module):
     def _checkpointing(self) -> bool:
         return self.activation_checkpointing and self.training and torch.is_grad_enabled()
 
-    def _call_block(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """Call one block, through non-reentrant activation checkpointing when enabled and training."""
+    def _call_block(self, index: int, seed: int | None, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Call block `index`, its dropout seeded for it, through non-reentrant activation checkpointing when enabled
+        and training (the checkpoint keeps the seeded generator state for the recomputation)."""
+        reseed(seed, index)
         if self._checkpointing():
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, **kwargs)
         return block(*args, **kwargs)

@@ -19,6 +19,7 @@ from transformers import DebertaForSequenceClassification, DebertaV2ForSequenceC
 from transformers.models.deberta import modeling_deberta as hf_v1
 from transformers.models.deberta_v2 import modeling_deberta_v2 as hf_v2
 
+from ..seeding import reseed
 from .base import FamilyAdapter, PipelineStage, StageOutput, container, deep_copier, numel
 
 
@@ -82,7 +83,8 @@ class DebertaStage(PipelineStage):
                                                  max_position=self.max_relative_positions)
         return hf_v1.build_relative_position(hidden, hidden)
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor | StageOutput:
+    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                seed: int | None = None) -> torch.Tensor | StageOutput:
         input_ids = batch["input_ids"]
         input_shape = input_ids.size()
         device = input_ids.device if hidden is None else hidden.device
@@ -98,6 +100,7 @@ class DebertaStage(PipelineStage):
             token_type_ids = batch.get("token_type_ids")
             if token_type_ids is None:
                 token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=device)
+            reseed(seed, "embed")
             hidden = embedding_output = self.deberta.embeddings(
                 input_ids=input_ids, token_type_ids=token_type_ids, position_ids=None, mask=attention_mask,
                 inputs_embeds=None,
@@ -112,11 +115,13 @@ class DebertaStage(PipelineStage):
         rel_embeddings = self._rel_embeddings()
         layers = self.deberta.encoder.layer
         for i in self.block_indices:
-            hidden, _ = self._call_block(layers[str(i)], hidden, pair_mask, None, relative_pos, rel_embeddings, False)
+            hidden, _ = self._call_block(i, seed, layers[str(i)], hidden, pair_mask, None, relative_pos, rel_embeddings,
+                                         False)
             if i == 0 and self.has_conv:
                 hidden = self.deberta.encoder.conv(embedding_output, hidden, input_mask)
         if not self.is_last:
             return hidden
+        reseed(seed, "head")
         return self._classify(hidden, batch.get("labels"))
 
     def _classify(self, encoder_layer: torch.Tensor, labels: torch.Tensor | None) -> StageOutput:

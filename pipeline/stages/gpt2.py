@@ -16,6 +16,7 @@ from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
+from ..seeding import reseed
 from .base import FamilyAdapter, PipelineStage, StageOutput, container, deep_copier, numel
 
 
@@ -53,7 +54,8 @@ class GPT2Stage(PipelineStage):
         key = "transformer.wte.weight"
         return {key: ("input_ids", "token_type_ids")} if key in self.tied_parameters() and not self.is_last else {}
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor | StageOutput:
+    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                seed: int | None = None) -> torch.Tensor | StageOutput:
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         tr = self.transformer
@@ -82,10 +84,11 @@ class GPT2Stage(PipelineStage):
             token_type_ids = batch.get("token_type_ids")
             if token_type_ids is not None:
                 hidden = hidden + tr.wte(token_type_ids.view(-1, input_shape[-1]))
+            reseed(seed, "embed")
             hidden = tr.drop(hidden)
 
         for i in self.block_indices:
-            hidden = self._call_block(tr.h[str(i)], hidden, None, causal_mask, None,
+            hidden = self._call_block(i, seed, tr.h[str(i)], hidden, None, causal_mask, None,
                                       encoder_attention_mask=None, use_cache=False, position_ids=position_ids)
         if not self.is_last:
             return hidden

@@ -44,8 +44,25 @@ def step_rows(epoch: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def single():
-    """The unpartitioned model's run, which every pipeline shape below must reproduce (one process, once)."""
-    return spawn(train, 1, CompressionConfig(), 1)[0]
+    """The unpartitioned toy model in a plain PyTorch loop, no engine: the loss / M backwarded per micro-batch,
+    `clip_grad_norm_`, SGD. Every pipeline shape below must reproduce it."""
+    model = toy_stages(1)[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    log = []
+    for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, 0):
+        optimizer.zero_grad()
+        losses = []
+        for mb in mbs:
+            loss = model(None, mb).loss
+            (loss / len(mbs)).backward()
+            losses.append(float(loss.detach()))
+        log.append({"loss": sum(losses) / len(losses),
+                    "grad_norm": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))})
+        optimizer.step()
+    with torch.no_grad():
+        evaluation = [float(model(None, mb).loss) for mb in next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0))]
+    return {"log": log, "tied": {"embed": model.embed.detach().clone()},
+            "eval": {"loss": sum(evaluation) / len(evaluation)}}
 
 
 @pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (3, "gpipe"), (3, "1f1b"), (3, "zb1")])
@@ -137,12 +154,12 @@ class Recording(ToyStage):
                          if stage.embed is not None else torch.zeros(VOCAB, stage.hidden_size))
         self.notes: list[dict] = []
 
-    def forward(self, hidden, batch):
+    def forward(self, hidden, batch, seed=None):
         note = {"sample_id": batch["sample_id"].clone()}
         if hidden is not None:
             note["input"] = hidden.detach().clone()
             hidden.register_hook(lambda g: note.__setitem__("input_grad", g.detach().clone()))
-        out = super().forward(hidden, batch)
+        out = super().forward(hidden, batch, seed)
         if not self.is_last:
             note["output"] = out.detach().clone()
             out.register_hook(lambda g: note.__setitem__("output_grad", g.detach().clone()))

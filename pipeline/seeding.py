@@ -1,0 +1,27 @@
+"""Seeds derived from names, so that what a random draw gives does not depend on where it runs.
+
+Dropout inside a stage draws from the global torch generator. Seeding it before each part of the model
+(the embeddings, block i, the head) from (run seed, replica, step, micro-batch, part) gives every part the
+same masks on any stage count and schedule: a pipeline with dropout on computes what the unpartitioned
+model computes with the same seeds, and a resumed run draws what the uninterrupted one drew.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["derive_seed", "reseed"]
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from the parts' text: the same on every process, platform and Python run."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def reseed(seed: int | None, part: object) -> None:
+    """Seed the global generators (CPU and every GPU) for `part` of a forward whose seed is `seed`; nothing when
+    `seed` is None (evaluation, or a stage called outside the engine)."""
+    if seed is not None:
+        torch.manual_seed(derive_seed(seed, part))

@@ -1,0 +1,73 @@
+"""The independent reference every pipeline shape is held to: the unpartitioned HF model in a plain PyTorch loop.
+
+Nothing of the engine runs here: `model(**batch).loss / M` backwarded per micro-batch, the global norm
+clipped with `torch.nn.utils.clip_grad_norm_`, the optimizer and LR scheduler stepped, as a user's own loop
+would. Dropout stays on: before each part of the model (`DROPOUT_PARTS`) its generator is seeded as a pipeline
+stage seeds it (`pipeline.seeding`), so masks are the same on any stage count.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from pipeline.seeding import derive_seed, reseed
+
+# where each family's dropout draws, by part: the module a stage seeds the part before (the embeddings' dropout,
+# block i, the head), named in the unpartitioned model
+DROPOUT_PARTS: dict[str, Callable[[int], dict[Any, str]]] = {
+    "gpt2": lambda n: {"embed": "transformer.drop", **{i: f"transformer.h.{i}" for i in range(n)}},
+    "deberta": lambda n: {"embed": "deberta.embeddings", **{i: f"deberta.encoder.layer.{i}" for i in range(n)},
+                          "head": "pooler"},
+}
+
+
+@contextlib.contextmanager
+def seeded_like_a_stage(model: torch.nn.Module, family: str, num_blocks: int) -> Iterator[Callable[[int], None]]:
+    """Hooks that seed each part's dropout; yields `use(seed)`, which sets the micro-batch's seed."""
+    current: dict[str, int | None] = {"seed": None}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda module, args, part=part: reseed(current["seed"], part))
+        for part, name in DROPOUT_PARTS[family](num_blocks).items()]
+    try:
+        yield lambda seed: current.__setitem__("seed", seed)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """As the spawned stages compute: one thread (the same kernels, so the same float results)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def train_reference(model: torch.nn.Module, steps: list[list[dict[str, torch.Tensor]]], *, family: str,
+                    num_blocks: int, optimizer: torch.optim.Optimizer, clip: float, scheduler: Any = None,
+                    seed: int = 0) -> dict[str, Any]:
+    """Train `model` on `steps` (each a list of micro-batches); per step the mean micro-batch loss and the global
+    gradient norm before clipping, and the final weights."""
+    losses, norms = [], []
+    model.train()
+    with one_thread(), seeded_like_a_stage(model, family, num_blocks) as use:
+        for step, micro_batches in enumerate(steps):
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for k, mb in enumerate(micro_batches):
+                use(derive_seed(seed, 0, step, k))  # replica 0, step, micro-batch: as the engine derives it
+                loss = model(**{key: v for key, v in mb.items() if key != "sample_id"}).loss
+                total += float(loss.detach())
+                (loss / len(micro_batches)).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            losses.append(total / len(micro_batches))
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"loss": losses, "grad_norm": norms, "weights": weights}
