@@ -22,7 +22,7 @@ equals our engine's. DeepSpeed sends FP32 activations: the recipe's compression 
 Runs on CPU over gloo: DS_ACCELERATOR defaults to cpu here (DeepSpeed's CPU accelerator picks gloo when
 oneCCL is not installed) and the process group is gloo, whichever launcher started us. Output as the
 recipe's: OUTPUT_DIR/metrics.jsonl (one line per step: step, epoch, loss, lr, seconds, samples_per_s,
-fwd_bytes, bwd_bytes, tie_bytes, time; no grad_norm: DeepSpeed's FP32 clipping does not keep it) and
+fwd_bytes, bwd_bytes, tie_bytes, grad_norm (the global norm DeepSpeed's FP32 clipping computes), time) and
 OUTPUT_DIR/summary.json, written by rank 0 (DeepSpeed broadcasts the loss from the last stage to every
 stage). fwd_bytes / bwd_bytes / tie_bytes are the FP32 payload of the boundary
 tensors and of the tied wte gradient, computed from their shapes, not counted on the wire.
@@ -109,6 +109,21 @@ def count_every_stage_in_clip_norm(module: Any) -> None:
             p.model_parallel = True
 
 
+def keep_clip_norms(engine: Any) -> list[float]:
+    """DeepSpeed's FP32 clipping computes the global gradient norm and drops it: make the same call
+    (`runtime.utils.clip_grad_norm_`, same arguments) and keep what it returns, one norm per step."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    norms: list[float] = []
+
+    def clip_fp32_gradients() -> None:
+        norms.append(float(clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                                           mpu=engine.mpu)))
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+    return norms
+
+
 def ds_config(cfg: RunConfig) -> dict[str, Any]:
     """DeepSpeed's config for the same batch and clipping; the optimizer and scheduler come as objects
     (a torch AdamW, not FusedAdam, which compiles for 40 s and is not what our engine steps)."""
@@ -154,6 +169,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg))
+    norms = keep_clip_norms(engine)
     if world.rank == 0 and (cfg.compression.forward != "none" or cfg.compression.backward != "none"):
         print("deepspeed_pipeline: DeepSpeed sends FP32 activations; compression settings ignored", flush=True)
 
@@ -175,7 +191,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             step += 1
             losses.append(loss)
             writer.write({"step": step, "epoch": epoch, "loss": loss, "lr": lr,
-                          "phase": "train",
+                          "grad_norm": norms[-1] if cfg.gradient_clipping > 0 else None, "phase": "train",
                           "fwd_bytes": boundary_bytes, "bwd_bytes": boundary_bytes, "tie_bytes": tie_bytes,
                           "seconds": seconds,
                           "samples_per_s": samples_per_step / seconds})

@@ -4,7 +4,6 @@ import io
 from dataclasses import replace
 import json
 import re
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from aqpipe import faults
-from tests.conftest import ROOT, free_port, spawn, toy_batches, toy_stages, toy_ties
+from tests.conftest import ROOT, checkout_env, free_port, spawn, toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -101,8 +100,13 @@ def nonfinite(rank, world):
     buffer = next(c["buffer"] for c in engine.state_dict()["codecs"].values() if "buffer" in c)
     out["overflow_stored"] = bool(buffer["seen"].any()) or bool(buffer["values"].abs().max() > 0)
     out["overflow_sample"] = int(plan[0][1][0]["sample_id"][0])
-    roomy = make(skip=False, compression=replace(AQSGD, buffer_dtype=torch.bfloat16))  # the remedy
-    out["bfloat16_loss"] = roomy.train_batch(plan[0][1], 0).loss
+    # the remedy trains that step: stored, and the loss of the same step with a float32 buffer
+    for dtype in (torch.bfloat16, torch.float32):
+        roomy = make(skip=False, compression=replace(AQSGD, buffer_dtype=dtype))
+        metrics = roomy.train_batch(plan[0][1], 0)
+        seen = next(c["buffer"]["seen"] for c in roomy.state_dict()["codecs"].values() if "buffer" in c)
+        ids = torch.cat([mb["sample_id"].reshape(-1) for mb in plan[0][1]])
+        out[str(dtype)] = {"loss": metrics.loss, "skipped": metrics.skipped, "stored": bool(seen[ids].all())}
     return out
 
 
@@ -140,7 +144,9 @@ def test_an_activation_beyond_the_float16_buffer_stops_every_rank_naming_boundar
     for run in nonfinite_runs:  # the same line on both ranks, nothing stored on either side of the boundary
         assert run["overflow"] == nonfinite_runs[0]["overflow"]
         assert not run["overflow_stored"]
-        assert run["bfloat16_loss"] == run["bfloat16_loss"]  # a bfloat16 buffer holds it: the step trains
+        roomy, exact = run["torch.bfloat16"], run["torch.float32"]  # a bfloat16 buffer holds it: the step trains
+        assert roomy["skipped"] is None and roomy["stored"] and exact["stored"]
+        assert roomy["loss"] == pytest.approx(exact["loss"], rel=1e-2)
 
 
 def test_fault_specs_are_checked():
@@ -155,7 +161,7 @@ RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
 FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "3", "--forward_compress", "aqsgd",
          "--forward_bits", "2", "--backward_compress", "direct", "--backward_bits", "4", "--peer_timeout", "20"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = checkout_env()
 
 
 def _torchrun(out, *flags):

@@ -1,13 +1,12 @@
 """What a newcomer meets in a first hour: a hub out of reach, a data error found during set-up by one rank,
 an output directory that holds an earlier run."""
-import os
 import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, checkout_env, free_port
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = checkout_env()
 TINY = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
         "--num_micro_batches", "2"]
 

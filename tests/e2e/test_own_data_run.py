@@ -1,13 +1,12 @@
 """A DeBERTa fine-tune on the user's own CSV in QNLI's layout, as a user runs it: no column flags, string
 labels, and the merged model's config naming them."""
 import json
-import os
 import subprocess
 import sys
 
 from transformers import AutoConfig
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, checkout_env
 
 
 def test_qnli_layout_csv_trains_with_no_flag_and_the_model_keeps_the_label_names(tmp_path):
@@ -20,7 +19,7 @@ def test_qnli_layout_csv_trains_with_no_flag_and_the_model_keeps_the_label_names
     cmd = [sys.executable, "-m", "aqpipe", "deberta", "--dataset", str(path), "--max_steps", "2", "--seq_len", "32",
            "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
            "--num_micro_batches", "2", "--output_dir", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
+    env = checkout_env(WORLD_SIZE="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2

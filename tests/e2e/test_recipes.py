@@ -1,6 +1,5 @@
 """The recipes as users launch them: python, torchrun and deepspeed, on the built-in data."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
 
 from aqpipe import data
-from tests.conftest import ROOT, free_port, tiny_gpt2_config
+from tests.conftest import ROOT, checkout_env, free_port, tiny_gpt2_config
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "32", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2"]
@@ -19,7 +18,7 @@ STEP_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "fwd_bytes", "bwd_b
 
 def launch(prefix: list[str], recipe: str, out: Path, *flags: str, timeout: int = 300,
            says_once: str | None = None) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = checkout_env()
     cmd = [*prefix, str(ROOT / "recipes" / recipe), *QUICK, "--output_dir", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -102,7 +101,8 @@ def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, flags, message):
     out = tmp_path / "never"
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune_gpt2.py"), *flags,
-                           "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--output_dir", str(out)], cwd=ROOT, env=checkout_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
@@ -126,7 +126,7 @@ def test_bad_input_under_a_launcher_exits_before_joining_the_process_group(tmp_p
     path.parent.mkdir(parents=True)
     GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64).to_json_file(path)
     out = tmp_path / "never"
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = checkout_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, str(ROOT / "recipes" / "finetune_gpt2.py"), "--model", str(path),
                                "--output_dir", str(out)], cwd=ROOT, env={**env, "RANK": r, "LOCAL_RANK": r},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ("0", "1")]
@@ -141,7 +141,7 @@ def test_bad_input_under_a_launcher_exits_before_joining_the_process_group(tmp_p
 def test_bad_flags_under_torchrun_are_one_line():
     proc = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                            str(ROOT / "recipes" / "finetune_gpt2.py"), "--forward_bits", "2.5"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          env=checkout_env(), capture_output=True, text=True, timeout=120)
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "finetune_gpt2.py: error:" in line]
     assert ours == ["finetune_gpt2.py: error: argument --forward_bits: '2.5': expected an integer or auto "
                     "(finetune_gpt2.py --help lists the flags)"]

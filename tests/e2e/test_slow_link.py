@@ -12,7 +12,7 @@ import torch
 from benchmarks import netns, slow_link
 from pipeline import transport
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, checkout_env
 
 
 def test_rate_parsing_names_the_bad_value() -> None:
@@ -102,10 +102,11 @@ def test_network_is_torn_down_after_a_failure() -> None:
     why = netns.can_build()
     if why is not None:
         assert "root" in why or "iproute2" in why
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.slow_link", "--quick"], cwd=ROOT, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.slow_link", "--quick"], cwd=ROOT, env=checkout_env(),
+                              capture_output=True,
                               text=True)
         assert proc.returncode == 2 and "--no_netns" in proc.stderr
-        return
+        pytest.skip(f"network namespaces cannot be built here ({why}): the teardown is not tested")
     net = netns.Network(2, tag="aqptest")
     with pytest.raises(RuntimeError, match="boom"):
         with net:
@@ -125,7 +126,7 @@ def test_quick_run_writes_figures_json_and_plot(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.slow_link", "--quick", "--engines", "aqpipe",
            "--methods", "fp32,aqsgd_2_4",
            "--rates", rates, "--output_dir", str(tmp_path), *([] if root else ["--no_netns"])]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}

@@ -20,7 +20,7 @@ import torch
 from aqpipe import data
 from aqpipe.data import corpus as corpus_module
 from aqpipe.data import datasets as sources
-from tests.conftest import ROOT, write_table
+from tests.conftest import ROOT, checkout_env, write_table
 
 
 SEQ = 32
@@ -466,7 +466,8 @@ def test_micro_batches_are_the_same_in_another_process():
             "seq_len=4, split='train'); "
             "print([[mb['sample_id'].tolist(), mb['input_ids'][:, 0].tolist()] "
             "for s in data.micro_batches(ds, 2, 2, 3, 7, (1, 2)) for mb in s])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=checkout_env(), capture_output=True, text=True,
+                         check=True).stdout
     here = [[mb["sample_id"].tolist(), mb["input_ids"][:, 0].tolist()]
             for s in data.micro_batches(toy(), 2, 2, 3, 7, (1, 2)) for mb in s]
     assert json.loads(out) == here

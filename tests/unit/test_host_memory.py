@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from aqpipe.host_memory import keep_freed_memory
+from tests.conftest import checkout_env
 
 FAULTS = """
 import resource, sys, torch
@@ -26,7 +27,8 @@ print(kept, without, min(faults(), faults()))  # the steady state: a first pass 
 
 def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     """In one fresh process (mallopt is process-wide): 10 steps as glibc comes, then 10 after keep_freed_memory."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    malloc = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    env = checkout_env({k: v for k, v in os.environ.items() if k not in malloc})
     kept, without, with_it = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True,
                                             check=True, env=env).stdout.split()
     without, with_it = int(without), int(with_it)
