@@ -1,8 +1,10 @@
 """Checkpoints: a resumed engine is the uninterrupted one under every data-parallel algorithm with
 AQ-SGD, and a damaged, unfinished or foreign checkpoint never loads. (The recipe killed mid-run
 and resumed: test_faults.py.)"""
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owne
 from aqpipe import checkpoint
 from aqpipe.config import RunConfig, validate
 from aqpipe import data
-from tests.conftest import toy_dataset, toy_stages, toy_ties
+from tests.conftest import ToyStage, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -26,8 +28,24 @@ OPTIONS = {
 }
 
 
+class DrawingStage(ToyStage):
+    """A custom stage as a user may write one: dropout from torch's global generator, and a jitter drawn from
+    numpy's and python's. A resumed run draws what the uninterrupted one drew only if all three are restored."""
+
+    def __init__(self, stage: ToyStage) -> None:
+        embed = stage.embed.detach() if stage.embed is not None else torch.zeros(1, stage.hidden_size)
+        super().__init__(stage.stage_index, stage.num_stages, list(stage.blocks), embed)
+
+    def forward(self, hidden, batch, seed=None):
+        out = super().forward(hidden, batch, seed)
+        if self.is_last or not self.training:
+            return out
+        jitter = 1 + 0.05 * (np.random.rand() - 0.5) + 0.05 * (random.random() - 0.5)
+        return torch.nn.functional.dropout(out, 0.1) * jitter
+
+
 def _engine(groups, grid, name):
-    stage = toy_stages(2)[groups.stage]
+    stage = DrawingStage(toy_stages(2)[groups.stage])
     comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
     algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
     engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
@@ -50,17 +68,18 @@ def resume_every_algorithm(rank, world, tmp):
         runs = []
         for resume in (False, True):
             engine, log = _engine(groups, grid, name), []
+            torch.manual_seed(rank), np.random.seed(rank), random.seed(rank)  # each run draws alike from here
             for step, (epoch, mbs) in enumerate(plan):
                 if resume and step == RESUME_AT:
                     path = Path(tmp) / f"{name}_rank{rank}.pt"
                     checkpoint.write_state(path, {"engine": engine.state_dict(), "rng": checkpoint.rng_state()})
                     engine = _engine(groups, grid, name)  # a new process would start from scratch
-                    torch.manual_seed(1234)
+                    torch.manual_seed(1234), np.random.seed(1234), random.seed(1234)
                     record = checkpoint.read_state(path)  # weights_only=True
                     engine.load_state_dict(record["engine"])
                     checkpoint.set_rng_state(record["rng"])
                 m = engine.train_batch(mbs, epoch).record()
-                log.append({k: m[k] for k in ("loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
+                log.append({k: m[k] for k in ("step", "loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
             runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
                          "buffer": engine.state_dict()["codecs"].get("next.forward", engine.state_dict()["codecs"]
                                                                       .get("prev.forward"))["buffer"]["values"].clone()})
@@ -78,7 +97,7 @@ def test_engine_resume_equals_uninterrupted_under_every_algorithm(resumed, name)
     for rank in range(4):
         straight, resumed_run = resumed[rank][name]
         assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
-        for key in ("fwd_bytes", "bwd_bytes", "dp_bytes", "lr"):
+        for key in ("step", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr"):
             assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]], key
         assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
         assert torch.equal(resumed_run["buffer"], straight["buffer"])  # AQ-SGD rows, bit for bit

@@ -65,10 +65,17 @@ def every_algorithm(rank, world, steps=10):
     grid = Grid.for_world(world, 2)
     groups = build_groups(grid, rank)
     out = {}
-    for name, options in OPTIONS.items():
+    for name, options in {**OPTIONS, "alone": None}.items():  # alone: no algorithm, each replica on its own data
         stage = toy_stages(2)[groups.stage]
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **options)
+        owned = owned_parameters(stage, toy_ties(2))
+        algo = None if options is None else data_parallel.create(name, owned, comm, **options)
+        seen = {}
+        if algo is not None:  # the model right after the algorithm's after_backward (where decentralized averages)
+            def after_backward(inner=algo.after_backward, owned=owned, seen=seen):
+                inner()
+                seen["averaged"] = torch.cat([p.detach().reshape(-1) for p in owned])
+            algo.after_backward = after_backward
         engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
                                 compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ,
                                 ties=toy_ties(2), data_parallel=algo)
@@ -81,7 +88,8 @@ def every_algorithm(rank, world, steps=10):
         params = torch.cat([p.detach().reshape(-1) for p in owned_parameters(stage, toy_ties(2))])
         probe = next(toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, 0))[groups.replica * MICRO:(groups.replica + 1) * MICRO]
         engine.eval_batch(probe)  # the follower takes its owner's rows of these tokens
-        out[name] = {"loss": [s["loss"] for s in log], "dp": [s["dp_bytes"] for s in log], "params": params,
+        out[name] = {"loss": [s["loss"] for s in log], "dp": [s["dp_bytes"] for s in log], "params": params, **seen,
+                     "anchor": getattr(algo, "anchor", None),
                      "tied": stage.tied_parameters()["embed"].detach().clone(),
                      "rows": torch.unique(torch.cat([mb["input_ids"].reshape(-1) for mb in probe]))}
     return out
@@ -102,10 +110,24 @@ def test_every_algorithm_learns_on_two_stages_by_two_replicas(runs, name):
     assert [b > 0 for b in dp] == [(t + 1) % every == 0 for t in range(len(dp))], dp
 
 
-@pytest.mark.parametrize("name", ["allreduce", "qadam", "qsparse_local_sgd"])
-def test_synchronous_algorithms_keep_replicas_identical(runs, name):
-    for stage in (0, 1):  # ranks stage and stage + 2 are the two replicas of a stage (10 steps: qsparse just synced)
-        assert torch.equal(runs[stage][name]["params"], runs[stage + 2][name]["params"])
+# where each algorithm's replicas hold the same model, bit for bit: after the step (allreduce, QAdam, and Qsparse at
+# its 10th step, a sync); right after after_backward's averaging (decentralized, whose local step then moves each
+# its own way; the low-precision one averages its bit-identical copies of both); CocktailSGD in the anchor θ they
+# share, while each model keeps what it has not sent yet
+AGREE_IN = {"decentralized": "averaged", "low_precision_decentralized": "averaged", "cocktail_sgd": "anchor"}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_replicas_agree_where_the_algorithm_says_and_stay_together(runs, name):
+    """Replicas see different data: alone they drift apart (||x_a - x_b|| ~1.3 and 2.1 on the two stages after 10
+    steps); every algorithm holds them within 0.3 of that (measured: 0 exact, 0.08 decentralized, 0.2 CocktailSGD)."""
+    key = AGREE_IN.get(name, "params")
+    for stage in (0, 1):  # ranks stage and stage + 2 are the two replicas of a stage
+        a, b, alone = runs[stage][name], runs[stage + 2][name], (runs[stage]["alone"], runs[stage + 2]["alone"])
+        assert torch.equal(a[key], b[key])
+        gap = torch.linalg.vector_norm(a["params"] - b["params"])
+        apart = torch.linalg.vector_norm(alone[0]["params"] - alone[1]["params"])
+        assert gap < 0.3 * apart, (float(gap), float(apart))
 
 
 def test_byte_savings_of_the_compressed_algorithms(runs):

@@ -43,6 +43,8 @@ def run_epochs(sender, receiver, epochs=3, batch=5, drift=0.1, seed=0):
             msg = sender.encode(x, ids)
             y = receiver.decode(wire(msg), ids)
             assert torch.equal(y, msg.decoded)  # the sender sees exactly what the receiver computes with
+            for side in (sender, receiver) if epoch and sender.buffer is not None else ():  # a change's decode is
+                assert torch.equal(y, side.buffer.rows(ids).to(y.dtype)), epoch  # m[ξ] as each side stores it
             sent += msg.nbytes
             err += float((y - x).abs().sum())
             count += x.numel()

@@ -81,20 +81,31 @@ def test_split_backward_computes_nothing_twice():
     assert whole > 0 and flops(True) == whole
 
 
-def test_input_part_alone_does_about_half_the_work():
-    """What the previous stage waits for is the input part only: at least a third less than a whole backward."""
+def test_the_weight_part_is_exactly_the_weight_gradients_matmuls():
+    """What the previous stage waits for is the input part only: the weight part holds every weight matrix's
+    gradient product (2 x tokens x its size in floating-point operations, GPT2's Conv1D and the LM head) and
+    nothing else, and the input part the rest of the backward."""
+    from transformers.pytorch_utils import Conv1D
+
     model = make_model("gpt2_lm", layers=4)
     stage = partition(model, 2)[1]
     batch = make_batch("gpt2_lm")
     hidden = stage_inputs(partition(model, 2), batch)[1]
     x = hidden.clone().requires_grad_(True)
     loss = stage(x, batch).loss
+    with FlopCounterMode(display=False) as whole:
+        loss.backward(retain_graph=True)
+    stage.zero_grad(set_to_none=True)
     with FlopCounterMode(display=False) as first:
         _, weights = backward_input(loss, None, x, list(stage.parameters()))
     with FlopCounterMode(display=False) as second:
         weights.run()
+    tokens = batch["input_ids"].numel()
+    matrices = [m.weight for m in stage.modules() if isinstance(m, (Conv1D, torch.nn.Linear))]
+    expected = sum(2 * tokens * w.numel() for w in matrices)
     i, w = first.get_total_flops(), second.get_total_flops()
-    assert w > 0.33 * (i + w) and i > 0.33 * (i + w)
+    assert len(matrices) == 2 * 4 + 1 and w == expected  # 2 blocks x (attention in, out, MLP in, out) + the head
+    assert i == whole.get_total_flops() - expected and i > 0
 
 
 def test_gradients_shared_between_parameters_are_not_added_twice():
