@@ -1,4 +1,4 @@
-"""The command line: `aqpipe {gpt2,deberta} [flags]` (or `python -m aqpipe ...`), under any launcher.
+"""The command line: `aqpipe {causal-lm,classify,gpt2,deberta} [flags]` (or `python -m aqpipe ...`), any launcher.
 
     deepspeed --num_gpus 2 --module aqpipe gpt2 [flags]
     torchrun --nproc_per_node 2 -m aqpipe deberta [flags]
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     words = [a for a in argv if not a.startswith("--local_rank")]
     if not words or words[0] in ("-h", "--help"):
         if speaks():
-            print(USAGE + "\n\n" + "\n".join(f"  {t.name:8} {t.summary}" for t in TASKS.values()))
+            print(USAGE + "\n\n" + "\n".join(f"  {t.name:9} {t.summary}" for t in TASKS.values()))
         return 0 if words else 2
     if words[0] not in TASKS:
         let_rank_0_speak()

@@ -1,46 +1,99 @@
-"""The fine-tuned model, merged back from its stages into one HF model that `from_pretrained` loads."""
+"""The fine-tuned model in HF's sharded layout, written by the stages themselves: no rank holds the whole model.
+
+Each stage of replica 0 writes its own weights as one shard, `model-0000s-of-0000S.safetensors` (a tied weight once,
+by its owner, under its first name, so `from_pretrained` ties it again), in the checkpoint's dtype; rank 0 writes
+`model.safetensors.index.json`, the config, the generation config and the tokenizer. Everything goes into
+`<output_dir>/model.partial`, renamed to `<output_dir>/model` once complete: a loader never sees half a model.
+Every rank writes into the output directory, so it must be one every rank shares (as checkpoints need).
+"""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from pipeline import PipelineEngine
-from pipeline.partitioning import merge_into
 
-from . import checkpoint
 from .config import RunConfig
+from .models import ModelSpec
 from .world import World, barrier
 
+INDEX = "model.safetensors.index.json"
 
-def save_merged_model(model_factory: Callable[[], Any], engine: PipelineEngine, tokenizer: Any, cfg: RunConfig,
-                      world: World, groups: Any) -> str | None:
-    """Merge every stage's weights (replica 0) into one HF model on rank 0 and save_pretrained it.
 
-    Each stage writes its part into the output directory (shared by every rank, as checkpoints need) and
-    rank 0 reads them after a barrier: the weights never cross the pipeline's links, where a slow one would
-    take minutes (GPT2's 51 MB tied head at 5 Mbit/s: 85 s, past the collective timeout). A tied weight
-    comes from its owner's copy."""
+def stage_tensors(engine: PipelineEngine, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What this stage contributes, by HF name: its weights less the tied copies it follows (their owner writes
+    them), a weight tied inside the model once, under its first name; floating tensors in `dtype`."""
+    origin = engine.stage.hf_parameter_names()  # local -> HF name, one entry per parameter
+    aliases = {name for name, _ in engine.stage.named_parameters(remove_duplicate=False)} - set(origin)
+    out = {}
+    for local, value in engine.hf_state_dict().items():
+        if local in aliases:
+            continue
+        value = value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype)
+        out[origin.get(local, local)] = value.contiguous()
+    return out
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _gathered(entry: dict[str, Any], world: World) -> list[dict[str, Any]]:
+    """Every rank's entry, on rank 0 (the others get an empty list)."""
+    if not world.distributed:
+        return [entry]
+    out: list[Any] = [None] * world.size if world.rank == 0 else []
+    dist.gather_object(entry, out if world.rank == 0 else None, dst=0)
+    return out
+
+
+def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: RunConfig, world: World,
+               groups: Any) -> str | None:
+    """Write the fine-tuned model under `<output_dir>/model`; its path on rank 0, None elsewhere."""
     out = Path(cfg.output_dir)
-    parts = out / "model.parts"
-    if groups.replica == 0:
-        parts.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_state(parts / f"stage{groups.stage}.pt",
-                               {k: v.detach().cpu() for k, v in engine.hf_state_dict().items()})
+    partial, target = out / "model.partial", out / "model"
+    stages = groups.grid.stages
+    entry: dict[str, Any] = {"files": {}, "bytes": 0}
+    if world.rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)  # a run stopped while exporting
+        partial.mkdir(parents=True)
     barrier(world)
+    if groups.replica == 0:
+        tensors = stage_tensors(engine, spec.dtype)
+        shard = f"model-{groups.stage + 1:05d}-of-{stages:05d}.safetensors"
+        _write_shard(tensors, partial / shard)
+        entry = {"files": dict.fromkeys(tensors, shard), "bytes": sum(t.numel() * t.element_size()
+                                                                      for t in tensors.values())}
+    barrier(world)  # every shard complete
+    entries = _gathered(entry, world)
     if world.rank != 0:
         return None
-    pieces = [checkpoint.read_state(parts / f"stage{s}.pt") for s in range(groups.grid.stages)]
-    target, tmp = out / "model", out / "model.partial"
-    model = merge_into(model_factory(), pieces)
-    from transformers.utils import logging as hf_logging
+    weight_map = {name: file for e in entries for name, file in sorted(e["files"].items())}
+    index = {"metadata": {"total_size": sum(e["bytes"] for e in entries)}, "weight_map": weight_map}
+    (partial / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = spec.config
+    config.dtype = spec.dtype
+    config.architectures = [spec.model_class.__name__]
+    config.save_pretrained(partial)
+    if spec.model_class.can_generate():
+        from transformers import GenerationConfig
 
-    hf_logging.disable_progress_bar()  # a bar for writing one small file is noise after the run's own bar
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
     if target.exists():
         shutil.rmtree(target)
-    os.replace(tmp, target)  # never leave a half-written model where a loader looks
-    shutil.rmtree(parts)
+    os.replace(partial, target)  # never leave a half-written model where a loader looks
     return str(target)

@@ -112,8 +112,9 @@ def _fetch_config(model: str) -> str | None:
 
 
 def _check_model_shape(cfg: "RunConfig") -> None:
-    """Stages against the model's blocks and seq_len against its positions, from its config alone."""
-    from .models import TINY  # imports transformers: only once a run is checked
+    """From the model's config alone, before any data is tokenized or weight read: a class the pipeline can split,
+    stages against its blocks, seq_len against its positions."""
+    from .models import TINY, model_class  # imports transformers: only once a run is checked
 
     blocks, positions, name = TINY["layers"], None, "the built-in shape"  # it grows its positions to seq_len
     if cfg.model is not None:
@@ -123,6 +124,7 @@ def _check_model_shape(cfg: "RunConfig") -> None:
             config = AutoConfig.from_pretrained(cfg.model, local_files_only=is_hub_name(cfg.model))
         except Exception:  # noqa: BLE001 - a hub name not cached here: the run checks once it has the model
             return
+        model_class(cfg.task, config)
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
         positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         name = repr(cfg.model)

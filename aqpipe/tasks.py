@@ -1,4 +1,7 @@
-"""The two fine-tunes aqpipe ships: what differs between them is data, not code.
+"""The fine-tunes aqpipe runs, by what the model does: what differs between them is data, not code.
+
+`causal-lm` and `classify` take any supported model (the family comes from its config.json); `gpt2` and `deberta`
+are presets of them with the defaults of their recipes.
 
 Each task's `defaults` are the settings its recipe's JSON config states (recipes/configs/): an
 installed package runs the same job from any directory with no file to find.
@@ -15,30 +18,44 @@ _DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr
 
 @dataclass(frozen=True)
 class Task:
-    """A fine-tune: the model family, its head, its built-in data and its default settings."""
+    """A fine-tune: what the model does (its head), the built-in shape and data it runs without flags, and its
+    default settings."""
 
     name: str
     kind: str  # "causal_lm" or "classification"
-    family: str  # "gpt2" or "deberta"
+    shape: str  # the built-in tiny model without --model (models.BUILTIN); with one, its config.json says
     default_dataset: str | None
     summary: str
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
+_LM = {"micro_batch_size": 4, "num_micro_batches": 4, "optimizer": _ADAMW, "lr": 1e-3, "scheduler": _DECAY,
+       "seq_len": 128, "epochs": 3, "max_train_samples": 1024, "max_eval_samples": 128}
+_CLASSIFY = {"micro_batch_size": 8, "num_micro_batches": 2, "optimizer": _ADAMW, "lr": 5e-4, "scheduler": _DECAY,
+             "seq_len": 64, "epochs": 3, "max_train_samples": 2048, "max_eval_samples": 256}
+
 TASKS: dict[str, Task] = {
+    "causal-lm": Task(
+        name="causal-lm", kind="causal_lm", shape="llama", default_dataset=None,
+        summary="causal LM fine-tuning of any supported model (--model); default: a tiny tied Llama shape on the "
+                "Shakespeare plays",
+        defaults={**_LM, "output_dir": "runs/causal-lm"},
+    ),
+    "classify": Task(
+        name="classify", kind="classification", shape="bert", default_dataset="acceptability",
+        summary="sequence classification with any supported model (--model); default: a tiny BERT shape on the "
+                "built-in acceptability task (--dataset next_line: the pair task)",
+        defaults={**_CLASSIFY, "output_dir": "runs/classify"},
+    ),
     "gpt2": Task(
-        name="gpt2", kind="causal_lm", family="gpt2", default_dataset=None,
+        name="gpt2", kind="causal_lm", shape="gpt2", default_dataset=None,
         summary="GPT2 causal LM; default: a tiny GPT2 shape on the Shakespeare plays",
-        defaults={"micro_batch_size": 4, "num_micro_batches": 4, "optimizer": _ADAMW, "lr": 1e-3,
-                  "scheduler": _DECAY, "seq_len": 128, "epochs": 3, "max_train_samples": 1024,
-                  "max_eval_samples": 128, "output_dir": "runs/gpt2"},
+        defaults={**_LM, "output_dir": "runs/gpt2"},
     ),
     "deberta": Task(
-        name="deberta", kind="classification", family="deberta", default_dataset="acceptability",
+        name="deberta", kind="classification", shape="deberta", default_dataset="acceptability",
         summary="DeBERTa sequence classification; default: a tiny DeBERTa-v2 shape on the built-in "
                 "acceptability task (--dataset next_line: the pair task)",
-        defaults={"micro_batch_size": 8, "num_micro_batches": 2, "optimizer": _ADAMW, "lr": 5e-4,
-                  "scheduler": _DECAY, "seq_len": 64, "epochs": 3, "max_train_samples": 2048,
-                  "max_eval_samples": 256, "output_dir": "runs/deberta"},
+        defaults={**_CLASSIFY, "output_dir": "runs/deberta"},
     ),
 }

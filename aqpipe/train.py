@@ -20,15 +20,14 @@ import torch.distributed as dist
 
 import data_parallel
 from pipeline import Grid, PipelineEngine, build_groups, owned_parameters
-from pipeline.partitioning import partition, tie_groups
 
 from . import checkpoint, preflight
 from . import data as datalib
 from . import faults
 from .config import RunConfig
-from .export import save_merged_model
+from .export import save_model
 from .metrics import MetricsWriter
-from .models import build_model, model_positions
+from .models import model_positions, resolve_model, set_dropout
 from .tasks import Task
 from .watchdog import Watchdog
 from .world import World, barrier, describer, init_world, stop_after_failure
@@ -137,20 +136,18 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world)
     num_labels = getattr(train_set, "num_labels", None)
     label_names = getattr(train_set, "label_names", None)  # the saved model's id2label
-    positions = model_positions(cfg.model, task.family)
+    positions = model_positions(cfg.model)
     if positions is not None and cfg.seq_len > positions:  # a hub model not cached when the config was checked
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
-
-    def model_factory() -> Any:
-        return build_model(cfg.model, task.family, task.kind, tokenizer, cfg.seq_len, num_labels, cfg.seed,
-                           label_names=label_names, dropout=cfg.dropout)
-
-    stages = partition(model_factory(), cfg.pipeline_stages, cfg.partition, cfg.activation_checkpointing)
+    spec = resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.seq_len, num_labels, label_names,
+                         cfg.dropout)
     grid = Grid.for_world(world.size, cfg.pipeline_stages)
-    ties = tie_groups(stages)
     groups = build_groups(grid, world.rank)
-    stage = stages[groups.stage].to(world.device)
-    del stages
+    # this rank's stage alone: built on the meta device, its own tensors read (pipeline/loading.py)
+    stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
+                                      device=world.device, activation_checkpointing=cfg.activation_checkpointing)
+    if cfg.dropout is not None:
+        set_dropout(stage, None, float(cfg.dropout))
     barrier(world)  # every stage built (a model download takes what it takes) before the first message
 
     shard = (groups.replica, grid.replicas)
@@ -227,7 +224,7 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
         writer.write({"step": step, **evals})
     writer.close()
     elapsed = time.perf_counter() - started
-    saved_model = save_merged_model(model_factory, engine, tokenizer, cfg, world, groups)
+    saved_model = save_model(engine, spec, tokenizer, cfg, world, groups)
     summary = {
         "steps": step, "epochs": cfg.epochs, "train_samples": len(train_set), "eval_samples": len(eval_set),
         "final_loss": losses[-1] if losses else None,

@@ -50,7 +50,7 @@ from pipeline.partitioning import stage_block_counts  # noqa: E402
 from aqpipe import data as datalib  # noqa: E402
 from aqpipe.config import RunConfig, resolve  # noqa: E402
 from aqpipe.tasks import TASKS  # noqa: E402
-from aqpipe.models import build_model, model_positions  # noqa: E402
+from aqpipe.models import model_positions, resolve_model  # noqa: E402
 from aqpipe.train import build_datasets, build_optimizer, build_scheduler  # noqa: E402
 from aqpipe.world import World  # noqa: E402
 
@@ -150,10 +150,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     world = init_world(cfg)
     torch.manual_seed(cfg.seed)
     tokenizer, train_set, _ = build_datasets(cfg, TASK, world)
-    positions = model_positions(cfg.model, TASK.family)
+    positions = model_positions(cfg.model)
     if positions is not None and cfg.seq_len > positions:
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
-    model = build_model(cfg.model, TASK.family, TASK.kind, tokenizer, cfg.seq_len, None, cfg.seed)
+    # the values our stages start from (per-stage loading or the seeded init), as one HF model
+    model = resolve_model(cfg.model, TASK.shape, TASK.kind, tokenizer, cfg.seq_len, None, dropout=cfg.dropout
+                          ).full_model(cfg.seed)
     counts = stage_block_counts(model, cfg.pipeline_stages, cfg.partition)
     specs, loss_fn, method = gpt2_layer_specs(model, counts)
     module = PipelineModule(specs, num_stages=cfg.pipeline_stages, loss_fn=loss_fn, partition_method=method)

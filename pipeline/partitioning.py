@@ -8,8 +8,9 @@
     # ties: tie_groups(stages) names the weights several stages hold (PipelineEngine keeps them in step)
     merge_into(fresh_model, [s.hf_state_dict() for s in stages]).save_pretrained(out_dir)
 
-Supported: GPT2LMHeadModel, GPT2ForSequenceClassification, DebertaForSequenceClassification,
-DebertaV2ForSequenceClassification.
+A rank that should hold only its own stage builds it from the model's config instead (pipeline/loading.py).
+Supported: `supported_classes()` (GPT2, DeBERTa, BERT, RoBERTa, and the Llama lineage: Llama, Qwen2, Qwen3, Mistral,
+Gemma 3 text, Phi-3, their causal LM and sequence classification heads).
 """
 from __future__ import annotations
 
@@ -19,10 +20,21 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .stages import PipelineStage, StageOutput, adapter_for, supported_classes
+from .stages import Family, PipelineStage, StageOutput, family_for, supported_classes
+from .stages.base import present
 from .ties import Tie
 
 METHODS = ("parameters", "uniform")
+
+
+def model_family(model: PreTrainedModel) -> Family:
+    return family_for(type(model).__name__, model.config)
+
+
+def numel(*modules: nn.Module | None) -> int:
+    """Parameter count of the given modules (None skipped; a parameter shared between them counted once)."""
+    seen = {id(p): p.numel() for m in modules if m is not None for p in m.parameters()}
+    return sum(seen.values())
 
 
 def stage_block_counts(model: PreTrainedModel, num_stages: int,
@@ -37,9 +49,11 @@ def stage_block_counts(model: PreTrainedModel, num_stages: int,
       with the smallest sum of squared stage sizes is taken (the most even); remaining ties give later stages
       more blocks.
     - a list of ints: taken as is, after checking it.
+
+    The model may be on the meta device: only its shapes are read.
     """
-    adapter = adapter_for(model)
-    blocks = adapter.blocks(model)
+    family = model_family(model)
+    blocks = model.get_submodule(family.blocks)
     n = len(blocks)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
@@ -54,7 +68,9 @@ def stage_block_counts(model: PreTrainedModel, num_stages: int,
             return [base + (1 if s < extra else 0) for s in range(num_stages)]
         if method == "parameters":
             sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
-            return balance_by_size(sizes, num_stages, adapter.first_extra_numel(model), adapter.last_extra_numel(model))
+            first = numel(*(present(model, p) for p in family.first))
+            last = numel(*(present(model, p) for p in family.last))
+            return balance_by_size(sizes, num_stages, first, last)
         raise ValueError(f"unknown partition method {method!r}: expected one of {METHODS} or a list of block counts")
     if not isinstance(method, (list, tuple)) or not all(isinstance(c, int) and not isinstance(c, bool) for c in method):
         raise ValueError(f"partition method must be one of {METHODS} or a list of ints, got {method!r}")
@@ -66,6 +82,24 @@ def stage_block_counts(model: PreTrainedModel, num_stages: int,
     if sum(counts) != n:
         raise ValueError(f"block counts {counts} sum to {sum(counts)}, but {type(model).__name__} has {n} blocks")
     return counts
+
+
+def block_ranges(counts: Sequence[int]) -> list[list[int]]:
+    """Each stage's global block indices, from the counts."""
+    bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(len(counts))]
+
+
+def tied_names(model: PreTrainedModel, family: Family, counts: Sequence[int]) -> frozenset[str]:
+    """The weights (HF names, a tied one by its first name) that more than one stage of this split holds."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    blocks = model.get_submodule(family.blocks)
+    holders: dict[str, int] = {}
+    for s, indices in enumerate(block_ranges(counts)):
+        parts = [present(model, path) for path in family.paths(s, len(counts))] + [blocks[i] for i in indices]
+        for name in {name_of[id(p)] for part in parts if part is not None for p in part.parameters()}:
+            holders[name] = holders.get(name, 0) + 1
+    return frozenset(name for name, count in holders.items() if count > 1)
 
 
 def balance_by_size(sizes: Sequence[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
@@ -111,32 +145,22 @@ def balance_by_size(sizes: Sequence[int], num_stages: int, first_extra: int = 0,
 
 
 def partition(model: PreTrainedModel, num_stages: int, method: str | list[int] = "parameters",
-              activation_checkpointing: bool = False) -> list[PipelineStage]:
-    """Split ``model`` into ``num_stages`` independent stage modules (deep copies of the HF submodules).
+              activation_checkpointing: bool = False, copy_modules: bool = True) -> list[PipelineStage]:
+    """Split ``model`` into ``num_stages`` independent stage modules.
 
     Stage ``s`` holds a contiguous run of transformer blocks (``stage_block_counts``); stage 0 also the embeddings,
-    the last stage the final norm, head and loss. Weights several stages need (GPT-2's wte / tied lm_head,
-    DeBERTa's relative embeddings) are copied into each of them; ``tied_parameters()`` / ``tie_groups`` name them.
-    ``activation_checkpointing`` wraps each block call in non-reentrant ``torch.utils.checkpoint`` while training.
+    the last stage the final norm, head and loss. Weights several stages need (a tied LM head, DeBERTa's relative
+    embeddings) are held by each of them; ``tied_parameters()`` / ``tie_groups`` name them. ``copy_modules``: each
+    stage deep-copies its parts (so the stages can train apart), or takes the modules themselves (a model on the meta
+    device, of which each rank materializes one stage: pipeline/loading.py). ``activation_checkpointing`` wraps each
+    block call in non-reentrant ``torch.utils.checkpoint`` while training.
     """
-    adapter = adapter_for(model)
-    adapter.check(model)
+    family = model_family(model)
     counts = stage_block_counts(model, num_stages, method)
-    stages: list[PipelineStage] = []
-    start = 0
-    for s, c in enumerate(counts):
-        stages.append(adapter.build(model, s, num_stages, list(range(start, start + c)), activation_checkpointing))
-        start += c
-    # A weight is tied across stages when more than one stage holds a copy of it.
-    holders: dict[str, list[int]] = {}
-    for stage in stages:
-        for hf_name in sorted(set(stage.hf_parameter_names().values())):
-            holders.setdefault(hf_name, []).append(stage.stage_index)
-    for stage in stages:
-        stage._tie_keys = {
-            hf_name: local for local, hf_name in stage.hf_parameter_names().items() if len(holders[hf_name]) > 1
-        }
-    return stages
+    tied = tied_names(model, family, counts)
+    return [family.stage(model, family, s, num_stages, indices, tied=tied, copy_modules=copy_modules,
+                         activation_checkpointing=activation_checkpointing)
+            for s, indices in enumerate(block_ranges(counts))]
 
 
 def tie_groups(stages: Sequence[PipelineStage]) -> dict[str, Tie]:
@@ -206,6 +230,6 @@ def merge_into(model: PreTrainedModel, state_dicts: Sequence[dict[str, torch.Ten
 
 
 __all__ = [
-    "METHODS", "PipelineStage", "StageOutput", "balance_by_size", "merge_into", "partition", "stage_block_counts",
-    "supported_classes", "tie_groups",
+    "METHODS", "PipelineStage", "StageOutput", "balance_by_size", "block_ranges", "merge_into", "model_family",
+    "partition", "stage_block_counts", "supported_classes", "tie_groups", "tied_names",
 ]

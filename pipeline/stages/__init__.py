@@ -1,28 +1,41 @@
-"""Stage modules per model family, and the registry ``partition`` picks the family from."""
+"""Stage modules per model family, and the registry that names the HF classes they split.
+
+A family is data (``base.Family``: where the embeddings, blocks, final norm and head live, which weights are read as
+lookup tables); the Llama lineage's adapters derive from transformers' own ``base_model_pp_plan``.
+"""
 from __future__ import annotations
 
-from .base import FamilyAdapter, PipelineStage, StageOutput
-from .deberta import DebertaAdapter, DebertaStage
-from .gpt2 import GPT2Adapter, GPT2Stage
+from typing import Any, Callable
 
-ADAPTERS: list[FamilyAdapter] = [GPT2Adapter(), DebertaAdapter()]
+from . import bert, deberta, decoder, gpt2
+from .base import Family, PipelineStage, StageOutput
+from .bert import BertStage
+from .deberta import DebertaStage
+from .decoder import DecoderStage
+from .gpt2 import GPT2Stage
 
-
-def adapter_for(model: object) -> FamilyAdapter:
-    """The adapter for ``type(model)`` (exact class match); ValueError naming the class and the supported ones."""
-    for adapter in ADAPTERS:
-        if type(model) in adapter.supported:
-            return adapter
-    raise ValueError(
-        f"cannot partition {type(model).__name__}: supported model classes are {', '.join(supported_classes())}"
-    )
+FAMILIES: dict[str, Callable[[Any], Family]] = {**gpt2.FAMILIES, **decoder.FAMILIES, **bert.FAMILIES,
+                                                **deberta.FAMILIES}
 
 
 def supported_classes() -> list[str]:
-    return [cls.__name__ for adapter in ADAPTERS for cls in adapter.supported]
+    return sorted(FAMILIES)
+
+
+def family_for(class_name: str, config: Any) -> Family:
+    """The family adapter of an HF model class; ValueError naming the class and the supported ones, or what in
+    this configuration the family cannot split exactly."""
+    if class_name not in FAMILIES:
+        raise ValueError(f"cannot partition {class_name}: supported model classes are "
+                         f"{', '.join(supported_classes())}")
+    family = FAMILIES[class_name](config)
+    why = family.stage.check(config)
+    if why is not None:
+        raise ValueError(f"cannot partition {class_name}: {why} is not supported by the partitioner")
+    return family
 
 
 __all__ = [
-    "ADAPTERS", "DebertaStage", "FamilyAdapter", "GPT2Stage", "PipelineStage", "StageOutput", "adapter_for",
-    "supported_classes",
+    "FAMILIES", "BertStage", "DebertaStage", "DecoderStage", "Family", "GPT2Stage", "PipelineStage", "StageOutput",
+    "family_for", "supported_classes",
 ]

@@ -1,14 +1,14 @@
-"""What every model family's stage shares: the output type, the stage base class, the family adapter.
+"""What every model family's stage shares: where a family keeps its parts, the stage base class, its output.
 
 A stage mirrors the module tree of the unpartitioned HF model for the parts it holds (``transformer.h.3``,
-``deberta.encoder.layer.5``, ``lm_head``, ...), so its own ``state_dict()`` names are the HF names and
-``hf_state_dict()`` needs no renaming. Blocks sit in an ``nn.ModuleDict`` keyed by their global index.
+``model.layers.5``, ``lm_head``, ...), so its own ``state_dict()`` names are the HF names: a checkpoint's tensors
+load by name and an export needs no renaming. Blocks sit in an ``nn.ModuleDict`` keyed by their global index.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.utils.checkpoint
@@ -25,8 +25,50 @@ class StageOutput:
     logits: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Family:
+    """Where one HF model class keeps its parts, as module paths in the unpartitioned model: what a stage is cut by.
+
+    `first` only stage 0 holds (the embeddings), `last` only the last stage (final norm, head), `every` every stage
+    (parameter-free helpers such as the rotary embedding, or weights every block reads); `blocks` is the block list,
+    split contiguously. A path the model lacks (an optional part) is skipped. `lookups`: a weight (HF name) that a
+    stage without the head reads only at some rows, and the batch fields that are those rows (a token embedding).
+    """
+
+    stage: type["PipelineStage"]
+    first: tuple[str, ...]
+    blocks: str
+    last: tuple[str, ...]
+    every: tuple[str, ...] = ()
+    lookups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def paths(self, stage_index: int, num_stages: int) -> list[str]:
+        """The non-block parts stage `stage_index` of `num_stages` holds, in the model's order."""
+        return [*(self.first if stage_index == 0 else ()), *self.every,
+                *(self.last if stage_index == num_stages - 1 else ())]
+
+
+def present(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at `path`, or None where this configuration has no such part."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def mount(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Place `module` at `path` under `root`, with bare modules as the namespaces on the way."""
+    *parents, name = path.split(".")
+    for part in parents:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    root.add_module(name, module)
+
+
 class PipelineStage(nn.Module):
-    """One contiguous slice of an HF model: optional embeddings, blocks ``block_indices``, optional head + loss.
+    """One contiguous slice of an HF model: stage 0 its embeddings, every stage blocks `block_indices`, the last
+    stage the final norm, head and loss (where a `Family` says they live).
 
     ``forward(hidden, batch, seed=None)``: the first stage takes ``hidden=None`` and reads ``batch["input_ids"]``
     (and ``attention_mask``, ``token_type_ids`` when present); later stages take the boundary activation
@@ -34,30 +76,52 @@ class PipelineStage(nn.Module):
     :class:`StageOutput`, the others the next boundary activation. With ``seed`` (the engine's, per step and
     micro-batch) each part's dropout draws from ``reseed(seed, part)``: part ``"embed"`` before the embeddings'
     dropout, the block's global index before each block, ``"head"`` before the head's.
+
+    Built from a model whose parts it takes: copies (``copy=True``, several stages from one model in memory) or the
+    modules themselves (a model on the meta device that only this stage will use). ``tied``: the HF names of the
+    weights other stages hold copies of too.
     """
 
-    def __init__(self, config: Any, stage_index: int, num_stages: int, block_indices: list[int],
+    def __init__(self, model: nn.Module, family: Family, stage_index: int, num_stages: int, block_indices: list[int],
+                 *, tied: frozenset[str] = frozenset(), copy_modules: bool = True,
                  activation_checkpointing: bool = False) -> None:
         super().__init__()
-        self.config = config
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == num_stages - 1
+        memo: dict[int, Any] = {}
+        take: Callable[[Any], Any] = (lambda m: copy.deepcopy(m, memo)) if copy_modules else (lambda m: m)
+        self.config = take(model.config)  # one copy per stage, shared by its modules
+        self.family = family
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.block_indices = list(block_indices)
         self.activation_checkpointing = activation_checkpointing
-        self.hidden_size = int(config.hidden_size)
-        # local parameter name -> HF name of the parameter it copies (the first name in model.named_parameters())
-        self._origin: dict[str, str] = {}
-        # tie key -> local parameter name, for parameters of which other stages hold copies (set by partition())
-        self._tie_keys: dict[str, str] = {}
+        self.hidden_size = int(self.config.hidden_size)
+        blocks = model.get_submodule(family.blocks)
+        parts = {path: present(model, path) for path in family.paths(stage_index, num_stages)}
+        for path in [p for p in parts if p in family.first]:
+            mount(self, path, take(parts[path]))
+        mount(self, family.blocks, nn.ModuleDict({str(i): take(blocks[i]) for i in block_indices}))
+        for path in [p for p in parts if p not in family.first]:
+            if parts[path] is not None:
+                mount(self, path, take(parts[path]))
+        # local parameter name -> HF name of the weight it holds (a tied weight by its first name)
+        named = model.named_parameters()  # deduplicated: a weight tied inside the model once, by its first name
+        source = {id(memo[id(p)]): name for name, p in named if id(p) in memo} if copy_modules else \
+            {id(p): name for name, p in named}
+        self._origin = {local: source[id(p)] for local, p in self.named_parameters()}
+        self._tie_keys = {name: local for local, name in self._origin.items() if name in tied}
+        self.train(model.training)
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
-                seed: int | None = None) -> torch.Tensor | StageOutput:
-        raise NotImplementedError
+    @staticmethod
+    def check(config: Any) -> str | None:
+        """What in `config` this family cannot split exactly (None: nothing), said before anything is built."""
+        return None
 
     def extra_repr(self) -> str:
         return f"stage {self.stage_index}/{self.num_stages}, blocks {self.block_indices}"
+
+    def blocks(self) -> Iterator[tuple[int, nn.Module]]:
+        held = self.get_submodule(self.family.blocks)
+        return ((i, held[str(i)]) for i in self.block_indices)
 
     # ------------------------------------------------------------------ ties and HF names
     def tied_parameters(self) -> dict[str, nn.Parameter]:
@@ -70,16 +134,19 @@ class PipelineStage(nn.Module):
 
     def tied_lookups(self) -> dict[str, tuple[str, ...]]:
         """Tie key -> the batch fields whose values are the rows this stage reads of that weight, for the tied
-        weights it uses only as a lookup table (an embedding). Such a copy needs just those rows each step."""
-        return {}
+        weights it uses only as a lookup table (an embedding, on a stage without the head): it needs just those
+        rows each step."""
+        if self.is_last:
+            return {}
+        return {key: fields for key, fields in self.family.lookups.items() if key in self._tie_keys}
 
     def hf_parameter_names(self) -> dict[str, str]:
-        """Local parameter name -> HF parameter name of the original it was copied from (tied copies included)."""
+        """Local parameter name -> HF name of the weight it holds (a tied weight by its first name)."""
         return dict(self._origin)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and persistent buffers under their names in the unpartitioned HF model."""
-        return {k: v for k, v in self.state_dict().items()}
+        return dict(self.state_dict())
 
     # ------------------------------------------------------------------ helpers for subclasses
     def _checkpointing(self) -> bool:
@@ -92,76 +159,3 @@ class PipelineStage(nn.Module):
         if self._checkpointing():
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, **kwargs)
         return block(*args, **kwargs)
-
-    def _finish(self, model: nn.Module, memo: dict[int, Any]) -> None:
-        """Record, for every parameter of this stage, which HF parameter it copies; drop copied gradients."""
-        copies = {id(c): c for c in memo.values() if isinstance(c, nn.Parameter)}
-        origin_of = {}
-        for name, p in model.named_parameters():  # deduplicated: a tied weight appears once, by its first name
-            c = memo.get(id(p))
-            if c is not None and id(c) in copies:
-                origin_of[id(c)] = name
-        for local, p in self.named_parameters():
-            if id(p) not in origin_of:
-                raise RuntimeError(f"stage {self.stage_index}: parameter {local!r} was not copied from the model")
-            self._origin[local] = origin_of[id(p)]
-            p.grad = None
-        self.train(model.training)
-
-
-def container(**children: nn.Module | None) -> nn.Module:
-    """A bare module used only as a namespace, so that stage parameter names mirror the HF module tree."""
-    m = nn.Module()
-    for name, child in children.items():
-        if child is not None:
-            m.add_module(name, child)
-    return m
-
-
-def deep_copier(model: nn.Module) -> tuple[dict[int, Any], Callable[[Any], Any]]:
-    """A deepcopy function with one memo per stage: ties inside a stage are kept, ties across stages cut.
-
-    The model's config is copied once per stage and shared by every module of that stage.
-    """
-    memo: dict[int, Any] = {}
-    memo[id(model.config)] = copy.deepcopy(model.config)
-
-    def dc(obj: Any) -> Any:
-        return copy.deepcopy(obj, memo)
-
-    return memo, dc
-
-
-def numel(*modules: nn.Module | None) -> int:
-    """Parameter count of the given modules (None skipped; a parameter shared between them counted once)."""
-    seen: dict[int, int] = {}
-    for m in modules:
-        if m is None:
-            continue
-        for p in m.parameters():
-            seen[id(p)] = p.numel()
-    return sum(seen.values())
-
-
-class FamilyAdapter:
-    """How to cut one model family: its blocks, its stage-0 and last-stage extras, and its stage builder."""
-
-    supported: tuple[type, ...] = ()
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        raise NotImplementedError
-
-    def first_extra_numel(self, model: nn.Module) -> int:
-        """Parameters only the first stage holds besides its blocks (embeddings, ...)."""
-        raise NotImplementedError
-
-    def last_extra_numel(self, model: nn.Module) -> int:
-        """Parameters only the last stage holds besides its blocks (final norm, head, pooler, ...)."""
-        raise NotImplementedError
-
-    def check(self, model: nn.Module) -> None:
-        """Raise ValueError for configurations this adapter cannot split exactly."""
-
-    def build(self, model: nn.Module, stage_index: int, num_stages: int, block_indices: list[int],
-              activation_checkpointing: bool) -> PipelineStage:
-        raise NotImplementedError

@@ -12,15 +12,17 @@ Per stage, as ``DebertaModel.forward`` / ``DebertaEncoder.forward`` (and the v2 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from transformers import DebertaForSequenceClassification, DebertaV2ForSequenceClassification
+from transformers import DebertaV2ForSequenceClassification
 from transformers.models.deberta import modeling_deberta as hf_v1
 from transformers.models.deberta_v2 import modeling_deberta_v2 as hf_v2
 
 from ..seeding import reseed
-from .base import FamilyAdapter, PipelineStage, StageOutput, container, deep_copier, numel
+from .base import Family, PipelineStage, StageOutput
 
 
 def pairwise_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -37,34 +39,21 @@ class DebertaStage(PipelineStage):
     """A slice of DebertaForSequenceClassification or DebertaV2ForSequenceClassification (HF names: ``deberta.*``,
     ``pooler.*``, ``classifier.*``)."""
 
-    def __init__(self, model: nn.Module, stage_index: int, num_stages: int, block_indices: list[int],
-                 activation_checkpointing: bool = False) -> None:
-        memo, dc = deep_copier(model)
-        super().__init__(memo[id(model.config)], stage_index, num_stages, block_indices, activation_checkpointing)
-        self.v2 = isinstance(model, DebertaV2ForSequenceClassification)
+    @staticmethod
+    def check(config: Any) -> str | None:
+        steps = getattr(config, "z_steps", 0) or 0
+        return f"DeBERTa with z_steps={steps} (> 1)" if steps > 1 else None
+
+    def __init__(self, model: nn.Module, family: Family, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, family, *args, **kwargs)
         enc = model.deberta.encoder
-        first, last = self.is_first, self.is_last
+        self.v2 = isinstance(model, DebertaV2ForSequenceClassification)
         self.relative_attention = bool(enc.relative_attention)
         if self.relative_attention and self.v2:
             self.position_buckets = enc.position_buckets
             self.max_relative_positions = enc.max_relative_positions
         self.norm_rel_ebd = list(getattr(enc, "norm_rel_ebd", []))
-        self.has_conv = self.v2 and first and getattr(enc, "conv", None) is not None
-        self.deberta = container(
-            embeddings=dc(model.deberta.embeddings) if first else None,
-            encoder=container(
-                layer=nn.ModuleDict({str(i): dc(enc.layer[i]) for i in block_indices}),
-                rel_embeddings=dc(enc.rel_embeddings) if self.relative_attention else None,
-                LayerNorm=dc(enc.LayerNorm) if (self.v2 and "layer_norm" in self.norm_rel_ebd) else None,
-                conv=dc(enc.conv) if self.has_conv else None,
-            ),
-        )
-        if last:
-            self.pooler = dc(model.pooler)
-            self.dropout = dc(model.dropout)
-            self.classifier = dc(model.classifier)
-            self.num_labels = model.num_labels
-        self._finish(model, memo)
+        self.has_conv = self.is_first and getattr(enc, "conv", None) is not None
 
     def _rel_embeddings(self) -> torch.Tensor | None:
         if not self.relative_attention:
@@ -113,10 +102,8 @@ class DebertaStage(PipelineStage):
         pair_mask = pairwise_attention_mask(attention_mask)
         relative_pos = self._relative_pos(hidden)
         rel_embeddings = self._rel_embeddings()
-        layers = self.deberta.encoder.layer
-        for i in self.block_indices:
-            hidden, _ = self._call_block(i, seed, layers[str(i)], hidden, pair_mask, None, relative_pos, rel_embeddings,
-                                         False)
+        for i, layer in self.blocks():
+            hidden, _ = self._call_block(i, seed, layer, hidden, pair_mask, None, relative_pos, rel_embeddings, False)
             if i == 0 and self.has_conv:
                 hidden = self.deberta.encoder.conv(embedding_output, hidden, input_mask)
         if not self.is_last:
@@ -129,13 +116,14 @@ class DebertaStage(PipelineStage):
         pooled_output = self.pooler(encoder_layer)
         pooled_output = self.dropout(pooled_output)
         logits = self.classifier(pooled_output)
+        num_labels = self.config.num_labels
 
         loss = None
         if labels is not None:
             labels = labels.to(logits.device)
             problem_type = self.config.problem_type
             if problem_type is None:
-                if self.num_labels == 1:
+                if num_labels == 1:
                     logits = logits.view(-1).to(labels.dtype)
                     loss = nn.MSELoss()(logits, labels.view(-1))
                 elif labels.dim() == 1 or labels.size(-1) == 1:
@@ -146,39 +134,29 @@ class DebertaStage(PipelineStage):
                             logits, 0, label_index.expand(label_index.size(0), logits.size(1))
                         )
                         labels = torch.gather(labels, 0, label_index.view(-1))
-                        loss = CrossEntropyLoss()(labeled_logits.view(-1, self.num_labels).float(), labels.view(-1))
+                        loss = CrossEntropyLoss()(labeled_logits.view(-1, num_labels).float(), labels.view(-1))
                     else:
                         loss = torch.tensor(0).to(logits)
                 else:
                     loss = -((nn.LogSoftmax(-1)(logits) * labels).sum(-1)).mean()
             elif problem_type == "regression":
-                if self.num_labels == 1:
+                if num_labels == 1:
                     loss = MSELoss()(logits.squeeze(), labels.squeeze())
                 else:
                     loss = MSELoss()(logits, labels)
             elif problem_type == "single_label_classification":
-                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+                loss = CrossEntropyLoss()(logits.view(-1, num_labels), labels.view(-1))
             elif problem_type == "multi_label_classification":
                 loss = BCEWithLogitsLoss()(logits, labels)
         return StageOutput(loss=loss, logits=logits)
 
 
-class DebertaAdapter(FamilyAdapter):
-    supported = (DebertaForSequenceClassification, DebertaV2ForSequenceClassification)
+def family(config: Any) -> Family:
+    """Stage 0: the embeddings and v2's conv layer (it runs after layer 0); every stage: the relative embeddings
+    (and v2's LayerNorm over them), which every layer reads whole."""
+    return Family(DebertaStage, first=("deberta.embeddings", "deberta.encoder.conv"), blocks="deberta.encoder.layer",
+                  last=("pooler", "dropout", "classifier"),
+                  every=("deberta.encoder.rel_embeddings", "deberta.encoder.LayerNorm"))
 
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.deberta.encoder.layer)
 
-    def first_extra_numel(self, model: nn.Module) -> int:
-        return numel(model.deberta.embeddings, getattr(model.deberta.encoder, "conv", None))
-
-    def last_extra_numel(self, model: nn.Module) -> int:
-        return numel(model.pooler, model.classifier)
-
-    def check(self, model: nn.Module) -> None:
-        if getattr(model.deberta, "z_steps", 0) > 1:
-            raise ValueError(f"DeBERTa with z_steps={model.deberta.z_steps} (> 1) is not supported by the partitioner")
-
-    def build(self, model: nn.Module, stage_index: int, num_stages: int, block_indices: list[int],
-              activation_checkpointing: bool) -> PipelineStage:
-        return DebertaStage(model, stage_index, num_stages, block_indices, activation_checkpointing)
+FAMILIES = {"DebertaForSequenceClassification": family, "DebertaV2ForSequenceClassification": family}

@@ -52,7 +52,7 @@ def test_the_wheel_holds_every_package_and_runs_both_fine_tunes_from_elsewhere(t
 
     where = run(str(python), "-c", "import aqpipe; print(aqpipe.__file__)").stdout
     assert where.startswith(str(venv)), where  # the wheel's copy, not the checkout's
-    assert "usage: aqpipe {gpt2,deberta}" in run(str(venv / "bin" / "aqpipe"), "--help").stdout
+    assert "usage: aqpipe {causal-lm,classify,gpt2,deberta}" in run(str(venv / "bin" / "aqpipe"), "--help").stdout
 
     run(str(python), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         "-m", "aqpipe", "gpt2", *QUICK, "--output_dir", "gpt2")

@@ -20,6 +20,11 @@ DROPOUT_PARTS: dict[str, Callable[[int], dict[Any, str]]] = {
     "gpt2": lambda n: {"embed": "transformer.drop", **{i: f"transformer.h.{i}" for i in range(n)}},
     "deberta": lambda n: {"embed": "deberta.embeddings", **{i: f"deberta.encoder.layer.{i}" for i in range(n)},
                           "head": "pooler"},
+    "bert": lambda n: {"embed": "bert.embeddings", **{i: f"bert.encoder.layer.{i}" for i in range(n)},
+                       "head": "bert.pooler"},
+    "roberta": lambda n: {"embed": "roberta.embeddings", **{i: f"roberta.encoder.layer.{i}" for i in range(n)},
+                          "head": "classifier"},
+    "decoder": lambda n: {i: f"model.layers.{i}" for i in range(n)},  # the Llama lineage: dropout inside blocks
 }
 
 

@@ -197,9 +197,9 @@ def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch
 
 
 def test_the_command_line_names_the_tasks(capsys):
-    assert cli.main([]) == 2 and "usage: aqpipe {gpt2,deberta}" in capsys.readouterr().out
+    assert cli.main([]) == 2 and "usage: aqpipe {causal-lm,classify,gpt2,deberta}" in capsys.readouterr().out
     assert cli.main(["--local_rank=0", "bert"]) == 2
-    assert "task 'bert': expected one of gpt2, deberta" in capsys.readouterr().err
+    assert "task 'bert': expected one of causal-lm, classify, gpt2, deberta" in capsys.readouterr().err
 
 
 def test_group_sizes_and_rounding_reach_the_compression_section(tmp_path, monkeypatch):

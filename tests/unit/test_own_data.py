@@ -14,7 +14,7 @@ from aqpipe import data
 from aqpipe import train as trainer
 from aqpipe.config import FLAGS, build_parser, resolve
 from aqpipe.data import datasets as sources
-from aqpipe.models import build_model
+from aqpipe.models import resolve_model
 from aqpipe.tasks import TASKS
 from aqpipe.world import World
 from tests.conftest import write_table
@@ -175,25 +175,26 @@ def test_builtin_tasks_name_their_labels(cls_tok, corpus, task, names):
 
 def test_the_model_config_maps_ids_to_the_label_names(cls_tok, tmp_path):
     names = ["entailment", "not_entailment"]
-    tiny = build_model(None, "deberta", "classification", cls_tok, SEQ, 2, 0, label_names=names)
-    assert tiny.config.id2label == {0: "entailment", 1: "not_entailment"}
-    assert tiny.config.label2id == {"entailment": 0, "not_entailment": 1}
-    tiny.config.to_json_file(tmp_path / "config.json")  # a config.json: the seeded random init of that shape
-    shaped = build_model(str(tmp_path / "config.json"), "deberta", "classification", cls_tok, SEQ, 3, 0,
-                         label_names=["a", "b", "c"])
-    assert shaped.config.id2label == {0: "a", 1: "b", 2: "c"} and shaped.config.num_labels == 3
-    bare = build_model(None, "deberta", "classification", cls_tok, SEQ, 2, 0)
-    assert bare.config.id2label == {0: "LABEL_0", 1: "LABEL_1"}  # transformers' default where the data has none
+    tiny = resolve_model(None, "deberta", "classification", cls_tok, SEQ, 2, label_names=names).config
+    assert tiny.id2label == {0: "entailment", 1: "not_entailment"}
+    assert tiny.label2id == {"entailment": 0, "not_entailment": 1}
+    tiny.to_json_file(tmp_path / "config.json")  # a config.json: the seeded random init of that shape
+    shaped = resolve_model(str(tmp_path / "config.json"), "deberta", "classification", cls_tok, SEQ, 3,
+                           label_names=["a", "b", "c"]).config
+    assert shaped.id2label == {0: "a", 1: "b", 2: "c"} and shaped.num_labels == 3
+    bare = resolve_model(None, "deberta", "classification", cls_tok, SEQ, 2).config
+    assert bare.id2label == {0: "LABEL_0", 1: "LABEL_1"}  # transformers' default where the data has none
 
 
 def test_dropout_sets_every_dropout_of_the_model_and_its_config(cls_tok):
     import torch
 
-    plain = build_model(None, "deberta", "classification", cls_tok, SEQ, 2, 0)
+    plain = resolve_model(None, "deberta", "classification", cls_tok, SEQ, 2).full_model(0)
     assert max(m.p for m in plain.modules() if isinstance(m, torch.nn.Dropout)) == 0.1  # HF default (pooler: 0)
-    off = build_model(None, "deberta", "classification", cls_tok, SEQ, 2, 0, dropout=0.0)
+    spec = resolve_model(None, "deberta", "classification", cls_tok, SEQ, 2, dropout=0.0)
+    off = spec.full_model(0)
     assert {m.p for m in off.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
-    assert off.config.hidden_dropout_prob == off.config.attention_probs_dropout_prob == 0.0
+    assert spec.config.hidden_dropout_prob == spec.config.attention_probs_dropout_prob == 0.0
     off.train()
     x = torch.randint(0, 50, (2, SEQ))
     assert torch.equal(off(input_ids=x).logits, off(input_ids=x).logits)  # no mask drawn: two passes agree

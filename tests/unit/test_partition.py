@@ -271,8 +271,9 @@ def test_tie_groups():
 
 
 def test_unsupported_model_names_class_and_supported_ones():
-    with pytest.raises(ValueError, match=r"GPT2Model.*GPT2LMHeadModel.*GPT2ForSequenceClassification"
-                                         r".*DebertaForSequenceClassification.*DebertaV2ForSequenceClassification"):
+    with pytest.raises(ValueError, match=r"^cannot partition GPT2Model: supported model classes are .*"
+                                         r"DebertaV2ForSequenceClassification.*GPT2LMHeadModel.*LlamaForCausalLM.*"
+                                         r"Qwen3ForSequenceClassification, RobertaForSequenceClassification$"):
         partition(GPT2Model(config("gpt2_lm")), 2)
 
 

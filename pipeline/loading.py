@@ -1,0 +1,262 @@
+"""One stage built alone: its modules on the meta device, then only its own tensors, read from the checkpoint.
+
+    stage, ties = build_stage(LlamaForCausalLM, config, stage_index=1, num_stages=4, checkpoint="path/to/model")
+
+The whole model is constructed on the meta device (shapes only, no memory), split as `partition` splits it, and
+only this stage's parameters are made real: read one tensor at a time from the checkpoint's safetensors shards
+(`model.safetensors.index.json`, or a single `model.safetensors`), cast to the training dtype as they come, so a
+rank's host memory holds its stage, never the model. A tied weight the checkpoint stores once (Llama 3.2's and
+Qwen2.5's head, GPT2's) is read under its other name. What the checkpoint lacks (a new classification head) and every
+buffer (rotary frequencies, position ids: in no checkpoint) is initialized by the model's own `_init_weights`, the
+generator seeded per module name, so a model without weights (a config.json) starts from the same values on any
+stage count.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .partitioning import model_family, partition, tie_groups
+from .seeding import derive_seed
+from .stages import PipelineStage
+from .ties import Tie
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+BIN_INDEX, BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"
+
+
+def has_weights(directory: str | os.PathLike) -> bool:
+    return any((Path(directory) / name).is_file() for name in (INDEX, SINGLE, BIN_INDEX, BIN))
+
+
+class CheckpointReader:
+    """The tensors of an HF checkpoint directory by name, each read alone (safetensors: memory-mapped, so reading
+    one tensor touches only its bytes). Counts what it read: `read` names, `bytes_read`."""
+
+    def __init__(self, directory: str | os.PathLike, fetch: Callable[[str], Path] | None = None) -> None:
+        """`fetch(file)`: where a file of the checkpoint is, after bringing it here (a hub snapshot's shards, fetched
+        when first read); default: the directory's own files."""
+        self.directory = Path(directory)
+        self.fetch = fetch or (lambda file: self.directory / file)
+        self.read: list[str] = []
+        self.bytes_read = 0
+        self._open: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+        d = self.directory
+        if (d / INDEX).is_file():
+            self.files = self._index(d / INDEX)
+            self.kind = "safetensors"
+        elif (d / SINGLE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(self.fetch(SINGLE)), framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), SINGLE)
+            self.kind = "safetensors"
+        elif (d / BIN_INDEX).is_file() or (d / BIN).is_file():
+            self.files = self._index(d / BIN_INDEX) if (d / BIN_INDEX).is_file() else None
+            self.kind = "bin"
+            warnings.warn(f"{d}: a .bin checkpoint is read whole (memory-mapped) by every rank; its safetensors form "
+                          "lets each rank read only its stage's tensors", stacklevel=2)
+        else:
+            raise FileNotFoundError(f"{d}: no model weights (expected {INDEX}, {SINGLE}, {BIN_INDEX} or {BIN})")
+        self._bin: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _index(path: Path) -> dict[str, str]:
+        try:
+            return dict(json.loads(path.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"{path}: not a checkpoint index with a weight_map ({exc})") from None
+
+    def names(self) -> set[str]:
+        if self.files is None:  # a single .bin: its names are known once it is mapped
+            return set(self._bin_file(BIN))
+        return set(self.files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def _bin_file(self, file: str) -> dict[str, torch.Tensor]:
+        if file not in self._bin:
+            self._bin[file] = torch.load(self.fetch(file), map_location="cpu", mmap=True, weights_only=True)
+        return self._bin[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor `name`, as stored (its checkpoint dtype)."""
+        file = BIN if self.files is None else self.files[name]
+        if self.kind == "bin":
+            tensor = self._bin_file(file)[name]
+        else:
+            if file not in self._open:
+                from safetensors import safe_open
+
+                self._open[file] = self._stack.enter_context(safe_open(str(self.fetch(file)), framework="pt"))
+            tensor = self._open[file].get_tensor(name)
+        self.read.append(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+        self._bin.clear()
+
+
+def meta_model(model_class: type, config: Any) -> nn.Module:
+    """The whole model on the meta device: its module tree, shapes and ties, no storage (its initialization on
+    meta tensors does nothing)."""
+    with torch.device("meta"):
+        return model_class._from_config(config)
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Give every meta parameter and buffer of `module` real (uninitialized) storage: floating parameters in
+    `dtype`, buffers in their own dtype. A parameter several submodules share stays one parameter."""
+    made: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if id(p) not in made:
+                kind = dtype if p.is_floating_point() else p.dtype
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=kind, device=device),
+                                           requires_grad=p.requires_grad)
+            setattr(m, name, made[id(p)])
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b.is_meta:
+                setattr(m, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+
+
+def _postorder(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _postorder(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def _initializer(model: nn.Module, path: str) -> Any:
+    """The `_init_weights` of the innermost pretrained model around `path` (a composite's parts have their own)."""
+    from transformers import PreTrainedModel
+
+    owner, node = model, model
+    for part in path.split(".") if path else ():
+        node = getattr(node, part)
+        if isinstance(node, PreTrainedModel):
+            owner = node
+    return owner._init_weights
+
+
+def _mark(tensor: torch.Tensor) -> None:
+    tensor._is_hf_initialized = True  # transformers' own flag: its init functions leave such a tensor alone
+
+
+def _seeded_init(model: nn.Module, path: str, module: nn.Module, seed: int) -> None:
+    with torch.no_grad():
+        torch.manual_seed(derive_seed(seed, "init", path))
+        _initializer(model, path)(module)
+
+
+def vocabulary_weights(model: nn.Module) -> set[str]:
+    """The HF names of the weights with a row per token: the input embeddings and the output head."""
+    tables = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in tables}
+
+
+def _fill(param: torch.Tensor, value: torch.Tensor, name: str, grows: bool = False) -> None:
+    """Copy a checkpoint tensor in, cast to the parameter's dtype. A vocabulary table (`grows`) larger than the
+    checkpoint's (a tokenizer with more tokens) keeps the stored rows and gives each new one their mean."""
+    with torch.no_grad():
+        if value.shape == param.shape:
+            param.copy_(value)
+            return
+        if grows and value.dim() == param.dim() and value.shape[1:] == param.shape[1:] and \
+                value.shape[0] < param.shape[0]:
+            param[:value.shape[0]].copy_(value)
+            param[value.shape[0]:].copy_(value.float().mean(0, keepdim=True).to(param.dtype))
+            return
+    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}; the model expects "
+                     f"{tuple(param.shape)}")
+
+
+def load_weights(stage: PipelineStage, reader: CheckpointReader, vocabulary: set[str] = frozenset()) -> list[str]:
+    """Read the stage's tensors from the checkpoint, each under its own name, else the name of the weight it is tied
+    to (a checkpoint stores a tied weight once); marks them loaded. `vocabulary`: the names of the tables with a row
+    per token, which may grow. Returns the names the checkpoint lacks."""
+    available, origin, missing = reader.names(), stage.hf_parameter_names(), []
+    for local, param in stage.named_parameters():
+        name = next((n for n in (local, origin[local]) if n in available), None)
+        if name is None:
+            missing.append(local)
+            continue
+        _fill(param, reader.get(name), name, grows=local in vocabulary)
+        _mark(param)
+    for local, buffer in stage.state_dict().items():  # persistent buffers a checkpoint may carry
+        if local not in origin and local in available and not getattr(buffer, "_is_hf_initialized", False):
+            _fill(buffer, reader.get(local), local)
+            _mark(buffer)
+    return missing
+
+
+def init_weights(stage: PipelineStage, model: nn.Module, seed: int) -> None:
+    """Initialize what no checkpoint gave (every parameter without one, every buffer) with the model's own
+    `_init_weights`, each module's generator seeded by its HF name: the same values on any stage count.
+
+    A tied weight takes the values its first name's module gives it (the embedding's, zero padding row included),
+    never the other holder's (a head's): that module is built here for the purpose where this stage lacks it."""
+    origin = stage.hf_parameter_names()
+    name_of = {id(p): origin[local] for local, p in stage.named_parameters()}
+    for local, name in origin.items():  # tied weights whose first name's module is another stage's
+        param, source_path = stage.get_parameter(local), name.rpartition(".")[0]
+        if local == name or getattr(param, "_is_hf_initialized", False):
+            continue
+        source = copy.deepcopy(model.get_submodule(source_path))
+        materialize(source, param.dtype, param.device)
+        _seeded_init(model, source_path, source, seed)
+        with torch.no_grad():
+            param.copy_(source.get_parameter(name.rpartition(".")[2]))
+        _mark(param)
+    for path, module in _postorder(stage):
+        if not path:
+            continue
+        # a weight tied to another module's is that module's to initialize: kept as it is while this one runs
+        others = [p for p in module.parameters() if not name_of[id(p)].startswith(path + ".")
+                  and not getattr(p, "_is_hf_initialized", False)]
+        for p in others:
+            _mark(p)
+        _seeded_init(model, path, module, seed)
+        for p in others:
+            del p._is_hf_initialized
+    for tensor in [*stage.parameters(), *stage.buffers()]:
+        if hasattr(tensor, "_is_hf_initialized"):
+            del tensor._is_hf_initialized
+
+
+def build_stage(model_class: type, config: Any, stage_index: int, num_stages: int, *,
+                checkpoint: str | os.PathLike | None = None, partition_method: str | list[int] = "parameters",
+                seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                activation_checkpointing: bool = False,
+                reader: CheckpointReader | None = None) -> tuple[PipelineStage, dict[str, Tie], list[str]]:
+    """Stage `stage_index` of `num_stages` of `model_class(config)`, its weights from `checkpoint` (a model
+    directory) or `reader`, else seeded from `seed`; returns it, the job's ties (`tie_groups` of every stage) and
+    the names of the parameters the checkpoint lacked (initialized)."""
+    model = meta_model(model_class, config)
+    model_family(model)  # refuses an unsupported class or configuration before anything is made
+    stages = partition(model, num_stages, partition_method, activation_checkpointing, copy_modules=False)
+    ties, stage = tie_groups(stages), stages[stage_index]
+    del stages
+    materialize(stage, dtype, device)
+    missing = [name for name, _ in stage.named_parameters()]
+    reader = reader or (CheckpointReader(checkpoint) if checkpoint is not None else None)
+    if reader is not None:
+        try:
+            missing = load_weights(stage, reader, vocabulary_weights(model))
+        finally:
+            reader.close()
+    init_weights(stage, model, seed)
+    stage.train()
+    return stage, ties, missing

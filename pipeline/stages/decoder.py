@@ -1,0 +1,105 @@
+"""Decoders of the Llama lineage: Llama, Qwen2, Qwen3, Mistral, Gemma 3 (text), Phi-3; causal LM and classification.
+
+transformers declares their parts itself: the config class's ``base_model_pp_plan`` names the embeddings, the layers
+and the final norm of the base model, and the family adapter is derived from it. Per stage, as the base model's
+``forward`` does it (transformers 5, ``modeling_llama.py`` / ``modeling_qwen3.py``): position ids ``arange(T)[None]``;
+one mask per attention kind its layers use (``config.layer_types``: full or sliding window; without them, sliding
+everywhere when ``config.sliding_window`` is set), rebuilt from ``batch["attention_mask"]``; the rotary ``(cos, sin)``
+computed once by the stage's own copy of ``rotary_emb`` (Gemma 3: per layer kind) and handed to every decoder layer.
+The head: the LM head (tied to the embeddings where ``tie_word_embeddings``; Gemma 3's final soft-capping), or the
+classifier at each row's last non-pad token.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from .base import Family, PipelineStage, StageOutput
+from .heads import causal_mask, classify_last_token
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each layer's attention kind, as the base model reads it."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+class DecoderStage(PipelineStage):
+    """A slice of a ``*ForCausalLM`` / ``*ForSequenceClassification`` of the Llama lineage (HF names: ``model.*``,
+    ``lm_head`` / ``score``)."""
+
+    @staticmethod
+    def check(config: Any) -> str | None:
+        if getattr(config, "use_bidirectional_attention", False):
+            return f"{config.model_type} with use_bidirectional_attention=True"
+        return None
+
+    def __init__(self, model: nn.Module, family: Family, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, family, *args, **kwargs)
+        kinds = layer_types(self.config)
+        self.kinds = {i: kinds[i] for i in self.block_indices}
+        rotary = self.get_submodule(family.every[0])
+        self.rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                seed: int | None = None) -> torch.Tensor | StageOutput:
+        input_ids = batch["input_ids"]
+        if self.is_first:
+            if hidden is not None:
+                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
+            hidden = self.get_submodule(self.family.first[0])(input_ids)
+        elif hidden is None:
+            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        attention_mask = batch.get("attention_mask")
+        rotary = self.get_submodule(self.family.every[0])
+        kinds = dict.fromkeys(self.kinds.values())
+        masks = {kind: causal_mask(self.config, hidden, attention_mask, position_ids, kind) for kind in kinds}
+        if self.rotary_per_kind:
+            cos_sin = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+        else:
+            cos_sin = dict.fromkeys(kinds, rotary(hidden, position_ids))
+        for i, layer in self.blocks():
+            kind = self.kinds[i]
+            hidden = self._call_block(i, seed, layer, hidden, attention_mask=masks[kind],
+                                      position_embeddings=cos_sin[kind], position_ids=position_ids)
+        if not self.is_last:
+            return hidden
+        hidden = self.get_submodule(self.family.last[0])(hidden)
+        labels = batch.get("labels")
+        if hasattr(self, "lm_head"):
+            logits = self.lm_head(hidden)
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
+            loss = None if labels is None else ForCausalLMLoss(logits, labels.to(logits.device),
+                                                               vocab_size=self.config.vocab_size)
+            return StageOutput(loss=loss, logits=logits)
+        return classify_last_token(self.score(hidden), input_ids, labels, self.config)
+
+
+def family(head: str) -> Any:
+    """The adapter of a class of the lineage, from its config class's `base_model_pp_plan` (embeddings, layers,
+    norm, in the base model `model`) and its head."""
+
+    def derive(config: Any) -> Family:
+        embed, layers, norm = type(config).base_model_pp_plan
+        return Family(DecoderStage, first=(f"model.{embed}",), blocks=f"model.{layers}", last=(f"model.{norm}", head),
+                      every=("model.rotary_emb",), lookups={f"model.{embed}.weight": ("input_ids",)})
+
+    return derive
+
+
+_LINEAGE = ("Llama", "Qwen2", "Qwen3", "Mistral", "Phi3")
+FAMILIES = {
+    **{f"{name}ForCausalLM": family("lm_head") for name in (*_LINEAGE, "Gemma3")},
+    **{f"{name}ForSequenceClassification": family("score") for name in _LINEAGE},
+    "Gemma3TextForSequenceClassification": family("score"),
+}
