@@ -37,7 +37,7 @@ FINGERPRINT = (
     "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "partition",
     "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr", "gradient_clipping",
     "text_column", "text_pair_column", "label_column",
-    "bf16", "compression", "data_parallel",
+    "bf16", "param_dtype", "compression", "data_parallel",
 )
 
 
@@ -99,6 +99,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> dict[str, Any]:
     if mine.get(auto) == "auto" and isinstance(theirs.get(auto), int):
         cfg.data_parallel.warmup_steps = mine[auto] = theirs[auto]
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
+    theirs.setdefault("param_dtype", "float32")
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
             for k, v in mine.items() if theirs.get(k) != v]
     if diff:

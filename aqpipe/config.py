@@ -26,6 +26,7 @@ from pipeline.ties import TIE_MODES
 from . import let_rank_0_speak, preflight, speaks
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
+PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
@@ -58,6 +59,7 @@ class RunConfig:
     scheduler: dict[str, Any] | None = None
     gradient_clipping: float = 1.0
     bf16: bool = False
+    param_dtype: str = "float32"  # the weights' dtype; bfloat16: float32 Adam moments, stochastic rounding
     dist_timeout: float = 45.0  # a blocked collective or receive gives up after this (then ~6 s to exit)
     peer_timeout: float = 30.0  # a rank without heartbeat for this long is taken for dead
     save_every: int = 0  # checkpoint every N steps (0: never)
@@ -136,6 +138,9 @@ FLAGS: dict[str, tuple[Any, str, str]] = {
     "seed": (int, "seed of model init, data order and codecs", "seed"),
     "output_dir": (str, "where metrics, summary and the fine-tuned model go", "output_dir"),
     "gradient_clipping": (float, "clip the global gradient norm to this (0: off)", "gradient_clipping"),
+    "param_dtype": (str, "the weights' dtype: float32 (master weights, whatever the checkpoint's dtype) or bfloat16 "
+                         "(bf16 weights and gradients, float32 Adam moments, stochastic rounding: 12 bytes a "
+                         "parameter instead of 16; Adam or AdamW)", "param_dtype"),
     "dist_timeout": (float, "seconds a collective or receive may wait for a peer before the run stops",
                      "dist_timeout"),
     "peer_timeout": (float, "seconds without a peer's heartbeat before it is taken for dead and the run stops",
@@ -267,6 +272,11 @@ def _from_file(path: str) -> dict[str, Any]:
     out.update({ours: raw[theirs] for theirs, ours in simple.items() if theirs in raw})
     if "bf16" in raw:
         out["bf16"] = bool(raw["bf16"].get("enabled", False)) if isinstance(raw["bf16"], dict) else bool(raw["bf16"])
+    fp16 = raw.get("fp16", {})
+    if fp16.get("enabled", False) if isinstance(fp16, dict) else bool(fp16):
+        raise ValueError(f"--deepspeed_config {path}: fp16 enabled; expected bf16 (float16 compute needs a loss "
+                         "scaler, which aqpipe does not have: bf16 keeps float32's range, and weights train in "
+                         "float32 whatever the checkpoint's dtype)")
     if "optimizer" in raw:  # its lr is the run's `lr`, kept in one place
         params = dict(raw["optimizer"].get("params", {}))
         if "lr" in params:
@@ -378,6 +388,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"lr={cfg.lr}: expected a positive learning rate")
     if cfg.dropout is not None and not (isinstance(cfg.dropout, (int, float)) and 0 <= cfg.dropout < 1):
         raise ValueError(f"dropout={cfg.dropout!r}: expected a probability in [0, 1)")
+    if cfg.param_dtype not in PARAM_DTYPES:
+        expected = "float32 or bfloat16" + (" (float16 weights need a loss scaler, which aqpipe does not have)"
+                                            if cfg.param_dtype == "float16" else "")
+        raise ValueError(f"param_dtype={cfg.param_dtype!r}: expected {expected}")
+    if cfg.param_dtype == "bfloat16" and cfg.optimizer.get("type") not in ("Adam", "AdamW"):
+        raise ValueError(f"param_dtype=bfloat16 with optimizer {cfg.optimizer.get('type')!r}: expected Adam or AdamW "
+                         "(their moments are kept in float32 beside bf16 weights)")
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
     for name in ("dist_timeout", "peer_timeout"):

@@ -27,6 +27,7 @@ from . import faults
 from .config import RunConfig
 from .export import save_model
 from .metrics import MetricsWriter
+from .optim import LowPrecisionAdamW
 from .models import model_positions, resolve_model, set_dropout
 from .tasks import Task
 from .watchdog import Watchdog
@@ -66,6 +67,9 @@ def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
     kwargs = {k: v for k, v in cfg.optimizer.get("params", {}).items() if k != "lr"}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    if cfg.param_dtype == "bfloat16":  # bf16 weights: float32 moments, stochastic rounding (optim.py)
+        kwargs.setdefault("weight_decay", 1e-2 if kind == "AdamW" else 0.0)
+        return LowPrecisionAdamW(params, lr=cfg.lr, decoupled=kind == "AdamW", seed=cfg.seed, **kwargs)
     return getattr(torch.optim, kind)(params, lr=cfg.lr, **kwargs)
 
 
@@ -145,7 +149,8 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
     groups = build_groups(grid, world.rank)
     # this rank's stage alone: built on the meta device, its own tensors read (pipeline/loading.py)
     stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
-                                      device=world.device, activation_checkpointing=cfg.activation_checkpointing)
+                                      dtype=getattr(torch, cfg.param_dtype), device=world.device,
+                                      activation_checkpointing=cfg.activation_checkpointing)
     if cfg.dropout is not None:
         set_dropout(stage, None, float(cfg.dropout))
     barrier(world)  # every stage built (a model download takes what it takes) before the first message

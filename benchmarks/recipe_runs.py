@@ -36,15 +36,17 @@ def read_run(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def run_recipe(script: str, args: list[str], out: Path, *, nproc: int = 2,
                timeout: float | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run recipes/<script> on `nproc` processes with --output_dir `out`; raise with stderr's tail on failure.
+    """Run recipes/<script> (or, for "aqpipe TASK", the installed trainer's task) on `nproc` processes with
+    --output_dir `out`; raise with stderr's tail on failure.
 
     A previous summary.json in `out` is removed first, so a failed run can never be mistaken for
     a finished one.
     """
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
+    target = [str(ROOT / "recipes" / script)] if script.endswith(".py") else ["-m", *script.split()]
     cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           str(ROOT / "recipes" / script), *args, "--output_dir", str(out), "--overwrite_output_dir"]
+           *target, *args, "--output_dir", str(out), "--overwrite_output_dir"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not (out / "summary.json").exists():

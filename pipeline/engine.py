@@ -199,7 +199,9 @@ class PipelineEngine:
         self.lr_scheduler, self.gradient_clipping, self.schedule = lr_scheduler, gradient_clipping, schedule
         self.compression = (compression or CompressionConfig()).validate()
         self.device, self.bf16 = torch.device(device), bf16
-        self.wire_dtype = torch.bfloat16 if bf16 else torch.float32
+        # activations cross in bf16 under bf16 autocast or with bf16 weights (which compute in bf16), else float32
+        weights = next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
+        self.wire_dtype = torch.bfloat16 if bf16 or weights == torch.bfloat16 else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
         self.wire = Wire()
         c = self.compression

@@ -11,8 +11,9 @@ from tests.conftest import VOCAB, ToyStage, toy_batches, toy_stages, toy_ties
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
 
-def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16, bf16=False):
-    stages = toy_stages(world, hidden=hidden)
+def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16, bf16=False,
+          weights=torch.float32):
+    stages = [s.to(weights) for s in toy_stages(world, hidden=hidden)]
     grid = Grid.for_world(world, world)
     groups = build_groups(grid, rank)
     stage = stages[groups.stage]
@@ -138,12 +139,14 @@ def test_stages_with_different_data_orders_fail_loudly():
         spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=120)  # imports are slow on a loaded machine
 
 
-def test_bf16_halves_the_boundary_bytes_and_tracks_fp32():
-    fp32 = spawn(train, 2, CompressionConfig(), 1)[0]["log"]
-    bf16 = spawn(train, 2, CompressionConfig(), 1, "1f1b", None, 16, True)[0]["log"]
+def test_bf16_halves_the_boundary_bytes_and_tracks_fp32(single):
+    """bf16 autocast, and bf16 weights (--param_dtype bfloat16), each send bf16 activations and gradients."""
+    autocast = spawn(train, 2, CompressionConfig(), 1, "1f1b", None, 16, True)[0]["log"]
+    weights = spawn(train, 2, CompressionConfig(), 1, "1f1b", None, 16, False, torch.bfloat16)[0]["log"]
     per_mb = MBS * SEQ * 16
-    assert bf16[0]["fwd_bytes"] == MICRO * (per_mb * 2 + 8 * MBS) and bf16[0]["bwd_bytes"] == MICRO * per_mb * 2
-    assert [s["loss"] for s in bf16] == pytest.approx([s["loss"] for s in fp32], rel=3e-2)
+    for log in (autocast, weights):
+        assert log[0]["fwd_bytes"] == MICRO * (per_mb * 2 + 8 * MBS) and log[0]["bwd_bytes"] == MICRO * per_mb * 2
+        assert [s["loss"] for s in log] == pytest.approx([s["loss"] for s in single["log"]], rel=3e-2)
 
 
 class Recording(ToyStage):

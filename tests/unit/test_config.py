@@ -333,3 +333,25 @@ def test_an_auto_warm_up_keeps_the_number_it_resolved_to_across_a_resume(tmp_pat
     assert resumed.data_parallel.warmup_steps == 10 and resumed.data_parallel.warmup_for(192) == 10
     with pytest.raises(SystemExit):  # a number given on the command line is a setting like any other
         run([*argv, "--epochs", "6", "--resume", "--dp_warmup_steps", "20"], monkeypatch, world=2)
+
+
+def test_fp16_compute_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    err = refusal({"fp16": {"enabled": True}}, tmp_path, monkeypatch, capsys)
+    assert err.count("\n") == 1 and "fp16 enabled; expected bf16 (float16 compute needs a loss scaler" in err
+    (tmp_path / "off.json").write_text(json.dumps({"fp16": {"enabled": False}}))
+    assert run(["--deepspeed_config", str(tmp_path / "off.json")], monkeypatch).bf16 is False
+
+
+def test_param_dtype_takes_float32_or_bfloat16_with_adam(tmp_path, monkeypatch, capsys):
+    assert run(["--param_dtype", "bfloat16"], monkeypatch).param_dtype == "bfloat16"
+    for flags, says in ((["--param_dtype", "float16"], "param_dtype='float16': expected float32 or bfloat16 "
+                                                       "(float16 weights need a loss scaler"),
+                        (["--param_dtype", "int8"], "param_dtype='int8': expected float32 or bfloat16\n")):
+        with pytest.raises(SystemExit):
+            run(flags, monkeypatch)
+        assert says in capsys.readouterr().err
+    path = tmp_path / "sgd.json"
+    path.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    with pytest.raises(SystemExit):
+        run(["--deepspeed_config", str(path), "--param_dtype", "bfloat16"], monkeypatch)
+    assert "param_dtype=bfloat16 with optimizer 'SGD': expected Adam or AdamW" in capsys.readouterr().err
