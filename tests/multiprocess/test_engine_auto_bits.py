@@ -98,6 +98,7 @@ def test_probed_links_decide_the_same_on_every_rank():
     decision = a[0]["bits_decision"]
     assert decision == b[0]["bits_decision"] and set(decision["bits"]) == {"0.forward"}  # backward is fixed
     seconds_per_byte, latency = decision["links"]["0.forward"]
-    # loopback: far faster than 10 Mbit/s, and slower than 1 TB/s: a probe that timed nothing gives 0
-    assert 1e-12 < seconds_per_byte < 8 / 10e6 and 0 < latency < 0.05
+    # loopback: far faster than 10 Mbit/s (its time a byte may be below the timer's noise: the probe clamps it at 0),
+    # and a round trip measured: a probe that timed nothing says 0 s of latency
+    assert seconds_per_byte < 8 / 10e6 and 0 < latency < 0.05
     assert all(3 <= s["bits"]["0.forward"] <= 6 for s in a)
