@@ -79,7 +79,7 @@ def _run(shape: tuple[int, ...], repeats: int) -> None:
     print(f"ms per micro-batch of {shape}, median of {repeats}, one thread")
     print(f"{'setting':>12} {'fwd encode':>10} {'fwd decode':>10} {'bwd encode':>10} {'bwd decode':>10}")
     for name, columns in times.items():
-        print(f"{name:>12} " + " ".join(f"{1000 * statistics.median(c):10.3f}" for c in columns))
+        print(f"{name:>12} " + " ".join(f"{1000 * statistics.median(c):10.4f}" for c in columns))
 
 
 if __name__ == "__main__":
