@@ -395,6 +395,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.param_dtype == "bfloat16" and cfg.optimizer.get("type") not in ("Adam", "AdamW"):
         raise ValueError(f"param_dtype=bfloat16 with optimizer {cfg.optimizer.get('type')!r}: expected Adam or AdamW "
                          "(their moments are kept in float32 beside bf16 weights)")
+    others = sorted(set(cfg.optimizer.get("params", {})) - {"betas", "eps", "weight_decay"})
+    if cfg.param_dtype == "bfloat16" and others:
+        raise ValueError(f"param_dtype=bfloat16 with optimizer params {', '.join(others)}: expected only betas, eps "
+                         "and weight_decay (bf16 weights step through aqpipe's own Adam)")
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
     for name in ("dist_timeout", "peer_timeout"):

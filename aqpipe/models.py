@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from transformers import (BertConfig, DebertaV2Config, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel)
 
-from pipeline.loading import INDEX, SINGLE, CheckpointReader, build_stage, has_weights
+from pipeline.loading import BIN, BIN_INDEX, INDEX, SINGLE, CheckpointReader, build_stage, has_weights
 from pipeline.stages import family_for
 
 TINY = {"width": 128, "layers": 4, "heads": 4}
@@ -106,30 +106,35 @@ class ModelSpec:
         return build_stage(self.model_class, self.config, stage_index, num_stages, reader=reader, **options)
 
     def full_model(self, seed: int) -> PreTrainedModel:
-        """The whole HF model with the values the stages start from (one stage holding everything): a reference, or
-        a baseline engine's start (benchmarks/deepspeed_pipeline.py)."""
+        """The whole HF model, float32, with the values the stages start from (one stage holding everything): a
+        reference, or a baseline engine's start (benchmarks/deepspeed_pipeline.py)."""
         stage, _, _ = self.build_stage(0, 1, seed=seed)
-        model = self.model_class._from_config(self.config)
-        model.load_state_dict(stage.hf_state_dict(), strict=False)
+        model = self.model_class._from_config(self.config, dtype=torch.float32)
+        model.load_state_dict(stage.hf_state_dict())
         return model
 
 
 def _hub_reader(repo: str) -> Callable[[], CheckpointReader]:
     """A reader over a hub model's snapshot that downloads a shard only when a tensor of it is read: each rank
-    fetches the shards its stage needs (and the index), not the model."""
+    fetches the shards its stage needs (and the index), not the model. Every file comes from the commit the first
+    one resolved to, so ranks starting while the repository changes never mix two versions."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    def fetch(file: str) -> Path:
-        return Path(hf_hub_download(repo, file))
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def reader() -> CheckpointReader:
-        for first in (INDEX, SINGLE):
+        for first in (INDEX, SINGLE, BIN_INDEX, BIN):
             try:
-                return CheckpointReader(fetch(first).parent, fetch=fetch)
+                path = Path(hf_hub_download(repo, first))
+            except LocalEntryNotFoundError as exc:  # the hub out of reach and the file not cached: say so
+                raise FileNotFoundError(f"model={repo!r}: {first} is not in the local HuggingFace cache and the hub "
+                                        f"cannot give it ({str(exc).splitlines()[0][:200]})") from None
             except EntryNotFoundError:
                 continue
-        raise FileNotFoundError(f"model={repo!r}: the hub repository has neither {INDEX} nor {SINGLE}")
+            commit = path.parent.name  # the snapshot directory is named by the commit it holds
+            return CheckpointReader(path.parent, fetch=lambda file: Path(hf_hub_download(repo, file,
+                                                                                           revision=commit)))
+        raise FileNotFoundError(f"model={repo!r}: the hub repository has no weights ({INDEX}, {SINGLE}, "
+                                f"{BIN_INDEX} or {BIN})")
 
     return reader
 

@@ -75,11 +75,8 @@ class CheckpointReader:
 
     def names(self) -> set[str]:
         if self.files is None:  # a single .bin: its names are known once it is mapped
-            return set(self._bin_file(BIN))
+            self.files = dict.fromkeys(self._bin_file(BIN), BIN)
         return set(self.files)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names()
 
     def _bin_file(self, file: str) -> dict[str, torch.Tensor]:
         if file not in self._bin:
@@ -107,9 +104,10 @@ class CheckpointReader:
 
 def meta_model(model_class: type, config: Any) -> nn.Module:
     """The whole model on the meta device: its module tree, shapes and ties, no storage (its initialization on
-    meta tensors does nothing)."""
+    meta tensors does nothing). Built in float32 whatever the checkpoint's dtype: buffers computed at construction
+    (Gemma 3's embedding scale) keep float32's precision, as in transformers' own float32 model."""
     with torch.device("meta"):
-        return model_class._from_config(config)
+        return model_class._from_config(config, dtype=torch.float32)
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -178,21 +176,53 @@ def _fill(param: torch.Tensor, value: torch.Tensor, name: str, grows: bool = Fal
                      f"{tuple(param.shape)}")
 
 
-def load_weights(stage: PipelineStage, reader: CheckpointReader, vocabulary: set[str] = frozenset()) -> list[str]:
-    """Read the stage's tensors from the checkpoint, each under its own name, else the name of the weight it is tied
-    to (a checkpoint stores a tied weight once); marks them loaded. `vocabulary`: the names of the tables with a row
-    per token, which may grow. Returns the names the checkpoint lacks."""
-    available, origin, missing = reader.names(), stage.hf_parameter_names(), []
+def checkpoint_names(model: nn.Module, stored: set[str]) -> dict[str, str]:
+    """Each model name the checkpoint has a tensor for -> that tensor's stored name, by transformers' own key
+    renamings (a base model's checkpoint without the head model's prefix, legacy LayerNorm gamma/beta). A checkpoint
+    needing a tensor conversion (fused projections split) is refused: a stage reads tensors as stored."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected, out = model.state_dict(), {}
+    for key in sorted(stored):
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if converted is not None:
+            raise ValueError(f"checkpoint tensor {key!r} needs transformers' conversion {converted!r}, which per-stage "
+                             "loading does not apply: save the model with transformers 5 first")
+        out.setdefault(name, key)
+    return out
+
+
+def weight_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each weight's names in the model, by any of them: a tied weight has several."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {name: group for group in groups.values() for name in group}
+
+
+def load_weights(stage: PipelineStage, reader: CheckpointReader, model: nn.Module, aliases: dict[str, list[str]],
+                 vocabulary: set[str]) -> list[str]:
+    """Read the stage's tensors from the checkpoint, each under any of its names in the whole model (`aliases`,
+    taken before the stage was made real: a tied weight is stored under one of its names), as transformers renames
+    stored keys; marks them loaded. The `vocabulary` tables (a row per token) may grow. Returns the local names the
+    checkpoint lacks."""
+    stored = checkpoint_names(model, reader.names())
+    origin, missing = stage.hf_parameter_names(), []
     for local, param in stage.named_parameters():
-        name = next((n for n in (local, origin[local]) if n in available), None)
-        if name is None:
+        found = next((n for n in (local, *aliases[origin[local]]) if n in stored), None)
+        if found is None:
             missing.append(local)
             continue
-        _fill(param, reader.get(name), name, grows=local in vocabulary)
+        _fill(param, reader.get(stored[found]), stored[found], grows=local in vocabulary)
         _mark(param)
-    for local, buffer in stage.state_dict().items():  # persistent buffers a checkpoint may carry
-        if local not in origin and local in available and not getattr(buffer, "_is_hf_initialized", False):
-            _fill(buffer, reader.get(local), local)
+    for local in set(stage.state_dict()) - set(aliases):  # persistent buffers a checkpoint may carry
+        if local in stored:
+            buffer = stage.get_buffer(local)
+            _fill(buffer, reader.get(stored[local]), stored[local])
             _mark(buffer)
     return missing
 
@@ -240,18 +270,24 @@ def build_stage(model_class: type, config: Any, stage_index: int, num_stages: in
     directory) or `reader`, else seeded from `seed`; returns it, the job's ties (`tie_groups` of every stage) and
     the names of the parameters the checkpoint lacked (initialized)."""
     model = meta_model(model_class, config)
-    model_family(model)  # refuses an unsupported class or configuration before anything is made
+    family = model_family(model)  # refuses an unsupported class or configuration before anything is made
     stages = partition(model, num_stages, partition_method, activation_checkpointing, copy_modules=False)
     ties, stage = tie_groups(stages), stages[stage_index]
     del stages
+    aliases, vocabulary = weight_names(model), vocabulary_weights(model)  # while the model still holds its ties
     materialize(stage, dtype, device)
     missing = [name for name, _ in stage.named_parameters()]
     reader = reader or (CheckpointReader(checkpoint) if checkpoint is not None else None)
     if reader is not None:
         try:
-            missing = load_weights(stage, reader, vocabulary_weights(model))
+            missing = load_weights(stage, reader, model, aliases, vocabulary)
         finally:
             reader.close()
+        body = [name for name in missing if not family.in_head(name)]
+        if body:  # a checkpoint of the task's base model may lack the head; lacking more is the wrong checkpoint
+            raise ValueError(f"checkpoint {reader.directory}: {len(body)} of stage {stage_index}'s weights outside "
+                             f"its head are not in it (first: {body[0]!r}); expected a checkpoint of "
+                             f"{model_class.__name__} or its base model")
     init_weights(stage, model, seed)
     stage.train()
     return stage, ties, missing

@@ -96,7 +96,8 @@ def tied_names(model: PreTrainedModel, family: Family, counts: Sequence[int]) ->
     blocks = model.get_submodule(family.blocks)
     holders: dict[str, int] = {}
     for s, indices in enumerate(block_ranges(counts)):
-        parts = [present(model, path) for path in family.paths(s, len(counts))] + [blocks[i] for i in indices]
+        parts = [present(model, path) for path in family.paths(s, len(counts)) if path != family.blocks] + \
+            [blocks[i] for i in indices]
         for name in {name_of[id(p)] for part in parts if part is not None for p in part.parameters()}:
             holders[name] = holders.get(name, 0) + 1
     return frozenset(name for name, count in holders.items() if count > 1)

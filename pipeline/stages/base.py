@@ -35,16 +35,22 @@ class Family:
     stage without the head reads only at some rows, and the batch fields that are those rows (a token embedding).
     """
 
+    def in_head(self, name: str) -> bool:
+        """Whether the weight `name` (HF name) belongs to the task's head."""
+        return any(name.startswith(path + ".") for path in self.head)
+
     stage: type["PipelineStage"]
     first: tuple[str, ...]
     blocks: str
     last: tuple[str, ...]
+    head: tuple[str, ...]  # of `last`, the task's head: what a checkpoint of another task (a base model) may lack
     every: tuple[str, ...] = ()
     lookups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)  # what the family's stage reads besides the config
 
     def paths(self, stage_index: int, num_stages: int) -> list[str]:
-        """The non-block parts stage `stage_index` of `num_stages` holds, in the model's order."""
-        return [*(self.first if stage_index == 0 else ()), *self.every,
+        """The parts stage `stage_index` of `num_stages` holds, in the model's order (`blocks` for its blocks)."""
+        return [*(self.first if stage_index == 0 else ()), self.blocks, *self.every,
                 *(self.last if stage_index == num_stages - 1 else ())]
 
 
@@ -96,13 +102,11 @@ class PipelineStage(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.hidden_size = int(self.config.hidden_size)
         blocks = model.get_submodule(family.blocks)
-        parts = {path: present(model, path) for path in family.paths(stage_index, num_stages)}
-        for path in [p for p in parts if p in family.first]:
-            mount(self, path, take(parts[path]))
-        mount(self, family.blocks, nn.ModuleDict({str(i): take(blocks[i]) for i in block_indices}))
-        for path in [p for p in parts if p not in family.first]:
-            if parts[path] is not None:
-                mount(self, path, take(parts[path]))
+        for path in family.paths(stage_index, num_stages):  # the embeddings, the blocks, the rest: the model's order
+            if path == family.blocks:
+                mount(self, path, nn.ModuleDict({str(i): take(blocks[i]) for i in block_indices}))
+            elif (part := present(model, path)) is not None:
+                mount(self, path, take(part))
         # local parameter name -> HF name of the weight it holds (a tied weight by its first name)
         named = model.named_parameters()  # deduplicated: a weight tied inside the model once, by its first name
         source = {id(memo[id(p)]): name for name, p in named if id(p) in memo} if copy_modules else \

@@ -55,8 +55,9 @@ class BertStage(PipelineStage):
 
 FAMILIES = {
     "BertForSequenceClassification": lambda config: Family(
-        BertStage, first=("bert.embeddings",), blocks="bert.encoder.layer", last=("bert.pooler", "dropout",
-                                                                                  "classifier")),
+        BertStage, first=("bert.embeddings",), blocks="bert.encoder.layer",
+        last=("bert.pooler", "dropout", "classifier"), head=("bert.pooler", "classifier")),
     "RobertaForSequenceClassification": lambda config: Family(
-        BertStage, first=("roberta.embeddings",), blocks="roberta.encoder.layer", last=("classifier",)),
+        BertStage, first=("roberta.embeddings",), blocks="roberta.encoder.layer", last=("classifier",),
+        head=("classifier",)),
 }

@@ -155,7 +155,7 @@ def family(config: Any) -> Family:
     """Stage 0: the embeddings and v2's conv layer (it runs after layer 0); every stage: the relative embeddings
     (and v2's LayerNorm over them), which every layer reads whole."""
     return Family(DebertaStage, first=("deberta.embeddings", "deberta.encoder.conv"), blocks="deberta.encoder.layer",
-                  last=("pooler", "dropout", "classifier"),
+                  last=("pooler", "dropout", "classifier"), head=("pooler", "classifier"),
                   every=("deberta.encoder.rel_embeddings", "deberta.encoder.LayerNorm"))
 
 

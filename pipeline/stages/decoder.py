@@ -22,10 +22,11 @@ from .base import Family, PipelineStage, StageOutput
 from .heads import causal_mask, classify_last_token
 
 
-def layer_types(config: Any) -> list[str]:
-    """Each layer's attention kind, as the base model reads it."""
+def layer_types(config: Any, per_layer: bool) -> list[str]:
+    """Each layer's attention kind, as the base model reads it: from `config.layer_types` (Qwen2, Qwen3, Gemma 3),
+    or for all layers alike from `config.sliding_window` (Llama, Mistral and Phi-3, which ignore `layer_types`)."""
     types = getattr(config, "layer_types", None)
-    if types:
+    if per_layer and types:
         return list(types)
     kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
     return [kind] * config.num_hidden_layers
@@ -43,7 +44,7 @@ class DecoderStage(PipelineStage):
 
     def __init__(self, model: nn.Module, family: Family, *args: Any, **kwargs: Any) -> None:
         super().__init__(model, family, *args, **kwargs)
-        kinds = layer_types(self.config)
+        kinds = layer_types(self.config, family.options["per_layer_kinds"])
         self.kinds = {i: kinds[i] for i in self.block_indices}
         rotary = self.get_submodule(family.every[0])
         self.rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3
@@ -85,21 +86,24 @@ class DecoderStage(PipelineStage):
         return classify_last_token(self.score(hidden), input_ids, labels, self.config)
 
 
-def family(head: str) -> Any:
+def family(head: str, per_layer_kinds: bool) -> Any:
     """The adapter of a class of the lineage, from its config class's `base_model_pp_plan` (embeddings, layers,
-    norm, in the base model `model`) and its head."""
+    norm, in the base model `model`) and its head; `per_layer_kinds`: whether its layers read their attention kind
+    from `config.layer_types`."""
 
     def derive(config: Any) -> Family:
         embed, layers, norm = type(config).base_model_pp_plan
         return Family(DecoderStage, first=(f"model.{embed}",), blocks=f"model.{layers}", last=(f"model.{norm}", head),
-                      every=("model.rotary_emb",), lookups={f"model.{embed}.weight": ("input_ids",)})
+                      head=(head,), every=("model.rotary_emb",), lookups={f"model.{embed}.weight": ("input_ids",)},
+                      options={"per_layer_kinds": per_layer_kinds})
 
     return derive
 
 
-_LINEAGE = ("Llama", "Qwen2", "Qwen3", "Mistral", "Phi3")
+PER_LAYER_KINDS = {"Llama": False, "Mistral": False, "Phi3": False, "Qwen2": True, "Qwen3": True, "Gemma3": True}
 FAMILIES = {
-    **{f"{name}ForCausalLM": family("lm_head") for name in (*_LINEAGE, "Gemma3")},
-    **{f"{name}ForSequenceClassification": family("score") for name in _LINEAGE},
-    "Gemma3TextForSequenceClassification": family("score"),
+    **{f"{name}ForCausalLM": family("lm_head", kinds) for name, kinds in PER_LAYER_KINDS.items()},
+    **{f"{name}ForSequenceClassification": family("score", kinds) for name, kinds in PER_LAYER_KINDS.items()
+       if name != "Gemma3"},
+    "Gemma3TextForSequenceClassification": family("score", True),
 }

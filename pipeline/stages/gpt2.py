@@ -61,7 +61,7 @@ class GPT2Stage(PipelineStage):
 
 def family(head: str) -> Family:
     return Family(GPT2Stage, first=("transformer.wte", "transformer.wpe", "transformer.drop"), blocks="transformer.h",
-                  last=("transformer.ln_f", head),
+                  last=("transformer.ln_f", head), head=(head,),
                   lookups={"transformer.wte.weight": ("input_ids", "token_type_ids")})
 
 

@@ -355,3 +355,12 @@ def test_param_dtype_takes_float32_or_bfloat16_with_adam(tmp_path, monkeypatch, 
     with pytest.raises(SystemExit):
         run(["--deepspeed_config", str(path), "--param_dtype", "bfloat16"], monkeypatch)
     assert "param_dtype=bfloat16 with optimizer 'SGD': expected Adam or AdamW" in capsys.readouterr().err
+
+
+def test_param_dtype_bfloat16_names_the_optimizer_options_it_cannot_take(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "adam.json"
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True}}}))
+    with pytest.raises(SystemExit):
+        run(["--deepspeed_config", str(path), "--param_dtype", "bfloat16"], monkeypatch)
+    assert "param_dtype=bfloat16 with optimizer params amsgrad: expected only betas, eps and weight_decay" in \
+        capsys.readouterr().err

@@ -103,3 +103,68 @@ def test_an_architecture_the_pipeline_cannot_split_is_refused_from_its_config():
         model_class("causal_lm", GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
     assert model_class("classification", GPT2Config()).__name__ == "GPT2ForSequenceClassification"
     assert model_class("causal_lm", LlamaConfig(**SMALL)) is LlamaForCausalLM
+
+
+def test_a_base_models_checkpoint_loads_by_transformers_own_key_renamings(tmp_path):
+    """GPT2 as the hub has it: saved from GPT2Model, keys without the head model's `transformer.` prefix; and a
+    legacy BERT checkpoint's LayerNorm gamma/beta."""
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertForSequenceClassification, GPT2LMHeadModel, GPT2Model
+
+    torch.manual_seed(2)
+    base = GPT2Model(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+    save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    stage, _, missing = build_stage(GPT2LMHeadModel, base.config, 0, 1, checkpoint=tmp_path)
+    assert missing == [] and torch.equal(stage.transformer.wte.weight, base.wte.weight)
+    assert torch.equal(stage.lm_head.weight, base.wte.weight)  # the head, tied, from the embedding
+    bert = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=64, vocab_size=64))
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in bert.state_dict().items() if not k.startswith("classifier")}
+    (tmp_path / "bert").mkdir()
+    save_file({k: v.contiguous() for k, v in legacy.items()}, str(tmp_path / "bert" / "model.safetensors"))
+    stage, _, missing = build_stage(BertForSequenceClassification, bert.config, 0, 2, checkpoint=tmp_path / "bert")
+    assert missing == [] and torch.equal(stage.bert.embeddings.LayerNorm.weight, bert.bert.embeddings.LayerNorm.weight)
+    _, _, missing = build_stage(BertForSequenceClassification, bert.config, 1, 2, checkpoint=tmp_path / "bert")
+    assert missing == ["classifier.weight", "classifier.bias"]  # a new head: initialized
+
+
+def test_a_checkpoint_lacking_weights_outside_the_head_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    kept = {k: v for k, v in model.state_dict().items() if "layers.1." not in k}
+    save_file(kept, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"9 of stage 0's weights outside its head are not in it \(first: "
+                                         r"'model.layers.1.self_attn.q_proj.weight'\)"):
+        build_stage(LlamaForCausalLM, model.config, 0, 2, checkpoint=tmp_path)
+
+
+def test_a_tie_stored_under_the_heads_name_gives_the_embedding_too(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
+    state = {k: v for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    stage, _, missing = build_stage(LlamaForCausalLM, model.config, 0, 2, checkpoint=tmp_path)
+    assert missing == [] and torch.equal(stage.model.embed_tokens.weight, model.lm_head.weight)
+
+
+def test_float32_stages_of_a_bf16_checkpoint_compute_as_transformers_float32_model():
+    """Gemma 3 scales its embeddings by a buffer: built in float32, not in the checkpoint's bf16 (34.0 for 33.94 at
+    width 1152); Mistral ignores `layer_types` (a sliding window everywhere), as transformers does."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    ids = torch.randint(2, 80, (2, 12), generator=torch.Generator().manual_seed(0))
+    for cls, config in ((Gemma3ForCausalLM, Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=4, dtype="bfloat16")),
+                        (MistralForCausalLM, MistralConfig(**SMALL, sliding_window=4,
+                                                           layer_types=["full_attention"] * 6))):
+        torch.manual_seed(0)
+        stage, _, _ = build_stage(cls, config, 0, 1, seed=1)
+        reference = cls._from_config(config, dtype=torch.float32)
+        reference.load_state_dict(stage.hf_state_dict())
+        stage.eval(), reference.eval()
+        with torch.no_grad():
+            assert torch.equal(stage(None, {"input_ids": ids}).logits, reference(input_ids=ids).logits), cls.__name__
