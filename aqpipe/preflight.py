@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from . import checkpoint, faults
+from .environment import configure_kernels, link_latency_s
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -26,6 +27,8 @@ def check(cfg: "RunConfig") -> None:
     _check_hub(cfg)
     _check_model_shape(cfg)
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
+    configure_kernels()  # and AQPIPE_KERNELS, set for the run here, once
+    link_latency_s()
     _check_gpus()
     _check_resume(cfg)
     _check_output_dir(cfg)

@@ -28,7 +28,8 @@ from .config import RunConfig
 from .export import save_model
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
-from .models import model_positions, resolve_model, set_dropout
+from .progress import Progress
+from .models import ModelSpec, model_positions, resolve_model, set_dropout
 from .tasks import Task
 from .watchdog import Watchdog
 from .world import World, barrier, describer, init_world, stop_after_failure
@@ -131,36 +132,37 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
     return summary
 
 
-def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
-    if cfg.overwrite_output_dir and world.rank == 0:  # before the set-up barrier: no rank has written yet
+def clear_previous_results(cfg: RunConfig, world: World) -> None:
+    """--overwrite_output_dir: rank 0 removes another run's results, before the set-up barrier (no rank wrote yet)."""
+    if cfg.overwrite_output_dir and world.rank == 0:
         for name in preflight.previous_results(cfg.output_dir):
             path = Path(cfg.output_dir) / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    tokenizer, train_set, eval_set = build_datasets(cfg, task, world)
-    num_labels = getattr(train_set, "num_labels", None)
-    label_names = getattr(train_set, "label_names", None)  # the saved model's id2label
+
+
+def model_spec(cfg: RunConfig, task: Task, tokenizer: Any, train_set: Any) -> ModelSpec:
+    """What every rank builds its stage from, sized to the tokenizer and labelled as the data is."""
     positions = model_positions(cfg.model)
     if positions is not None and cfg.seq_len > positions:  # a hub model not cached when the config was checked
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
-    spec = resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.seq_len, num_labels, label_names,
-                         cfg.dropout)
+    return resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.seq_len,
+                         getattr(train_set, "num_labels", None), getattr(train_set, "label_names", None), cfg.dropout)
+
+
+def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int,
+                 total_steps: int) -> PipelineEngine:
+    """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), its optimizer
+    and LR schedule, its replicas' algorithm, and the engine that trains it."""
     grid = Grid.for_world(world.size, cfg.pipeline_stages)
     groups = build_groups(grid, world.rank)
-    # this rank's stage alone: built on the meta device, its own tensors read (pipeline/loading.py)
     stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
                                       dtype=getattr(torch, cfg.param_dtype), device=world.device,
                                       activation_checkpointing=cfg.activation_checkpointing)
     if cfg.dropout is not None:
         set_dropout(stage, None, float(cfg.dropout))
     barrier(world)  # every stage built (a model download takes what it takes) before the first message
-
-    shard = (groups.replica, grid.replicas)
-    per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, grid.replicas)
-    total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
-    optimizer = build_optimizer(cfg, owned_parameters(stage, ties))
-    algorithm = None
+    optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
         # "auto" resolves once, here; checkpoints keep the number (a resume with more epochs keeps the warm-up)
@@ -168,75 +170,81 @@ def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
         algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
         if world.rank == 0 and (plan := cfg.data_parallel.plan(total_steps)):
             print(plan, file=sys.stderr)
-    engine = PipelineEngine(
-        stage, groups, optimizer, compression=cfg.compression,
-        num_samples=datalib.shard_size(len(train_set), grid.replicas), seq_len=cfg.seq_len,
-        lr_scheduler=None, gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule, ties=ties,
-        device=world.device, bf16=cfg.bf16, seed=cfg.seed, data_parallel=algorithm,
-        skip_nonfinite=cfg.skip_nonfinite,
+        optimizer = algorithm.wrap_optimizer(optimizer)  # QAdam steps with its own
+    return PipelineEngine(
+        stage, groups, optimizer, compression=cfg.compression, num_samples=num_samples, seq_len=cfg.seq_len,
+        lr_scheduler=build_scheduler(cfg, optimizer, total_steps), gradient_clipping=cfg.gradient_clipping,
+        schedule=cfg.schedule, ties=ties, device=world.device, bf16=cfg.bf16, seed=cfg.seed,
+        data_parallel=algorithm, skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
     )
-    engine.lr_scheduler = build_scheduler(cfg, engine.optimizer, total_steps)  # on the optimizer actually stepped
+
+
+def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    clear_previous_results(cfg, world)
+    tokenizer, train_set, eval_set = build_datasets(cfg, task, world)
+    spec = model_spec(cfg, task, tokenizer, train_set)
+    replicas = world.size // cfg.pipeline_stages
+    per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
+    total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
+    engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
-
-    progress: dict[str, Any] = {
-        "epoch": 0, "index": 0, "step": 0, "elapsed": 0.0, "losses": [], "evals": {},
-        "totals": {"fwd_bytes": 0, "bwd_bytes": 0, "tie_bytes": 0, "dp_bytes": 0},
-    }
+    progress = Progress()
     if cfg.resume:  # last: the RNG states it restores are those of the saved run at that step
-        progress = checkpoint.load(Path(cfg.resume), engine, cfg)
-    injector = faults.Injector(faults.from_env(), world.rank, stage)
-    writer = MetricsWriter(cfg, world, total_steps, progress["step"] if cfg.resume else None, progress["elapsed"])
-    samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * grid.replicas
-    totals, losses, evals = dict(progress["totals"]), list(progress["losses"]), dict(progress["evals"])
-    started = time.perf_counter() - progress["elapsed"]
-    step, saved = progress["step"], progress["step"]
-    position = (progress["epoch"], progress["index"])
+        progress.load_state_dict(checkpoint.load(Path(cfg.resume), engine, cfg))
+    injector = faults.Injector(faults.from_env(), world.rank, engine.stage)
+    writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.resume else None, progress.elapsed)
+    samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * replicas
+    started, saved = time.perf_counter() - progress.elapsed, progress.step
 
     def save() -> None:
-        state = {"epoch": position[0], "index": position[1], "step": step, "losses": losses[-10:], "evals": evals,
-                 "totals": totals, "elapsed": time.perf_counter() - started}
-        checkpoint.save(Path(cfg.output_dir) / "checkpoints", step, engine, state, cfg, world.rank, world.size,
-                        lambda: barrier(world), cfg.save_total_limit or None)
+        checkpoint.save(Path(cfg.output_dir) / "checkpoints", progress.step, engine, progress.state_dict(), cfg,
+                        world.rank, world.size, lambda: barrier(world), cfg.save_total_limit or None)
 
-    for epoch in range(progress["epoch"], cfg.epochs):
-        done = progress["index"] if epoch == progress["epoch"] else 0  # steps of this epoch before the resume
+    for epoch in range(progress.epoch, cfg.epochs):
+        done = progress.done_in(epoch)
         batches = datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch=epoch,
-                                        seed=cfg.seed, shard=shard)
+                                        seed=cfg.seed, shard=(engine.groups.replica, replicas))
         for index, mbs in enumerate(itertools.islice(batches, done, None), start=done):
-            if step >= total_steps:
+            if progress.step >= total_steps:
                 break
-            injector.before_step(step + 1)
+            injector.before_step(progress.step + 1)
             m = engine.train_batch([to_device(mb) for mb in mbs], epoch)
-            step, position = step + 1, (epoch, index + 1)
-            for key in totals:
-                totals[key] += getattr(m, key)
-            if m.skipped is None:
-                losses.append(m.loss)
+            progress.add(m, epoch, index + 1, time.perf_counter() - started)
             record = {**m.record(), "samples_per_s": samples_per_step / m.seconds}
-            if cfg.eval_every and step % cfg.eval_every == 0 and eval_batches:
-                evals = _evaluate(engine, eval_batches, task)
-                record.update(evals)
+            if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
+                progress.evals = _evaluate(engine, eval_batches, task)
+                record.update(progress.evals)
             writer.write(record)
-            if cfg.save_every and step % cfg.save_every == 0:
+            if cfg.save_every and progress.step % cfg.save_every == 0:
                 save()
-                saved = step
-    if cfg.save_every and saved != step:
+                saved = progress.step
+    if cfg.save_every and saved != progress.step:
         save()  # the end of the run is a checkpoint too: a later resume with more epochs continues from it
-    if eval_batches and not (cfg.eval_every and step % cfg.eval_every == 0):
-        evals = _evaluate(engine, eval_batches, task)
-        writer.write({"step": step, **evals})
+    if eval_batches and not (cfg.eval_every and progress.step % cfg.eval_every == 0):
+        progress.evals = _evaluate(engine, eval_batches, task)
+        writer.write({"step": progress.step, **progress.evals})
     writer.close()
     elapsed = time.perf_counter() - started
-    saved_model = save_model(engine, spec, tokenizer, cfg, world, groups)
+    model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups)
+    return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,
+                     (len(train_set), len(eval_set)))
+
+
+def summarize(cfg: RunConfig, world: World, progress: Progress, engine: PipelineEngine, elapsed: float,
+              samples_per_step: int, model_dir: str | None, samples: tuple[int, int]) -> dict[str, Any]:
+    """The run's summary: summary.json and, on rank 0, the one JSON line the run ends with."""
+    losses, evals, step = progress.losses, progress.evals, progress.step
     summary = {
-        "steps": step, "epochs": cfg.epochs, "train_samples": len(train_set), "eval_samples": len(eval_set),
+        "steps": step, "epochs": cfg.epochs, "train_samples": samples[0], "eval_samples": samples[1],
         "final_loss": losses[-1] if losses else None,
         "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-        **evals, **totals, "seconds": elapsed, "samples_per_s": samples_per_step * step / elapsed if elapsed else None,
-        "world_size": world.size, "model_dir": saved_model, "skipped_steps": engine.skipped_steps,
-        "resumed_from": cfg.resume, "config": cfg.to_dict(),
+        **evals, **progress.totals, "seconds": elapsed,
+        "samples_per_s": samples_per_step * step / elapsed if elapsed else None, "world_size": world.size,
+        "model_dir": model_dir, "skipped_steps": engine.skipped_steps, "resumed_from": cfg.resume,
+        "config": cfg.to_dict(),
     }
     if world.rank == 0:
         with open(Path(cfg.output_dir) / "summary.json", "w") as f:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import RunConfig
+from .environment import link_latency_s
 from .host_memory import keep_freed_memory
 from .watchdog import Watchdog
 
@@ -29,6 +30,7 @@ class World:
     local_rank: int
     device: torch.device
     watchdog: Watchdog | None = None  # a multi-process run's; its store holds the barriers set-up waits at
+    link_latency_s: float = 0.0  # an emulated one-way link delay (AQPIPE_LINK_LATENCY_MS), for the benchmarks
 
     @property
     def distributed(self) -> bool:
@@ -49,7 +51,7 @@ def init_world(cfg: RunConfig) -> World:
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
-    return World(rank, size, local_rank, device)
+    return World(rank, size, local_rank, device, link_latency_s=link_latency_s())
 
 
 def barrier(world: World) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-from compression import dequantize, quantize
+from compression import dequantize, kernels, quantize
 from compression.quantizer import error_constant
 
 TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
@@ -35,7 +34,7 @@ c_q = error_constant  # E||x - Q(x)|| / ||x|| over Gaussian rows (the commands i
 
 
 def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: str) -> list[dict]:
-    os.environ["AQPIPE_KERNELS"] = backend
+    kernels.configure(backend=backend)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     gb = x.numel() * 4 / 1e9
     g = torch.Generator().manual_seed(1)

@@ -12,7 +12,8 @@ index and a key drawn from the caller's torch.Generator) and the same float32
 operations in the same order, so codes and decoded values match bit for bit:
 tests/unit/test_kernels.py holds them to it.
 
-Choose with the environment variable AQPIPE_KERNELS=auto|native|torch.
+Choose with `configure(backend="auto"|"native"|"torch")`: the trainer reads it from AQPIPE_KERNELS (with
+AQPIPE_CACHE, where the compiled library is kept, and CC, the compiler), once, at start.
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-share
 _MIN_CHUNK = 1 << 16  # elements per thread below which splitting costs more than it saves
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
+BACKENDS = ("auto", "native", "torch")
+_settings = {"backend": "auto", "cache_dir": None, "compiler": "cc"}  # what configure() set
+_warned = False
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 _lib_lock = threading.Lock()
@@ -44,9 +48,18 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
+def configure(backend: str = "auto", cache_dir: str | os.PathLike | None = None, compiler: str = "cc") -> None:
+    """How the quantizer runs, for the whole process: `backend` auto (the C kernels on CPU tensors where they build,
+    else torch ops), native or torch; `cache_dir` where the compiled kernels are kept (default ~/.cache/aqpipe);
+    `compiler` the C compiler's command."""
+    if backend not in BACKENDS:
+        raise ValueError(f"AQPIPE_KERNELS={backend!r}: expected one of {', '.join(BACKENDS)}")
+    _settings.update(backend=backend, cache_dir=cache_dir, compiler=compiler)
+
+
 # ----------------------------------------------------------------------------- native library
 def _cache_dir() -> Path:
-    root = os.environ.get("AQPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aqpipe")
+    root = _settings["cache_dir"] or os.path.join(os.path.expanduser("~"), ".cache", "aqpipe")
     return Path(root) / "native"
 
 
@@ -67,7 +80,7 @@ def _build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
+    compiler = str(_settings["compiler"])
     # Build beside the target and rename: ranks starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -114,18 +127,18 @@ def native_error() -> str | None:
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """'native' or 'torch' for a tensor, honouring AQPIPE_KERNELS."""
-    choice = os.environ.get("AQPIPE_KERNELS", "auto")
-    if choice not in ("auto", "native", "torch"):
-        raise ValueError(f"AQPIPE_KERNELS={choice!r}: expected one of auto, native, torch")
+    """'native' or 'torch' for a tensor, as configured."""
+    global _warned
+    choice = _settings["backend"]
     if choice == "torch" or t.device.type != "cpu" or sys.byteorder != "little":
         return "torch"
     lib = native_library()
     if lib is None:
         if choice == "native":
             raise RuntimeError(f"AQPIPE_KERNELS=native but the C kernels could not be built: {_lib_error}")
-        warnings.warn(f"aqpipe: C quantizer kernels unavailable, using torch ops ({_lib_error})", stacklevel=3)
-        os.environ["AQPIPE_KERNELS"] = "torch"  # warn once
+        if not _warned:
+            warnings.warn(f"aqpipe: C quantizer kernels unavailable, using torch ops ({_lib_error})", stacklevel=3)
+            _warned = True
         return "torch"
     return "native"
 

@@ -160,11 +160,3 @@ class Comm:
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         self.sent_bytes += (self.size - 1) * self._nbytes(tensor)
         return out
-
-    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """In place from group position `src`; counted as sent once to each other member by src."""
-        if self.size > 1:
-            dist.broadcast(tensor, self.ranks[src], group=self.group)
-            if self.rank == src:
-                self.sent_bytes += (self.size - 1) * self._nbytes(tensor)
-        return tensor

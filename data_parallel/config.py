@@ -59,7 +59,7 @@ class DataParallelConfig:
 
     def warmup_for(self, total_steps: int) -> int:
         """QAdam's warm-up in steps: as given, or for "auto" a tenth of the run (at least 1), like the LR
-        schedule's warm-up, so a short run compresses too (a fixed 100 never did in a 96-step run)."""
+        schedule's warm-up, so that a run of any length compresses most of its steps."""
         return max(1, -(-total_steps // 10)) if self.warmup_steps == "auto" else self.warmup_steps
 
     def options(self, seed: int, total_steps: int) -> dict[str, Any]:

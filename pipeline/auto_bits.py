@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
+from compression import QuantizedTensor
 from compression.quantizer import error_constant
 
-from .schedule import COMPUTE, Action, makespan
+from .schedule import COMPUTE, Action, makespan, train_schedule
 
 THEOREM_C_Q = 0.5 ** 0.5  # AQ-SGD's bound on the quantizer's relative error
 DIRECTIONS = ("forward", "backward")
@@ -166,3 +167,85 @@ class AutoBits:
             self.bits[(int(b), direction)] = int(bits)
         self.seen = [list(row) for row in state.get("seen", [])]  # absent in checkpoints before it was kept
         self.last = dict(state["last"])
+
+
+PROBE_BYTES = 64 << 10  # a link probe's large message: 52 ms on 10 Mbit/s, above the noise
+
+
+class AutoBitsController:
+    """Bits per link in a running engine: on a decision step (every `auto_bits_every`) this rank probes its links
+    before the schedule; after it, every rank reads the step's job-wide table alike (each stage's compute, each
+    link's probe) and reaches the same bits, setting its own codecs. With `link_mbit` the rates are given."""
+
+    def __init__(self, compression: Any, grid: Any, width: int, schedule: str, wire_dtype: Any) -> None:
+        c, boundaries = compression, grid.stages - 1
+        if c.link_mbit is not None and len(c.link_mbit) != boundaries:
+            raise ValueError(f"link_mbit={c.link_mbit}: expected {boundaries} rates, one per boundary")
+        allowed = {d: allowed_bits(c.auto_bits_min, c.auto_bits_max, width,
+                                   lambda bits, d=d: c.group_size(d, width, bits)) for d in DIRECTIONS if c.auto(d)}
+        self.compression, self.grid, self.width = c, grid, width
+        self.schedule, self.wire_dtype = schedule, wire_dtype
+        self.state = AutoBits(boundaries, allowed)
+
+    def bits(self, boundary: int, direction: str) -> int:
+        return self.state.bits[(boundary, direction)]
+
+    def deciding(self, step: int) -> bool:
+        """Whether the step after `step` steps decides (and so probes, unless the rates are given)."""
+        return step % self.compression.auto_bits_every == 0
+
+    @staticmethod
+    def probe(stage: int, prev: Any, next_: Any, device: Any) -> tuple[float, float, float]:
+        """Probe this rank's links, even boundaries first, then odd ones (a rank is in one probe at a time);
+        returns the probe of the next link (zeros on the last stage)."""
+        mine = (0.0, 0.0, 0.0)
+        for parity in (0, 1):
+            if next_ is not None and stage % 2 == parity:
+                mine = next_.probe(True, PROBE_BYTES, device)
+            if prev is not None and (stage - 1) % 2 == parity:
+                prev.probe(False, PROBE_BYTES, device)
+        return mine
+
+    def observe(self, table: Any, micro_batches: int) -> None:
+        """Every accepted step: each stage's compute per micro-batch (its slowest replica's), from the table."""
+        compute, grid = table.column("compute_seconds"), self.grid
+        self.state.observe([float(compute[[grid.rank(s, r) for r in range(grid.replicas)]].max()) / micro_batches
+                            for s in range(grid.stages)])
+
+    def decide(self, table: Any, step: int, rows: int, seq: int, micro_batches: int,
+               codecs: dict[int, Any]) -> dict[str, Any]:
+        """New bits from the job-wide table, the same on every rank: per boundary, its slowest replica's link each
+        way, priced on the schedule with the compute seen since the last decision. `codecs[b]`: this rank's side
+        of boundary b (a `transport.Boundary`), whose codecs take the new bits. Returns the decision's record."""
+        c, width, grid = self.compression, self.width, self.grid
+        links = {}
+        for b in range(grid.stages - 1):
+            senders = [grid.rank(b, r) for r in range(grid.replicas)]
+            for direction, way in (("forward", "link_ahead"), ("backward", "link_back")):
+                links[(b, direction)] = Link(8 / (c.link_mbit[b] * 1e6)) if c.link_mbit is not None else Link(
+                    float(table.column(way)[senders].max()), float(table.column("link_latency")[senders].max()))
+
+        def message_bytes(b: int, direction: str, bits: int | None) -> int:
+            ids = 8 * rows if direction == "forward" else 0  # the sample ids travel with activations
+            if getattr(c, direction) == "none":
+                return rows * seq * width * self.wire_dtype.itemsize + ids
+            return QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits)) + ids
+
+        fixed = {k: link.seconds(message_bytes(*k, getattr(c, f"{k[1]}_bits"))) for k, link in links.items()
+                 if k[1] not in self.state.allowed}
+        schedules = [train_schedule(self.schedule, s, grid.stages, micro_batches) for s in range(grid.stages)]
+        changed = self.state.decide(step, schedules, {k: v for k, v in links.items() if k[1] in self.state.allowed},
+                                    message_bytes, c.auto_bits_slack, fixed)
+        for (b, direction), bits in changed.items():
+            if b in codecs:
+                getattr(codecs[b], direction).set_bits(bits, c.group_size(direction, width, bits))
+        return self.state.last
+
+    def record(self) -> dict[str, int]:
+        return self.state.record()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)  # the codecs restore their current bits themselves

@@ -12,9 +12,9 @@ posted ahead (`post_activation` / `post_grad`, then `take_*`): gloo moves a mess
 receive is posted, so a stage that posts all of a step's receives up front overlaps every transfer
 with its own compute instead of paying each one when it needs the tensor.
 
-Emulated link latency (`AQPIPE_LINK_LATENCY_MS`, default 0): the kernel here has no netem, so a
-one-way delay is added in user space: every receive completes that much later than its bytes
-arrive. It is an upper bound on a real link's cost (a message that was already buffered when
+Emulated link latency (`Wire(latency_s=...)`; the trainer's `AQPIPE_LINK_LATENCY_MS`, default 0): the kernel
+here has no netem, so a one-way delay is added in user space: every receive completes that much later than its
+bytes arrive. It is an upper bound on a real link's cost (a message that was already buffered when
 its receive was posted pays the delay too); data-parallel collectives are not delayed.
 
 A boundary runs in one of three phases: "train" (the configured codecs), "warmup"
@@ -23,7 +23,6 @@ and "eval" (full precision, buffers untouched: eval samples have their own ids).
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -50,23 +49,23 @@ class Incoming:
 
 
 class Wire:
-    """Non-blocking sends and receives, with the bytes sent counted."""
+    """Non-blocking sends and receives. `latency_s`: a one-way delay added to every receive, emulating a distant
+    link on one machine (the benchmarks' --latency_ms)."""
 
-    def __init__(self, group: object | None = None, latency_s: float | None = None) -> None:
-        self.group = group
+    def __init__(self, latency_s: float = 0.0) -> None:
+        if not latency_s >= 0:
+            raise ValueError(f"link latency {latency_s!r} s: expected >= 0")
         self._pending: list[tuple[object, torch.Tensor]] = []
-        self.sent_bytes = 0
-        self.latency_s = link_latency_s() if latency_s is None else latency_s
+        self.latency_s = latency_s
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None) -> None:
-        work = dist.isend(payload, dst, group=group or self.group, tag=tag)
+        work = dist.isend(payload, dst, group=group, tag=tag)
         self._pending.append((work, payload))  # keep the buffer alive until the send completes
-        self.sent_bytes += payload.numel() * payload.element_size()
 
     def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0, group: object | None = None) -> Incoming:
         """Start receiving `nbytes` from `src`; messages from one peer in one group match in posting order."""
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return Incoming(dist.irecv(buf, src, group=group or self.group, tag=tag), buf, self.latency_s)
+        return Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.latency_s)
 
     def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0,
              group: object | None = None) -> torch.Tensor:
@@ -76,18 +75,6 @@ class Wire:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
-
-
-def link_latency_s() -> float:
-    """The emulated one-way link delay from AQPIPE_LINK_LATENCY_MS, in seconds (0: none)."""
-    raw = os.environ.get("AQPIPE_LINK_LATENCY_MS", "0")
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise ValueError(f"AQPIPE_LINK_LATENCY_MS={raw!r}: expected a number of milliseconds >= 0") from None
-    if not ms >= 0:
-        raise ValueError(f"AQPIPE_LINK_LATENCY_MS={raw!r}: expected a number of milliseconds >= 0")
-    return ms / 1000.0
 
 
 def _ids_tensor(ids: torch.Tensor | SampleIds) -> torch.Tensor:
@@ -101,8 +88,8 @@ def _ids_bytes(ids: torch.Tensor | SampleIds, device: torch.device) -> torch.Ten
 class Boundary:
     """One side of the boundary between stage s and s+1: the codecs and the peer's rank.
 
-    On stage s (`side="sender"`): sends activations, receives gradients.
-    On stage s+1 (`side="receiver"`): receives activations, sends gradients.
+    On stage s it sends activations and receives gradients; on stage s+1 it receives activations and sends
+    gradients (`outgoing` / `incoming`: the process group each way).
     """
 
     def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,

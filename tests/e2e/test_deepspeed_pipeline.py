@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, checkout_env, free_port, tiny_gpt2_config
+from tests.helpers.files import tiny_gpt2_config
+from tests.helpers.processes import ROOT, checkout_env, free_port
 
 SHAPE = ["--seq_len", "32", "--max_train_samples", "32", "--micro_batch_size", "2", "--num_micro_batches", "2",
          "--max_steps", "4"]

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from aqpipe import faults
-from tests.conftest import ROOT, checkout_env, free_port, spawn, toy_batches, toy_stages, toy_ties
+from tests.helpers.processes import ROOT, checkout_env, free_port, spawn
+from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)

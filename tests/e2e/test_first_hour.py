@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, checkout_env, free_port
+from tests.helpers.processes import ROOT, checkout_env, free_port
 
 ENV = checkout_env()
 TINY = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",

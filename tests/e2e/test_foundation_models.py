@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, LlamaConfig, LlamaForCausalLM
 
 from aqpipe import data
-from tests.conftest import ROOT, checkout_env, free_port
+from tests.helpers.processes import ROOT, checkout_env, free_port
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "2"]

@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.conftest import ROOT, free_port
+from tests.helpers.processes import ROOT, free_port
 
 PACKAGES = ("aqpipe", "compression", "data_parallel", "pipeline")
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",

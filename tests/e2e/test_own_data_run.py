@@ -6,7 +6,7 @@ import sys
 
 from transformers import AutoConfig
 
-from tests.conftest import ROOT, checkout_env
+from tests.helpers.processes import ROOT, checkout_env
 
 
 def test_qnli_layout_csv_trains_with_no_flag_and_the_model_keeps_the_label_names(tmp_path):

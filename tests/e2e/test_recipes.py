@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
 
 from aqpipe import data
-from tests.conftest import ROOT, checkout_env, free_port, tiny_gpt2_config
+from tests.helpers.files import tiny_gpt2_config
+from tests.helpers.processes import ROOT, checkout_env, free_port
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "32", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2"]

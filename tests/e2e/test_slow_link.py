@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from benchmarks import netns, slow_link
+from aqpipe.environment import link_latency_s
 from pipeline import transport
 
-from tests.conftest import ROOT, checkout_env
+from tests.helpers.processes import ROOT, checkout_env
 
 
 def test_rate_parsing_names_the_bad_value() -> None:
@@ -78,18 +79,17 @@ def test_link_latency_delays_every_receive(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(transport.dist, "irecv", lambda buf, src, group=None, tag=0: (buf.fill_(7), Done())[1])
     monkeypatch.setattr(transport.time, "sleep", slept.append)
-    monkeypatch.setenv("AQPIPE_LINK_LATENCY_MS", "25")
-    wire = transport.Wire()
+    wire = transport.Wire(latency_s=link_latency_s({"AQPIPE_LINK_LATENCY_MS": "25"}))  # as the trainer reads it
     assert torch.equal(wire.recv(3, 1, torch.device("cpu")), torch.full((3,), 7, dtype=torch.uint8))
     wire.recv(5, 1, torch.device("cpu"))
     assert slept == [0.025, 0.025]
-    monkeypatch.setenv("AQPIPE_LINK_LATENCY_MS", "0")
-    transport.Wire().recv(3, 1, torch.device("cpu"))
+    transport.Wire(latency_s=link_latency_s({})).recv(3, 1, torch.device("cpu"))
     assert slept == [0.025, 0.025]  # no latency asked: no sleep
     for bad in ("-1", "soon"):
-        monkeypatch.setenv("AQPIPE_LINK_LATENCY_MS", bad)
-        with pytest.raises(ValueError, match="AQPIPE_LINK_LATENCY_MS"):
-            transport.Wire()
+        with pytest.raises(ValueError, match=f"AQPIPE_LINK_LATENCY_MS='{bad}': expected a number of milliseconds"):
+            link_latency_s({"AQPIPE_LINK_LATENCY_MS": bad})
+    with pytest.raises(ValueError, match="link latency -0.5 s: expected >= 0"):
+        transport.Wire(latency_s=-0.5)
 
 
 def _namespaces() -> str:

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import data_parallel
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from aqpipe import checkpoint
 from aqpipe.config import RunConfig, validate
 from aqpipe import data
-from tests.conftest import ToyStage, toy_dataset, toy_stages, toy_ties
+from tests.helpers.toy import ToyStage, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
@@ -48,12 +48,11 @@ def _engine(groups, grid, name):
     stage = DrawingStage(toy_stages(2)[groups.stage])
     comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
     algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
-    engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
-                            compression=AQSGD, num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ,
-                            ties=toy_ties(2),
-                            data_parallel=algo, seed=3)
-    engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
-    return engine
+    optimizer = algo.wrap_optimizer(torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02))
+    return PipelineEngine(stage, groups, optimizer, compression=AQSGD,
+                          num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ, ties=toy_ties(2),
+                          data_parallel=algo, seed=3,
+                          lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
 
 
 def resume_every_algorithm(rank, world, tmp):

@@ -7,7 +7,8 @@ from data_parallel.base import create
 from data_parallel.cocktail import CocktailSGD
 from data_parallel.comm import Comm
 from data_parallel.flat import worker_seed
-from tests.conftest import flat, loss_of, restored, spawn, straight_and_saved, train_steps
+from tests.helpers.dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
+from tests.helpers.processes import spawn
 
 LR, STEPS, GROUP = 0.1, 6, 8
 OPTIONS = {"random_ratio": 0.5, "topk_ratio": 0.25, "bits": 4, "seed": 3, "group_size": GROUP}

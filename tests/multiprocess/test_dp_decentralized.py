@@ -10,7 +10,7 @@ from compression import QuantizedTensor, dequantize, quantize
 from data_parallel.base import REGISTRY, create
 from data_parallel.comm import Comm
 from data_parallel.flat import worker_seed
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 
 STEPS, LR, GS = 5, 0.1, dec.DEFAULT_GROUP_SIZE
 IN, HIDDEN, OUT = 8, 64, 40  # 3176 parameters: two quantization groups of 2048

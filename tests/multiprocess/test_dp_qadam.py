@@ -10,8 +10,8 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.flat import worker_seed
 from data_parallel.qadam import QAdam, QAdamOptimizer
-from tests.conftest import spawn
-from tests.conftest import flat, loss_of, restored, straight_and_saved, train_steps
+from tests.helpers.processes import spawn
+from tests.helpers.dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
 GROUP = 64  # quantization group: 420 parameters make 7 groups, so 4 replicas own 2, 2, 2 and 1 of them

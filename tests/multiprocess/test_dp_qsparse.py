@@ -10,8 +10,8 @@ from data_parallel.base import create
 from data_parallel.comm import Comm
 from data_parallel.flat import worker_seed
 from data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
-from tests.conftest import spawn
-from tests.conftest import flat, loss_of, restored, straight_and_saved, train_steps
+from tests.helpers.processes import spawn
+from tests.helpers.dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 
 LR, H, STEPS, RATIO = 0.1, 3, 9, 0.1
 N = 420  # parameters of make_model()

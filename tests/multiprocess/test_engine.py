@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from compression import SampleBuffer
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
 from pipeline.compression_config import AUTO_GROUP_SIZE
-from tests.conftest import VOCAB, ToyStage, toy_batches, toy_stages, toy_ties
+from tests.helpers.toy import VOCAB, ToyStage, toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
@@ -27,12 +27,15 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
         return all_reduce(*args, **kwargs)
 
     torch.distributed.all_reduce = counted
-    for epoch in range(epochs):
-        for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
-            collectives.append(0)
-            log.append(engine.train_batch(mbs, epoch).record())
-    collectives.append(0)
-    evaluation = engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))
+    try:
+        for epoch in range(epochs):
+            for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
+                collectives.append(0)
+                log.append(engine.train_batch(mbs, epoch).record())
+        collectives.append(0)
+        evaluation = engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))
+    finally:
+        torch.distributed.all_reduce = all_reduce  # this worker process's, put back
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}  # after eval: rows it read are current
     return {"log": log, "tied": tied, "eval": evaluation, "collectives": collectives}
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
-from tests.conftest import spawn, toy_batches, toy_stages, toy_ties
+from tests.helpers.processes import spawn
+from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, HIDDEN = 8, 4, 2, 32, 64
 
@@ -24,7 +25,7 @@ def batches(epochs: int) -> list[tuple[int, list]]:
 
 
 def codec_bits(e: PipelineEngine) -> dict[str, int]:
-    return {name: codec.bits for name, codec in e._codecs().items() if name.split(".")[0] in ("prev", "next")}
+    return {name: codec.bits for name, codec in e.codecs().items() if name.split(".")[0] in ("prev", "next")}
 
 
 def run(rank: int, world: int, compression: CompressionConfig) -> dict:

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import data_parallel
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from aqpipe import data
-from tests.conftest import toy_batches, toy_dataset, toy_stages, toy_ties
+from tests.helpers.toy import toy_batches, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
@@ -19,8 +19,10 @@ def train(rank, world, stages, algorithm, options, steps=4):
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
         algo = data_parallel.create(algorithm, owned_parameters(stage, toy_ties(stages)), comm, **options)
-    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=CompressionConfig(),
-                            num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(stages), data_parallel=algo)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.5)
+    engine = PipelineEngine(stage, groups, algo.wrap_optimizer(optimizer) if algo else optimizer,
+                            compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(stages),
+                            data_parallel=algo)
     per_replica = MICRO * 2 // grid.replicas  # the global batch is always 2 x MICRO micro-batches
     log = []
     for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, 0):
@@ -76,7 +78,8 @@ def every_algorithm(rank, world, steps=10):
                 inner()
                 seen["averaged"] = torch.cat([p.detach().reshape(-1) for p in owned])
             algo.after_backward = after_backward
-        engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
+        optimizer = torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02)
+        engine = PipelineEngine(stage, groups, algo.wrap_optimizer(optimizer) if algo else optimizer,
                                 compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ,
                                 ties=toy_ties(2), data_parallel=algo)
         log = []

@@ -7,7 +7,7 @@ import transformers
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.loading import build_stage
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 from tests.helpers.reference import train_reference
 
 VOCAB, SEQ, MBS, MICRO, STEPS, LAYERS = 96, 12, 2, 2, 2, 4

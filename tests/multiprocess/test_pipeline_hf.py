@@ -4,7 +4,7 @@ import torch
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters, partition, tie_groups
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 from tests.helpers.reference import train_reference
 from pipeline.compression_config import AUTO_GROUP_SIZE
 

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from aqpipe.watchdog import Watchdog
 from aqpipe.world import World, barrier
-from tests.conftest import free_port
+from tests.helpers.processes import free_port
 
 COLLECTIVE_TIMEOUT = 2.0  # also the rendezvous' limit: shorter ones failed to connect on a busy machine
 SLOW = 5.0  # rank 0's set-up: more than twice the collective timeout

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import spawn
+from tests.helpers.processes import spawn
 
 
 def returns_rank(rank, world):

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT, checkout_env
+from tests.helpers.processes import ROOT, checkout_env
 
 
 def test_a_launched_process_imports_the_checkout_even_with_another_copy_on_its_path(tmp_path):

@@ -7,7 +7,7 @@ from aqpipe import cli
 from aqpipe.config import resolve
 from aqpipe.tasks import TASKS
 from pipeline.compression_config import AUTO_GROUP_SIZE
-from tests.conftest import ROOT
+from tests.helpers.processes import ROOT
 
 
 def run(argv, monkeypatch, world=1):

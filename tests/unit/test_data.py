@@ -19,8 +19,11 @@ import torch
 
 from aqpipe import data
 from aqpipe.data import corpus as corpus_module
-from aqpipe.data import datasets as sources
-from tests.conftest import ROOT, checkout_env, write_table
+from aqpipe.data import classification as classification_module
+from aqpipe.data import lm as lm_module
+from aqpipe.data import tokens as sources
+from tests.helpers.files import write_table
+from tests.helpers.processes import ROOT, checkout_env
 
 
 SEQ = 32
@@ -312,12 +315,12 @@ def test_hub_dataset_splits_are_used_where_the_hub_has_them(tok, monkeypatch):
     hub = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train")),
                                 "validation": datasets.Dataset.from_list(rows("valid"))})
     asked = []
-    monkeypatch.setattr(sources, "_load_hub", lambda name, config: asked.append((name, config)) or hub)
+    monkeypatch.setattr(lm_module, "load_hub", lambda name, config: asked.append((name, config)) or hub)
     train, ev = (data.lm_dataset("wikitext", tok, 8, split) for split in ("train", "eval"))
     assert asked == [("wikitext", "wikitext-2-raw-v1")] * 2
     assert "valid" in tok.decode(ev[0]["input_ids"]) and "train" in tok.decode(train[len(train) - 1]["input_ids"])
     only_train = datasets.DatasetDict({"train": hub["train"]})
-    monkeypatch.setattr(sources, "_load_hub", lambda name, config: only_train)
+    monkeypatch.setattr(lm_module, "load_hub", lambda name, config: only_train)
     carved = data.lm_dataset("someone/corpus", tok, 8, "eval", eval_fraction=0.2)
     assert "train" in tok.decode(carved[0]["input_ids"]) and len(carved) == math.ceil(len(train) * 0.2)
 
@@ -326,7 +329,7 @@ def test_glue_tasks_take_their_columns_and_evaluation_split(cls_tok, monkeypatch
     import datasets
     table = lambda tag: datasets.Dataset.from_list(  # noqa: E731
         [{"question": f"{tag} q{i}?", "sentence": f"{tag} s{i}.", "label": i % 2, "idx": i} for i in range(10)])
-    monkeypatch.setattr(sources, "_load_hub", lambda name, config: datasets.DatasetDict(
+    monkeypatch.setattr(classification_module, "load_hub", lambda name, config: datasets.DatasetDict(
         {"train": table("tr"), "validation": table("va"), "test": table("te")}))
     ev = data.classification_dataset("glue/qnli", cls_tok, 16, "eval")
     assert ev.num_labels == 2 and ev.examples[3] == ("va q3?", "va s3.", 1)

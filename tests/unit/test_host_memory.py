@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from aqpipe.host_memory import keep_freed_memory
-from tests.conftest import checkout_env
+from tests.helpers.processes import checkout_env
 
 FAULTS = """
 import resource, sys, torch

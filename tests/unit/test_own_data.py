@@ -13,11 +13,11 @@ import torch
 from aqpipe import data
 from aqpipe import train as trainer
 from aqpipe.config import FLAGS, build_parser, resolve
-from aqpipe.data import datasets as sources
+from aqpipe.data import classification as sources
 from aqpipe.models import resolve_model
 from aqpipe.tasks import TASKS
 from aqpipe.world import World
-from tests.conftest import write_table
+from tests.helpers.files import write_table
 
 SEQ = 24
 FORMATS = (".csv", ".json", ".jsonl", ".parquet")
@@ -160,7 +160,7 @@ def test_glue_hub_tasks_name_their_labels_from_the_features(cls_tok, monkeypatch
                                   "idx": datasets.Value("int32")})
     table = datasets.Dataset.from_list([{"question": f"q{i}?", "sentence": f"s{i}.", "label": i % 2, "idx": i}
                                         for i in range(8)], features=features)
-    monkeypatch.setattr(sources, "_load_hub", lambda name, config: datasets.DatasetDict(
+    monkeypatch.setattr(sources, "load_hub", lambda name, config: datasets.DatasetDict(
         {"train": table, "validation": table}))
     ds = data.classification_dataset("glue/qnli", cls_tok, SEQ, "eval")
     assert ds.label_names == ["entailment", "not_entailment"] and ds.examples[1] == ("q1?", "s1.", 1)

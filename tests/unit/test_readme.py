@@ -7,7 +7,7 @@ import pytest
 
 from aqpipe.config import resolve
 from aqpipe.tasks import TASKS
-from tests.conftest import ROOT
+from tests.helpers.processes import ROOT
 
 TASK_NAMES = "|".join(TASKS)
 LAUNCH = re.compile(r"(?:deepspeed|torchrun|python)\b[^`\n|#]*?(?:recipes/finetune_(\w+)\.py|aqpipe (" + TASK_NAMES

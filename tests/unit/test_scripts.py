@@ -7,7 +7,7 @@ import sys
 from benchmarks import bench_codecs, bench_data_parallel, bench_quantize  # noqa: E402
 from recipes import codec_demo  # noqa: E402
 
-from tests.conftest import ROOT, checkout_env
+from tests.helpers.processes import ROOT, checkout_env
 
 
 def test_codec_demo_aqsgd_tracks_fp32_where_directq_falls_behind(tmp_path):

@@ -1,0 +1,44 @@
+"""What a training step may have to take back: a step that found a NaN/inf (or an activation its AQ-SGD buffer
+cannot hold) leaves no trace, so every rank undoes what it changed before it raises or skips alike.
+
+The guard notes what was found and where (`Findings`, which travels in the step's table), keeps a restore for
+every codec buffer row the step is about to update (newest last) and the dither generators' states as the step
+began; `undo` puts them all back.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .step_table import Findings
+
+
+class StepGuard:
+    def __init__(self, codecs: dict[str, Any]) -> None:
+        """`codecs`: this rank's stateful codecs by name (their dither generators are put back too)."""
+        self.codecs = codecs
+        self.generators = {name: codec.generator.get_state() for name, codec in codecs.items()}
+        self.findings = Findings()
+        self.restores: list[Callable[[], None]] = []  # what puts back each change the step made, newest last
+
+    def note(self, kind: int, mb: int) -> None:
+        self.findings.note(kind, mb)
+
+    def finite(self, x: torch.Tensor, kind: int, mb: int) -> bool:
+        """Whether x is all finite; if not, note what and where."""
+        if bool(torch.isfinite(x).all()):
+            return True
+        self.note(kind, mb)
+        return False
+
+    def remember(self, codec: Any, sample_ids: Any) -> None:
+        """Before an AQ-SGD update of `codec`'s buffer, keep the rows it will change."""
+        self.restores.append(codec.undo_point(sample_ids))
+
+    def undo(self) -> None:
+        """Every change the step made, newest first, and the generators as the step began."""
+        for restore in reversed(self.restores):
+            restore()
+        for name, codec in self.codecs.items():
+            codec.generator.set_state(self.generators[name])

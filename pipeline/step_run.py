@@ -1,0 +1,172 @@
+"""One run of a stage's action list: the engine's per-step worker.
+
+It holds what one step has in flight on this stage (each micro-batch's input, output, received gradient, zb1's
+weight gradients still to run, the loss), the bytes it sent and its guard, and runs each action of the schedule
+(schedule.py) as a method of the same name. Receives are all posted before the first action, in schedule order:
+gloo starts a transfer once its receive is posted, so each message's flight overlaps this stage's compute. A
+NaN/inf about to be sent goes as zeros (the peer waits for a message of a known size) and is noted on the guard.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from compression import BufferRangeError, SampleIds
+
+from . import schedule as sched
+from . import split_backward
+from .seeding import derive_seed
+from .step_guard import StepGuard
+from .step_table import ACTIVATION, BUFFER_RANGE, GRADIENT, LOSS, StepCounters, StepTotals
+
+if TYPE_CHECKING:
+    from .engine import PipelineEngine
+
+
+class StepRun:
+    def __init__(self, engine: "PipelineEngine", micro_batches: list[dict[str, torch.Tensor]], phase: str,
+                 training: bool, guard: StepGuard | None) -> None:
+        """`guard`: a training step's (None in evaluation, which changes no buffer and is never undone)."""
+        self.engine, self.micro_batches, self.phase, self.training = engine, micro_batches, phase, training
+        self.guard = guard or StepGuard({})
+        self.restores = self.guard.restores if guard is not None else None  # the tie's undo points go here too
+        self.counters = StepCounters()
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.weights: dict[int, split_backward.WeightGradients | None] = {}  # zb1's weight gradients still to run
+        self.losses: dict[int, float] = {}
+        self.correct = self.counted = 0
+        self.schedule_seconds = self.compute_seconds = 0.0
+        buffered = phase != "eval" and engine.compression.forward == "aqsgd" and \
+            (engine.prev is not None or engine.next is not None)  # ids checked once, where AQ-SGD buffers read them
+        self.ids = [SampleIds(mb.get("sample_id"), engine.num_samples) if buffered else mb.get("sample_id")
+                    for mb in micro_batches]
+        self.posted: dict[sched.Action, Any] = {}
+
+    def run(self, actions: list[sched.Action]) -> "StepRun":
+        e = self.engine
+        self.posted = self._post_receives(actions)
+        self.counters.tie_bytes += e.tied.start(self.micro_batches, self.phase, self.training, self.restores)
+        began = time.perf_counter()
+        for op, mb in actions:
+            if op in sched.COMPUTE:
+                t = time.perf_counter()
+                getattr(self, op)(mb)
+                self.compute_seconds += time.perf_counter() - t
+            else:
+                getattr(self, op)(mb)
+        e.wire.flush()
+        self.schedule_seconds = time.perf_counter() - began
+        return self
+
+    def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
+               ) -> StepTotals:
+        """This rank's share of the step's totals (`change`: its AQ-SGD sender's squares; `link`: its probe)."""
+        return StepTotals(**vars(self.counters), loss_sum=sum(self.losses.values()), correct=self.correct,
+                          counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
+                          schedule_seconds=self.schedule_seconds, compute_seconds=self.compute_seconds,
+                          change_squares=change[0], activation_squares=change[1], link_ahead=link[0],
+                          link_back=link[1], link_latency=link[2])
+
+    # ------------------------------------------------------------------ the actions
+    def _remember(self, boundary: Any, mb: int) -> None:
+        if self.phase != "eval":
+            self.guard.remember(boundary.forward, self.ids[mb])
+
+    def recv_act(self, mb: int) -> None:
+        e = self.engine
+        self._remember(e.prev, mb)
+        x = e.prev.take_activation(self.posted.pop((sched.RECV_ACT, mb)))
+        self.inputs[mb] = x.requires_grad_(self.training)
+
+    def forward(self, mb: int) -> None:
+        e = self.engine
+        e.tied.before_forward(mb, self.restores)
+        seed = derive_seed(e.seed, e.groups.replica, e.global_step, mb) if self.training else None
+        with e.autocast(), torch.set_grad_enabled(self.training):
+            out = e.stage(self.inputs.get(mb), self.micro_batches[mb], seed=seed)
+        if e.stage.is_last:
+            loss = out.loss.float()
+            self.losses[mb] = loss.item()
+            self._score(out.logits, self.micro_batches[mb])
+            m = len(self.micro_batches)
+            out = loss / m if self.guard.finite(loss, LOSS, mb) else None  # None: no backward through it
+        self.outputs[mb] = out
+
+    def send_act(self, mb: int) -> None:
+        e = self.engine
+        out = self.outputs[mb] if self.training else self.outputs.pop(mb)
+        x = out.detach().to(e.wire_dtype)
+        if not self.guard.finite(x, ACTIVATION, mb):
+            x = torch.zeros_like(x)  # never send NaN/inf; the step is rejected after the schedule
+        self._remember(e.next, mb)
+        try:
+            self.counters.fwd_bytes += e.next.send_activation(x, self.ids[mb], self.phase)
+        except BufferRangeError as exc:  # nothing stored or sent yet: the peer gets zeros, the step stops
+            self.guard.note(BUFFER_RANGE, mb)
+            self.guard.findings.overflow = self.guard.findings.overflow or exc
+            self.counters.fwd_bytes += e.next.send_activation(torch.zeros_like(x), self.ids[mb], self.phase)
+
+    def recv_grad(self, mb: int) -> None:
+        self.grads[mb] = self.engine.next.take_grad(self.posted.pop((sched.RECV_GRAD, mb)))
+
+    def backward(self, mb: int) -> None:
+        out = self.outputs.pop(mb)
+        if out is not None and self.engine.stage.is_last:
+            out.backward()
+        elif out is not None:
+            out.backward(self.grads.pop(mb).to(out.dtype))
+        self.counters.tie_bytes += self.engine.tied.after_backward(mb, self.phase)
+
+    def backward_input(self, mb: int) -> None:
+        """zb1: the input's gradient now (send_grad sends it), the weights' when backward_weight runs."""
+        stage = self.engine.stage
+        out, x = self.outputs.pop(mb), self.inputs.get(mb)
+        if out is None:  # a non-finite loss: nothing to backward
+            self.weights[mb] = None
+            return
+        grad = None if stage.is_last else self.grads.pop(mb).to(out.dtype)
+        if getattr(stage, "activation_checkpointing", False):  # split, it would recompute per weight node
+            out.backward(grad)
+            self.weights[mb] = None
+            return
+        x_grad, self.weights[mb] = split_backward.backward_input(out, grad, x, list(stage.parameters()))
+        if x_grad is not None:
+            x.grad = x_grad
+
+    def backward_weight(self, mb: int) -> None:
+        weights = self.weights.pop(mb)
+        if weights is not None:
+            weights.run()
+        self.counters.tie_bytes += self.engine.tied.after_backward(mb, self.phase)
+
+    def send_grad(self, mb: int) -> None:
+        x = self.inputs.pop(mb)
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        grad = grad.to(self.engine.wire_dtype)
+        if not self.guard.finite(grad, GRADIENT, mb):
+            grad = torch.zeros_like(grad)
+        self.counters.bwd_bytes += self.engine.prev.send_grad(grad, self.phase)
+
+    # ------------------------------------------------------------------ around them
+    def _post_receives(self, actions: list[sched.Action]) -> dict[sched.Action, Any]:
+        """Every receive of the step, posted up front in schedule order."""
+        e, posted = self.engine, {}
+        for op, mb in actions:
+            b, t = self.micro_batches[mb]["input_ids"].shape[:2]
+            shape = torch.Size((b, t, e.stage.hidden_size))
+            if op == sched.RECV_ACT:
+                posted[op, mb] = e.prev.post_activation(shape, e.wire_dtype, self.ids[mb], self.phase, e.device)
+            elif op == sched.RECV_GRAD:
+                posted[op, mb] = e.next.post_grad(shape, e.wire_dtype, self.phase, e.device)
+        return posted
+
+    def _score(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        """Accuracy for sequence classification (logits (B, C) against labels (B,))."""
+        labels = batch.get("labels")
+        if logits is not None and labels is not None and logits.dim() == 2 and labels.dim() == 1:
+            self.correct += int((logits.argmax(dim=-1) == labels.to(logits.device)).sum())
+            self.counted += labels.numel()

@@ -1,0 +1,172 @@
+"""The step's one collective: every rank's row, summed over the job so that every rank holds every row.
+
+A row says what the rank found non-finite and where (`Findings`), an activation its AQ-SGD buffer could not hold,
+its gradients' squared norm, and its totals (loss, counts, bytes, times, a link probe). From the table every rank
+reads the same totals, the same gradient norm of its replica's pipeline, and the same verdict, with no second
+message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from compression import BufferRangeError
+
+if TYPE_CHECKING:
+    from .topology import Groups
+
+# what a stage found non-finite in a step (a bit mask, agreed on by every rank)
+LOSS, ACTIVATION, GRADIENT, PARAM_GRAD, BUFFER_RANGE = 1, 2, 4, 8, 16
+KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gradient to send",
+         PARAM_GRAD: "parameter gradients"}  # BUFFER_RANGE has a line of its own (Verdict)
+
+
+@dataclass
+class StepCounters:
+    """Bytes this rank sent in one step, by wire."""
+
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+    tie_bytes: int = 0
+    dp_bytes: int = 0
+
+
+@dataclass
+class StepTotals(StepCounters):
+    """One step summed over the whole job, the same on every rank: the last stages' loss and eval counts, each
+    rank's bytes, how many ranks saw a non-finite value, and the seconds the ranks spent in the schedule and, of
+    them, computing (forwards and backwards)."""
+
+    loss_sum: float = 0.0
+    correct: int = 0
+    counted: int = 0
+    nonfinite: int = 0
+    schedule_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    change_squares: float = 0.0  # AQ-SGD senders' sum of ||a - m||^2 over the changes they sent
+    activation_squares: float = 0.0  # and of ||a||^2 over the same rows
+    # this rank's probe of the link to its next stage (auto bits): read per row from the table, never summed
+    link_ahead: float = 0.0  # seconds a byte, activations' way
+    link_back: float = 0.0  # seconds a byte, gradients' way
+    link_latency: float = 0.0  # seconds a message
+
+    def change(self) -> float | None:
+        """||a - m|| / ||a|| over every AQ-SGD change the step sent (None when it sent none)."""
+        return (self.change_squares / self.activation_squares) ** 0.5 if self.activation_squares > 0 else None
+
+    def bubble(self) -> float | None:
+        """The fraction of the schedule's time the stages waited instead of computing (the pipeline bubble)."""
+        return 1.0 - self.compute_seconds / self.schedule_seconds if self.schedule_seconds > 0 else None
+
+    def mean_loss(self, micro_batches: int, replicas: int) -> float:
+        """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
+        return self.loss_sum / (micro_batches * replicas)
+
+
+TOTALS = tuple(f.name for f in fields(StepTotals))
+_FLOATS = {f.name for f in fields(StepTotals) if f.type in (float, "float")}
+
+
+@dataclass
+class Findings:
+    """What a rank found in a step that stops it: non-finite kinds (a bit mask), the first micro-batch where, and
+    an activation its AQ-SGD buffer could not hold."""
+
+    bad: int = 0
+    first_mb: int = -1
+    overflow: BufferRangeError | None = None
+
+    def note(self, kind: int, mb: int) -> None:
+        self.bad |= kind
+        self.first_mb = mb if self.first_mb < 0 else self.first_mb
+
+
+@dataclass
+class Row:
+    """One rank's row of the table, by column."""
+
+    findings: Findings
+    grad_squares: float  # its share of the squared global gradient norm (none sent when it found a non-finite)
+    totals: StepTotals = field(default_factory=StepTotals)
+
+    def values(self) -> list[float]:
+        f, over = self.findings, self.findings.overflow
+        return [f.bad, f.first_mb + 1, over.sample_id if over else 0, over.value if over else 0.0,
+                self.grad_squares if f.bad == 0 else 0.0, *(float(getattr(self.totals, n)) for n in TOTALS)]
+
+
+FINDINGS, SQUARES, FIRST_TOTAL = slice(0, 4), 4, 5  # the columns of a row
+
+
+def sum_over_job(groups: "Groups", t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over every rank, in place: over the pipeline group, then the data-parallel one (together they
+    span the job; a group of a single rank is skipped)."""
+    for group, size in ((groups.pipeline, groups.grid.stages), (groups.data_parallel, groups.grid.replicas)):
+        if group is not None and size > 1:
+            dist.all_reduce(t, group=group)
+    return t
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a step is rejected on every rank: the line to say, and the error to raise whatever skip_nonfinite
+    (an activation beyond the AQ-SGD buffer's dtype: skipping would not help), or None to skip or raise as set."""
+
+    line: str
+    error: Exception | None = None
+
+
+class StepTable:
+    """Every rank's row of one step, the same on every rank after `exchange`."""
+
+    def __init__(self, rows: torch.Tensor, groups: "Groups") -> None:
+        self.rows, self.groups = rows, groups
+
+    @classmethod
+    def exchange(cls, groups: "Groups", row: Row) -> "StepTable":
+        """The step's one collective."""
+        values = row.values()
+        table = torch.zeros(groups.grid.world_size, len(values), dtype=torch.float64)
+        table[groups.rank] = torch.tensor(values, dtype=torch.float64)
+        return cls(sum_over_job(groups, table), groups)
+
+    def totals(self) -> StepTotals:
+        """The step's totals over the whole job."""
+        sums = self.rows[:, FIRST_TOTAL:].sum(dim=0).tolist()
+        return StepTotals(**{n: (float(v) if n in _FLOATS else int(v)) for n, v in zip(TOTALS, sums)})
+
+    def column(self, name: str) -> torch.Tensor:
+        """A totals column, one value per rank (a probe of a rank's link, its compute)."""
+        return self.rows[:, FIRST_TOTAL + TOTALS.index(name)]
+
+    def pipeline_norm(self, replica: int) -> float:
+        """The global gradient norm of `replica`'s pipeline."""
+        grid = self.groups.grid
+        mine = [rank for rank in range(grid.world_size) if grid.coords(rank)[1] == replica]
+        return float(self.rows[mine, SQUARES].sum().sqrt())
+
+    def verdict(self, step: int, buffer_dtype: torch.dtype) -> Verdict | None:
+        """What every rank found non-finite in step `step`, or an activation the AQ-SGD buffers could not hold;
+        None when no rank did."""
+        grid = self.groups.grid
+        if not bool(self.rows[:, 0].any()):
+            return None
+        found, overflows = [], []
+        for rank, (bad, mb, sample, value) in enumerate(self.rows[:, FINDINGS].tolist()):
+            bad, mb, stage, replica = int(bad), int(mb), *grid.coords(rank)
+            if bad & BUFFER_RANGE:
+                dtype = str(buffer_dtype).removeprefix("torch.")
+                overflows.append(f"boundary {stage} (stage {stage} to {stage + 1}, rank {rank}, replica {replica}): "
+                                 f"sample {int(sample)}'s activation reaches {value:.4g} at step {step}, beyond "
+                                 f"what the {dtype} AQ-SGD buffer can hold")
+            elif bad:
+                kinds = ", ".join(text for bit, text in KINDS.items() if bad & bit)
+                where = f" (micro-batch {mb - 1})" if mb else ""
+                found.append(f"stage {stage} (rank {rank}, replica {replica}): {kinds}{where}")
+        if overflows:
+            line = "; ".join(overflows) + ": use buffer_dtype bfloat16 or float32 (--buffer_dtype)"
+            return Verdict(line, ValueError(line))
+        return Verdict(f"non-finite values at step {step}: " + "; ".join(found))

@@ -1,0 +1,35 @@
+"""Files a user brings: a table in each supported format, a tiny model config."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+
+def write_table(path: Path, rows: list[dict]) -> Path:
+    """`rows` as the file a user brings, by its suffix: csv, json (one list), jsonl or parquet."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        import datasets
+
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def tiny_gpt2_config(tmp_path: Path) -> str:
+    """A 2-block, width-64 GPT2 config.json without dropout (runs compare losses exactly), for --model."""
+    from transformers import GPT2Config  # here: spawned workers import this module and need no transformers
+
+    path = tmp_path / "gpt2-tiny" / "config.json"
+    path.parent.mkdir(parents=True)
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0).to_json_file(path)
+    return str(path)

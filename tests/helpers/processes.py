@@ -1,0 +1,93 @@
+"""Processes a test starts: spawned gloo ranks (`spawn`), and launched commands that import this checkout
+(`checkout_env`). Worker functions run in spawned processes import these helpers by module name."""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+
+
+def checkout_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a process a test starts: it imports this checkout (first on PYTHONPATH), not an installed
+    copy or whatever else the caller's path holds; one thread per process; unbuffered output. `extra` overrides."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        buf = io.BytesIO()  # bytes, not shared-memory tensors: those vanish when this process exits
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, buf.getvalue(), None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report, so the parent sees why, and exit non-zero
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+
+
+def spawn(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[Any]:
+    """fn(rank, world, *args) on `world` processes; returns the results by rank.
+
+    Raises naming the rank that failed: an error it reported (also one reported after its result, at the closing
+    barrier), or a process that ended with a status other than 0 (one that `os._exit`s after returning, say)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(results) + len(errors) < world:
+            rank, value, error = queue.get(timeout=timeout)
+            if error:
+                errors.setdefault(rank, error)
+                break  # the others may wait for it forever
+            results[rank] = value
+        for p in procs:
+            p.join(timeout=30 if not errors else 5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    while True:  # late reports: an error at the closing barrier comes after the rank's result
+        try:
+            rank, _, error = queue.get(timeout=0.5)
+        except Exception:  # noqa: BLE001 - queue.Empty: drained
+            break
+        if error:
+            errors.setdefault(rank, error)
+    if errors:  # every rank that reported one, the cause first: a peer's lost connection is a consequence
+        echo = ("Connection reset by peer", "Connection closed by peer", "Timed out")
+        ranks = sorted(errors, key=lambda r: any(e in errors[r] for e in echo))
+        raise RuntimeError("\n".join(f"rank {r} failed:\n{errors[r]}" for r in ranks))
+    for rank, p in enumerate(procs):
+        if p.exitcode != 0:
+            raise RuntimeError(f"rank {rank} failed: its process ended with status {p.exitcode}")
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]  # our own workers' results
