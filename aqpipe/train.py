@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -118,7 +119,7 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
     try:
         if world.distributed:
             watchdog = Watchdog(world.rank, world.size, describer(cfg), prog, peer_timeout=cfg.peer_timeout).start()
-            world.watchdog = watchdog
+            world = dataclasses.replace(world, watchdog=watchdog)
         summary = train(task, cfg, world)
         barrier(world)  # rank 0 may still be writing the merged model
     except (Exception, KeyboardInterrupt) as exc:
