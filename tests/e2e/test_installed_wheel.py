@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -35,9 +36,16 @@ def test_the_wheel_holds_every_package_and_runs_both_fine_tunes_from_elsewhere(t
     assert "compression/native/quant.c" in names
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names)
 
-    venv = tmp_path / "venv"  # fresh, seeing the machine's torch, transformers and deepspeed but not the checkout
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # it sees the packages of the interpreter running the tests (torch, transformers, deepspeed: in a user's venv,
+    # that venv's), appended after its own: the wheel it installs comes first, and those directories' own .pth
+    # files (an editable install of the checkout) are not read
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    ours = {p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)}
+    Path(own, "running_interpreter.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
                    check=True, capture_output=True)
     elsewhere = tmp_path / "elsewhere"
