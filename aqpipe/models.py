@@ -17,7 +17,6 @@ from pipeline.loading import BIN, BIN_INDEX, INDEX, SINGLE, CheckpointReader, bu
 from pipeline.stages import family_for
 
 TINY = {"width": 128, "layers": 4, "heads": 4}
-BUILTIN = ("gpt2", "deberta", "llama", "bert")  # the tiny shapes a task runs without --model
 
 
 def _tiny_config(shape: str, vocab: int, seq_len: int, num_labels: int | None, pad_id: int | None,
@@ -47,13 +46,13 @@ def _is_config_file(model: str | None) -> bool:
     return model is not None and os.path.isfile(model) and model.endswith(".json")
 
 
-def read_config(model: str | None, local_only: bool = False) -> PretrainedConfig | None:
+def read_config(model: str | None) -> PretrainedConfig | None:
     """The model's config without its weights (None for the built-in shape, sized later)."""
     if model is None:
         return None
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model, local_files_only=local_only)
+    return AutoConfig.from_pretrained(model)
 
 
 def model_positions(model: str | None) -> int | None:
@@ -139,9 +138,9 @@ def _hub_reader(repo: str) -> Callable[[], CheckpointReader]:
     return reader
 
 
-def set_dropout(module: torch.nn.Module, config: PretrainedConfig | None, p: float) -> None:
-    """Every dropout at probability p: in the modules and in the config (which the exported model keeps)."""
-    for m in module.modules():
+def set_dropout(module: torch.nn.Module | None, config: PretrainedConfig | None, p: float) -> None:
+    """Every dropout at probability p: in `module`'s modules and in `config` (which the exported model keeps)."""
+    for m in module.modules() if module is not None else ():
         if isinstance(m, torch.nn.Dropout):
             m.p = p
     for key, value in (config.to_dict() if config is not None else {}).items():
@@ -190,6 +189,6 @@ def resolve_model(model: str | None, shape: str, kind: str, tokenizer: Any, seq_
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = pad_id
     if dropout is not None:
-        set_dropout(torch.nn.Module(), config, float(dropout))
+        set_dropout(None, config, float(dropout))
     return ModelSpec(model_class(kind, config), config, weights, _dtype(config) if weights is not None else
                      torch.float32)

@@ -23,7 +23,7 @@ class Task:
 
     name: str
     kind: str  # "causal_lm" or "classification"
-    shape: str  # the built-in tiny model without --model (models.BUILTIN); with one, its config.json says
+    shape: str  # the built-in tiny model without --model (gpt2, deberta, llama, bert); with one, its config.json says
     default_dataset: str | None
     summary: str
     defaults: dict[str, Any] = field(default_factory=dict)
