@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -91,20 +92,21 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_compatible(directory: Path, cfg: "RunConfig") -> dict[str, Any]:
-    """The manifest, after refusing a checkpoint whose settings differ from cfg's (saying which)."""
-    manifest = read_manifest(directory)
-    mine, theirs = fingerprint(cfg), manifest["fingerprint"]
+def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
+    """cfg with the values its run resolved when it started, after refusing a checkpoint whose settings differ
+    from cfg's (saying which)."""
+    mine, theirs = fingerprint(cfg), read_manifest(directory)["fingerprint"]
     auto = "data_parallel.warmup_steps"  # resolved when the run started: a resume keeps that number
     if mine.get(auto) == "auto" and isinstance(theirs.get(auto), int):
-        cfg.data_parallel.warmup_steps = mine[auto] = theirs[auto]
+        mine[auto] = theirs[auto]
+        cfg = replace(cfg, data_parallel=replace(cfg.data_parallel, warmup_steps=theirs[auto]))
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("param_dtype", "float32")
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
             for k, v in mine.items() if theirs.get(k) != v]
     if diff:
         raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
-    return manifest
+    return cfg
 
 
 # ---------------------------------------------------------------------- atomic files
@@ -239,7 +241,8 @@ def _prune(root: Path, keep: int | None, newest: Path) -> None:
 
 def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
     """Load this rank's state into the engine and the global RNGs; returns the training loop's progress."""
-    manifest = check_compatible(directory, cfg)
+    check_compatible(directory, cfg)
+    manifest = read_manifest(directory)
     stage, replica = engine.groups.stage, engine.groups.replica
     name = rank_file(stage, replica)
     entry = next((f for f in manifest["files"] if f["file"] == name), None)

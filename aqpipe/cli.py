@@ -8,12 +8,12 @@ The recipes in the checkout (recipes/finetune_*.py) call `main` with their JSON 
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from . import let_rank_0_speak, speaks
+from .environment import show_tracebacks
 from .tasks import TASKS, Task
 
 USAGE = f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)"
@@ -38,19 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def finetune(task: Task, argv: list[str], config_file: Path | None = None, description: str | None = None,
-             prog: str | None = None) -> dict[str, Any]:
-    """Resolve the settings (task defaults < `config_file` unless the user names one < flags) and run."""
+def finetune(task: Task, argv: list[str], description: str | None = None, prog: str | None = None) -> dict[str, Any]:
+    """Resolve the settings (task defaults < a --deepspeed_config file < flags) and run."""
     from .config import resolve  # here, not at the top: `aqpipe --help` answers before torch and transformers load
     from .train import run
 
-    if config_file is not None and not any(a.split("=")[0] in ("--deepspeed_config", "--config") for a in argv):
-        argv = ["--deepspeed_config", str(config_file), *argv]
     cfg = resolve(task.kind, argv, description or task.summary, defaults=task.defaults, prog=prog)
     try:
         return run(task, cfg, prog)  # a multi-process run handles its own failures (world.stop_after_failure)
     except (ValueError, FileNotFoundError, FloatingPointError) as exc:  # one line: bad input found late, NaN/inf
-        if os.environ.get("AQPIPE_TRACEBACK"):
+        if show_tracebacks():
             raise
         print(f"{prog or Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
         raise SystemExit(1 if isinstance(exc, FloatingPointError) else 2) from None

@@ -1,8 +1,26 @@
-"""What the trainer reads from the environment besides the launcher's variables, each in one place: the quantizer's
-kernels and an emulated link delay (for the benchmarks)."""
+"""What the trainer reads from the environment, each in one place: the launcher's variables (rank, world size,
+processes on this machine), the quantizer's kernels and an emulated link delay (for the benchmarks)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher (torchrun, deepspeed, mpirun-style LOCAL_SIZE) says about this process; one process alone
+    without one."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def launch(environ: dict[str, str] | None = None) -> Launch:
+    env = os.environ if environ is None else environ
+    return Launch(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")),
+                  int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1))
 
 
 def configure_kernels(environ: dict[str, str] | None = None) -> None:
@@ -24,3 +42,8 @@ def link_latency_s(environ: dict[str, str] | None = None) -> float:
     if not ms >= 0:
         raise ValueError(f"AQPIPE_LINK_LATENCY_MS={raw!r}: expected a number of milliseconds >= 0")
     return ms / 1000.0
+
+
+def show_tracebacks(environ: dict[str, str] | None = None) -> bool:
+    """AQPIPE_TRACEBACK set: errors the trainer reports in one line raise with their traceback instead."""
+    return bool((os.environ if environ is None else environ).get("AQPIPE_TRACEBACK"))

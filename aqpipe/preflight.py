@@ -7,17 +7,18 @@ a checkpoint to resume from (its manifest against this run's settings) and a fau
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import checkpoint, faults
-from .environment import configure_kernels, link_latency_s
+from .environment import configure_kernels, launch, link_latency_s
 
 if TYPE_CHECKING:
     from .config import RunConfig
 
 
-def check(cfg: "RunConfig") -> None:
-    """Raise ValueError naming the first setting the files disagree with; resolves `cfg.resume`."""
+def check(cfg: "RunConfig") -> "RunConfig":
+    """Raise ValueError naming the first setting the files disagree with; the config with `resume` resolved."""
     if cfg.model is not None and not is_hub_name(cfg.model) and not os.path.exists(cfg.model):
         raise ValueError(f"model={cfg.model!r}: no such file or directory (expected an HF name, a model directory "
                          "or a config.json)")
@@ -30,8 +31,9 @@ def check(cfg: "RunConfig") -> None:
     configure_kernels()  # and AQPIPE_KERNELS, set for the run here, once
     link_latency_s()
     _check_gpus()
-    _check_resume(cfg)
+    cfg = _resumed(cfg)
     _check_output_dir(cfg)
+    return cfg
 
 
 def _check_gpus() -> None:
@@ -39,7 +41,7 @@ def _check_gpus() -> None:
     error on some ranks while the others wait)."""
     import torch
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    local = launch().local_world_size
     if torch.cuda.is_available() and local > torch.cuda.device_count():
         raise ValueError(f"{local} processes on this machine but {torch.cuda.device_count()} GPU(s): expected one GPU "
                          "per process (NCCL); start fewer processes per machine, or hide the GPUs "
@@ -142,11 +144,12 @@ def _check_model_shape(cfg: "RunConfig") -> None:
                          f"{positions}")
 
 
-def _check_resume(cfg: "RunConfig") -> None:
-    """Resolve --resume to a checkpoint directory whose settings match this run's (None: auto, nothing saved)."""
+def _resumed(cfg: "RunConfig") -> "RunConfig":
+    """--resume resolved to a checkpoint directory whose settings match this run's (None: auto, nothing saved),
+    with the values the run recorded when it started (an "auto" data-parallel warm-up's number)."""
     if cfg.resume is None:
-        return
+        return cfg
     found = checkpoint.find(cfg.resume, cfg.output_dir)
-    if found is not None:
-        checkpoint.check_compatible(found, cfg)
-    cfg.resume = None if found is None else str(found)
+    if found is None:
+        return replace(cfg, resume=None)
+    return replace(checkpoint.check_compatible(found, cfg), resume=str(found))

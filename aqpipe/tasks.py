@@ -1,19 +1,13 @@
 """The fine-tunes aqpipe runs, by what the model does: what differs between them is data, not code.
 
 `causal-lm` and `classify` take any supported model (the family comes from its config.json); `gpt2` and `deberta`
-are presets of them with the defaults of their recipes.
-
-Each task's `defaults` are the settings its recipe's JSON config states (recipes/configs/): an
-installed package runs the same job from any directory with no file to find.
+are presets of them. Each task's `defaults` hold only where it differs from RunConfig's own defaults (config.py),
+so every default has one home; `aqpipe TASK --print_config` prints them all as a config file.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-_ADAMW = {"type": "AdamW", "params": {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}}
-_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
-                                               "warmup_num_steps": "auto", "total_num_steps": "auto"}}
 
 
 @dataclass(frozen=True)
@@ -29,17 +23,15 @@ class Task:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
-_LM = {"micro_batch_size": 4, "num_micro_batches": 4, "optimizer": _ADAMW, "lr": 1e-3, "scheduler": _DECAY,
-       "seq_len": 128, "epochs": 3, "max_train_samples": 1024, "max_eval_samples": 128}
-_CLASSIFY = {"micro_batch_size": 8, "num_micro_batches": 2, "optimizer": _ADAMW, "lr": 5e-4, "scheduler": _DECAY,
-             "seq_len": 64, "epochs": 3, "max_train_samples": 2048, "max_eval_samples": 256}
+_CLASSIFY = {"micro_batch_size": 8, "num_micro_batches": 2, "lr": 5e-4, "seq_len": 64, "max_train_samples": 2048,
+             "max_eval_samples": 256}
 
 TASKS: dict[str, Task] = {
     "causal-lm": Task(
         name="causal-lm", kind="causal_lm", shape="llama", default_dataset=None,
         summary="causal LM fine-tuning of any supported model (--model); default: a tiny tied Llama shape on the "
                 "Shakespeare plays",
-        defaults={**_LM, "output_dir": "runs/causal-lm"},
+        defaults={"output_dir": "runs/causal-lm"},
     ),
     "classify": Task(
         name="classify", kind="classification", shape="bert", default_dataset="acceptability",
@@ -50,7 +42,7 @@ TASKS: dict[str, Task] = {
     "gpt2": Task(
         name="gpt2", kind="causal_lm", shape="gpt2", default_dataset=None,
         summary="GPT2 causal LM; default: a tiny GPT2 shape on the Shakespeare plays",
-        defaults={**_LM, "output_dir": "runs/gpt2"},
+        defaults={"output_dir": "runs/gpt2"},
     ),
     "deberta": Task(
         name="deberta", kind="classification", shape="deberta", default_dataset="acceptability",

@@ -26,6 +26,7 @@ from . import checkpoint, preflight
 from . import data as datalib
 from . import faults
 from .config import RunConfig
+from .environment import launch
 from .export import save_model
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
@@ -36,10 +37,11 @@ from .watchdog import Watchdog
 from .world import World, barrier, describer, init_world, stop_after_failure
 
 
-def build_datasets(cfg: RunConfig, task: Task, world: World) -> tuple[Any, Any, Any]:
-    """Tokenizer, train and eval datasets; local rank 0 builds the caches first, the others read them."""
+def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -> tuple[Any, Any, Any]:
+    """Tokenizer, train and eval datasets (from `data`, a user's `datasets.Dataset`, where given); local rank 0
+    builds the caches first, the others read them."""
     def build() -> tuple[Any, Any, Any]:
-        source = cfg.dataset or task.default_dataset
+        source = data if data is not None else cfg.dataset or task.default_dataset
         # a model directory or hub name brings its own tokenizer; a config.json or the built-in shape does not
         own = cfg.model if cfg.model is not None and not os.path.isfile(cfg.model) else None
         corpus = None if own is not None and os.path.isdir(own) else datalib.fetch_shakespeare()
@@ -107,20 +109,21 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> 
     return out
 
 
-def run(task: Task, cfg: RunConfig, prog: str | None = None) -> dict[str, Any]:
-    """One run; in a multi-process run any failure ends this process with a line naming rank and stage."""
+def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -> dict[str, Any]:
+    """One run; in a multi-process run any failure ends this process with a line naming rank and stage. `data`: a
+    `datasets.Dataset` / `DatasetDict` given in place of `cfg.dataset`."""
     prog = prog or Path(sys.argv[0]).name or "aqpipe"  # the name failure lines start with
     try:
         world = init_world(cfg)
     except RuntimeError as exc:  # a peer that never came (it stopped on bad input of its own, or never started)
-        raise SystemExit(f"{prog}: error: rank {os.environ.get('RANK', '0')} could not join the process group within "
+        raise SystemExit(f"{prog}: error: rank {launch().rank} could not join the process group within "
                          f"dist_timeout={cfg.dist_timeout:g} s: {(str(exc).strip().splitlines() or [''])[0][:200]}")
     watchdog = None
     try:
         if world.distributed:
             watchdog = Watchdog(world.rank, world.size, describer(cfg), prog, peer_timeout=cfg.peer_timeout).start()
             world = dataclasses.replace(world, watchdog=watchdog)
-        summary = train(task, cfg, world)
+        summary = train(task, cfg, world, data)
         barrier(world)  # rank 0 may still be writing the merged model
     except (Exception, KeyboardInterrupt) as exc:
         if world.distributed:
@@ -166,8 +169,6 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
-        # "auto" resolves once, here; checkpoints keep the number (a resume with more epochs keeps the warm-up)
-        cfg.data_parallel.warmup_steps = cfg.data_parallel.warmup_for(total_steps)
         algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
         if world.rank == 0 and (plan := cfg.data_parallel.plan(total_steps)):
             print(plan, file=sys.stderr)
@@ -180,14 +181,15 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     )
 
 
-def train(task: Task, cfg: RunConfig, world: World) -> dict[str, Any]:
+def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     clear_previous_results(cfg, world)
-    tokenizer, train_set, eval_set = build_datasets(cfg, task, world)
+    tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
     replicas = world.size // cfg.pipeline_stages
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
+    cfg = cfg.for_run(total_steps)
     engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]

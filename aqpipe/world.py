@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import RunConfig
-from .environment import link_latency_s
+from .environment import launch, link_latency_s, show_tracebacks
 from .host_memory import keep_freed_memory
 from .watchdog import Watchdog
 
@@ -39,13 +39,12 @@ class World:
 
 def init_world(cfg: RunConfig) -> World:
     """Join the process group the launcher described (gloo on CPU, NCCL on GPU), or run alone."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))  # config.resolve checked it is stages x replicas
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    here = launch()  # config.resolve checked its world size is stages x replicas
+    size, rank, local_rank = here.world_size, here.rank, here.local_rank
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // here.local_world_size))
     keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch
     if size > 1:
         if cuda:
@@ -93,7 +92,7 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
         os._exit(1)
     bad_input = isinstance(exc, (ValueError, FileNotFoundError))  # found late: the data, a model's files
     expected = bad_input or isinstance(exc, (FloatingPointError, KeyboardInterrupt))
-    if not expected or os.environ.get("AQPIPE_TRACEBACK"):
+    if not expected or show_tracebacks():
         traceback.print_exception(exc)
     if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGINT to the launcher's process group: every rank has it
         _say(prog, f"{me} interrupted; a checkpoint it wrote earlier continues the run with --resume")

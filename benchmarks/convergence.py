@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aqpipe.config import FLAGS
+from aqpipe.config import RunConfig, build
+from aqpipe.flags import build_parser, given
 from benchmarks.convergence_plot import plot_model
 from benchmarks.recipe_runs import ROOT, read_run, run_recipe
 
@@ -202,29 +203,17 @@ def _steps_per_epoch(args: list[str]) -> int:
 
 
 def _same_config(run_dir: Path, args: list[str]) -> bool:
-    """Whether a finished run used these flags (so --reuse never mixes settings)."""
+    """Whether a finished run used these flags (so --reuse never mixes settings): the flags parsed as the trainer
+    parses them, compared with the settings its summary recorded."""
     config = json.loads((run_dir / "summary.json").read_text())["config"]
-    given = {flag[2:]: value for flag, value in zip(args, args[1:]) if flag.startswith("--")}  # the last wins
-    targets = {name: dest for name, (_, _, dest) in FLAGS.items()}  # a flag -> its field, "section.field" nested
-    targets["group_size"] = "compression.forward_group_size"  # sets both boundaries; forward stands for them
-    stored = {}
-    for key in given:
-        section, _, field = targets.get(key, key).rpartition(".")
-        place = config.get(section, {}) if section else config
-        if field in place:
-            stored[key] = place[field]
-    return all(_equal(stored[key], value) for key, value in given.items() if key in stored)
-
-
-def _equal(stored: Any, given: str) -> bool:
-    if stored is None:
-        return given.lower() == "none"
-    if isinstance(stored, (int, float)) and not isinstance(stored, bool):
-        try:
-            return float(stored) == float(given)
-        except ValueError:
+    flags = given(build_parser(RunConfig, "").parse_known_args(args)[0])
+    wanted = build(config["task"], flags).to_dict()
+    for key, value in flags.items():
+        keys = value if isinstance(value, dict) else {key: value}
+        place, mine = (config.get(key, {}), wanted[key]) if isinstance(value, dict) else (config, wanted)
+        if any(json.loads(json.dumps(mine[k])) != place.get(k, mine[k]) for k in keys):
             return False
-    return str(stored) == given
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

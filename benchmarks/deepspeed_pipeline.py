@@ -12,7 +12,7 @@
     torchrun --nproc_per_node 2 recipes/finetune_gpt2.py --forward_compress none --backward_compress none
 
 The flags are the recipe's (recipes/finetune_gpt2.py --help), parsed by the same code with the same
-default config (recipes/configs/gpt2.json): --model, --seq_len, --micro_batch_size, --num_micro_batches,
+default settings (aqpipe gpt2 --print_config): --model, --seq_len, --micro_batch_size, --num_micro_batches,
 --max_train_samples, --epochs, --max_steps, --lr, --seed, --output_dir, --pipeline_stages, --partition
 mean what they mean there. Same model (aqpipe.models.build_model, same seed, weights copied into the
 layers), same split of blocks across stages (pipeline.partition), same micro-batches in the same order

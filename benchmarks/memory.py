@@ -67,7 +67,7 @@ class Shape:
 MEASURED = [  # the shapes the benchmarks and the default recipe actually run (2 stages, width 128)
     Shape("GPT2 tiny, convergence study", 512, 128, 128, 2, "benchmarks/convergence.py"),
     Shape("DeBERTa tiny, convergence study", 1024, 64, 128, 2, "benchmarks/convergence.py"),
-    Shape("GPT2 tiny, default recipe", 1024, 128, 128, 2, "recipes/configs/gpt2.json"),
+    Shape("GPT2 tiny, default recipe", 1024, 128, 128, 2, "aqpipe gpt2 (its defaults)"),
 ]
 QUICK = [Shape("tiny (test)", 64, 32, 64, 2, "--quick")]
 FORMULA = [  # the paper's fine-tuning setups (AQ-SGD, 004): 1.5B models, 8 pipeline stages

@@ -1,7 +1,7 @@
 """What every stage boundary and tied weight sends, as one section of settings the engine takes whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,13 @@ def _bits(name: str, value: object, needed: bool) -> None:
         check_bits(value, name)
 
 
-@dataclass
+def _flag(default: object, text: str, flag: str | None = None) -> object:
+    """A setting with its help and (where it differs from the field's name) its command-line flag: the trainer builds
+    its parser from these, so each setting is declared once."""
+    return field(default=default, metadata={"help": text, **({"flag": flag} if flag else {})})
+
+
+@dataclass(frozen=True)
 class CompressionConfig:
     """Per boundary: forward none|direct|hadamard|aqsgd, backward none|direct|hadamard, full-precision warm-up epochs.
 
@@ -41,24 +47,33 @@ class CompressionConfig:
     `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement.
     """
 
-    forward: str = "none"
-    forward_bits: int | None = None
-    backward: str = "none"
-    backward_bits: int | None = None
-    warmup_epochs: int = 0
-    buffer_dtype: torch.dtype = torch.float16
-    buffer_bits: int | None = None  # AQ-SGD rows quantized to 4 or 8 bits (buffers.py); None: held as buffer_dtype
-    buffer_dir: str | None = None  # disk-backed AQ-SGD buffers: one file per boundary side
-    forward_group_size: int | str | None = "auto"
-    backward_group_size: int | str | None = "auto"
-    stochastic: bool = True
-    tie: str = "auto"
-    tie_bits: int = 8
-    auto_bits_min: int = 2
-    auto_bits_max: int = 8
-    auto_bits_every: int = 20  # steps between decisions (each probes the links first)
-    auto_bits_slack: float = 0.02  # how much longer than at the fewest bits more bits may make the step
-    link_mbit: list[float] | None = None  # known link rates per boundary: no probes
+    forward: str = _flag("none", f"activations: one of {', '.join(FORWARD_MODES)}", "forward_compress")
+    forward_bits: int | str | None = _flag(None, "bits of forward compression (1-8), or auto: per boundary, the most "
+                                           "its link and the stages' compute make cheap")
+    backward: str = _flag("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
+    backward_bits: int | str | None = _flag(None, "bits of backward compression (1-8), or auto")
+    warmup_epochs: int = _flag(0, "epochs at full precision before compression starts")
+    buffer_dtype: torch.dtype = _flag(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
+    buffer_bits: int | None = _flag(None, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of "
+                                          "float16's memory; default: rows in buffer_dtype)")
+    buffer_dir: str | None = _flag(None, "keep AQ-SGD buffers in files under this directory instead of RAM (one "
+                                         "file per boundary side)")
+    forward_group_size: int | str | None = _flag("auto", "the forward quantizer's group: N elements (each group's "
+                                                 "min and step: 8 bytes), auto (64 at 2 bits or fewer, else rows) "
+                                                 "or none (whole rows)")
+    backward_group_size: int | str | None = _flag("auto", "the backward quantizer's group: N, auto or none")
+    stochastic: bool = _flag(True, "stochastic rounding in every quantizer (unbiased; the default); "
+                                   "--no_stochastic rounds to nearest (biased; outside AQ-SGD's theorem)")
+    tie: str = _flag("auto", f"tied weights (an embedding and its LM head): auto, {', '.join(TIE_MODES)} (auto: "
+                             "none when both boundary codecs are none, else aqsgd)", "tie_compress")
+    tie_bits: int = _flag(8, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd")
+    auto_bits_min: int = _flag(2, "the fewest bits auto may choose")
+    auto_bits_max: int = _flag(8, "the most bits auto may choose")
+    auto_bits_every: int = _flag(20, "steps between auto's decisions, each after probing the links")
+    auto_bits_slack: float = _flag(0.02, "how much longer than at the fewest bits auto may make a step to send "
+                                         "more bits, a fraction")
+    link_mbit: list[float] | None = _flag(None, "known link rates, Mbit/s, one per boundary (comma-separated): "
+                                                "auto decides from them instead of probing")
 
     def validate(self) -> "CompressionConfig":
         """Every value against its range, one line naming the setting as its flag does; no I/O."""
@@ -78,7 +93,8 @@ class CompressionConfig:
         if isinstance(self.warmup_epochs, bool) or not isinstance(self.warmup_epochs, int) or self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs={self.warmup_epochs!r}: expected an integer >= 0")
         if self.buffer_dtype not in BUFFER_DTYPES.values():
-            raise ValueError(f"buffer_dtype={self.buffer_dtype!r}: expected one of {', '.join(BUFFER_DTYPES)}")
+            name = str(self.buffer_dtype).removeprefix("torch.")
+            raise ValueError(f"buffer_dtype={name!r}: expected one of {', '.join(BUFFER_DTYPES)}")
         if self.auto():
             for name in ("auto_bits_min", "auto_bits_max"):
                 check_bits(getattr(self, name), name)

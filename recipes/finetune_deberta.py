@@ -1,6 +1,6 @@
 """Fine-tune DeBERTa (sequence classification) with pipeline parallelism and AQ-SGD-compressed boundaries.
 
-    deepspeed --num_gpus 2 recipes/finetune_deberta.py [--deepspeed_config recipes/configs/deberta.json]
+    deepspeed --num_gpus 2 recipes/finetune_deberta.py [--deepspeed_config my.json]
     torchrun --nproc_per_node 2 recipes/finetune_deberta.py --dataset next_line
     python recipes/finetune_deberta.py
 
@@ -9,10 +9,9 @@ lines against the same lines with their words shuffled); `--dataset next_line` i
 The installed package runs the same job from anywhere: `aqpipe deberta` (or `python -m aqpipe deberta`).
 """
 import sys
-from pathlib import Path
 
 from aqpipe.cli import finetune
 from aqpipe.tasks import TASKS
 
 if __name__ == "__main__":
-    finetune(TASKS["deberta"], sys.argv[1:], Path(__file__).with_name("configs") / "deberta.json", __doc__)
+    finetune(TASKS["deberta"], sys.argv[1:], __doc__)

@@ -1,6 +1,6 @@
 """Fine-tune GPT2 (causal LM) with pipeline parallelism and AQ-SGD-compressed stage boundaries.
 
-    deepspeed --num_gpus 2 recipes/finetune_gpt2.py [--deepspeed_config recipes/configs/gpt2.json]
+    deepspeed --num_gpus 2 recipes/finetune_gpt2.py [--deepspeed_config my.json]
     torchrun --nproc_per_node 2 recipes/finetune_gpt2.py
     python recipes/finetune_gpt2.py
 
@@ -8,10 +8,9 @@ Defaults need no hub: a tiny GPT2 shape on the Shakespeare plays, one pipeline s
 The installed package runs the same job from anywhere: `aqpipe gpt2` (or `python -m aqpipe gpt2`).
 """
 import sys
-from pathlib import Path
 
 from aqpipe.cli import finetune
 from aqpipe.tasks import TASKS
 
 if __name__ == "__main__":
-    finetune(TASKS["gpt2"], sys.argv[1:], Path(__file__).with_name("configs") / "gpt2.json", __doc__)
+    finetune(TASKS["gpt2"], sys.argv[1:], __doc__)

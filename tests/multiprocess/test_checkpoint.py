@@ -155,8 +155,8 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
 def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tmp_path):
     engine, cfg = _single_engine(), _cfg(tmp_path)
     ckpt = _save(tmp_path, engine, cfg, 1)
-    other = _cfg(tmp_path, seq_len=64)
-    other.compression = CompressionConfig(forward="direct", forward_bits=4)
+    other = validate(RunConfig(task="causal_lm", output_dir=str(tmp_path / "out"), seq_len=64,
+                               compression=CompressionConfig(forward="direct", forward_bits=4)))
     with pytest.raises(ValueError) as info:
         checkpoint.check_compatible(ckpt, other)
     text = str(info.value)

@@ -7,7 +7,6 @@ from aqpipe import cli
 from aqpipe.config import resolve
 from aqpipe.tasks import TASKS
 from pipeline.compression_config import AUTO_GROUP_SIZE
-from tests.helpers.processes import ROOT
 
 
 def run(argv, monkeypatch, world=1):
@@ -53,7 +52,8 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--save_every", "-1"], "save_every=-1: expected an integer >= 0"),
     (["--peer_timeout", "0"], "peer_timeout=0.0: expected a positive number of seconds"),
     (["--pipeline_stages", "two"], "pipeline_stages='two': expected a positive integer or auto"),
-    (["--partition", "2,x"], "partition='2,x': expected parameters, uniform, or block counts"),
+    (["--partition", "2,x"], "argument --partition: '2,x': expected a word such as parameters, or block counts"),
+    (["--partition", "2,0"], "partition=[2, 0]: expected parameters, uniform, or block counts like 2,2"),
     (["--lr", "0"], "lr=0.0: expected a positive learning rate"),
     (["--dropout", "1"], "dropout=1.0: expected a probability in [0, 1)"),
     (["--model", "/no/such/model"], "model='/no/such/model': no such file or directory"),
@@ -186,14 +186,38 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
     assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).resume is None
 
 
-@pytest.mark.parametrize("name", ["gpt2", "deberta"])
-def test_each_recipe_config_states_its_tasks_built_in_defaults(name, monkeypatch, tmp_path):
-    """`aqpipe NAME` (installed, no file) and recipes/finetune_NAME.py (its JSON) run the same settings."""
+PRINTED = [[], ["--group_size", "none", "--partition", "1,1", "--buffer_dtype", "bfloat16", "--link_mbit", "5",
+               "--no_stochastic", "--bf16", "--forward_bits", "auto", "--dp_warmup_steps", "7", "--dropout", "0.2",
+               "--max_steps", "3", "--model", "config.json"]]
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+@pytest.mark.parametrize("flags", PRINTED, ids=["defaults", "flags"])
+def test_a_printed_config_runs_the_settings_it_was_printed_from(name, flags, monkeypatch, tmp_path, capsys):
+    """`aqpipe TASK [flags] --print_config > f.json`, then `aqpipe TASK --deepspeed_config f.json`: the same run."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.chdir(tmp_path)  # the default output_dir, relative, must hold no earlier run
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_positions": 256}))
     task = TASKS[name]
-    config = ROOT / "recipes" / "configs" / f"{name}.json"
-    assert resolve(task.kind, ["--deepspeed_config", str(config)], "t") == resolve(task.kind, [], "t", task.defaults)
+    with pytest.raises(SystemExit) as printed:
+        resolve(task.kind, [*flags, "--print_config"], "t", task.defaults)
+    assert printed.value.code == 0
+    (tmp_path / "f.json").write_text(capsys.readouterr().out)
+    from_file = resolve(task.kind, ["--deepspeed_config", "f.json"], "t")
+    assert from_file == resolve(task.kind, flags, "t", task.defaults)
+    assert from_file != resolve(task.kind, ["--deepspeed_config", "f.json", "--seed", "7"], "t")
+
+
+def test_a_task_states_only_where_it_differs_from_the_run_defaults():
+    """One home per default: a task restating RunConfig's value would be a second copy to keep in step."""
+    from dataclasses import fields
+
+    from aqpipe.config import RunConfig
+
+    base = {f.name: f.default for f in fields(RunConfig)}
+    for task in TASKS.values():
+        same = [key for key, value in task.defaults.items() if base.get(key) == value]
+        assert not same, f"{task.name} restates RunConfig's defaults {same}"
 
 
 def test_the_command_line_names_the_tasks(capsys):
@@ -323,7 +347,7 @@ def test_an_auto_warm_up_keeps_the_number_it_resolved_to_across_a_resume(tmp_pat
     out = tmp_path / "out"
     argv = ["--output_dir", str(out), "--replicas", "2", "--pipeline_stages", "1", "--dp_algorithm", "qadam"]
     started = run(argv, monkeypatch, world=2)
-    started.data_parallel.warmup_steps = started.data_parallel.warmup_for(96)  # what the trainer does at start
+    started = started.for_run(96)  # what the trainer records at start
     step = out / "checkpoints" / "step_00000096"
     step.mkdir(parents=True)
     (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT,

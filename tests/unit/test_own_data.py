@@ -12,7 +12,8 @@ import torch
 
 from aqpipe import data
 from aqpipe import train as trainer
-from aqpipe.config import FLAGS, build_parser, resolve
+from aqpipe.config import RunConfig, resolve
+from aqpipe.flags import build_parser
 from aqpipe.data import classification as sources
 from aqpipe.models import resolve_model
 from aqpipe.tasks import TASKS
@@ -258,8 +259,7 @@ COLUMN_FLAGS = ("text_column", "text_pair_column", "label_column")
 
 def test_run_config_takes_the_flags_and_the_run_block_keys(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert all(FLAGS[name][2] == name for name in COLUMN_FLAGS)  # top-level RunConfig fields
-    assert all(f"--{name}" in build_parser("t").format_help() for name in COLUMN_FLAGS)
+    assert all(f"--{name}" in build_parser(RunConfig, "t").format_help() for name in COLUMN_FLAGS)
     default = resolve("classification", [], "t")
     assert (default.text_column, default.text_pair_column, default.label_column) == (None, None, None)
     flags = resolve("classification", ["--text_column", "review", "--text_pair_column", "context",

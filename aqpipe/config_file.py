@@ -1,0 +1,67 @@
+"""The config file: DeepSpeed's JSON keys plus aqpipe's `compression`, `data_parallel` and `run` blocks, read into
+settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job."""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+SECTIONS = ("compression", "data_parallel")
+_SIMPLE = {"train_micro_batch_size_per_gpu": "micro_batch_size", "gradient_accumulation_steps": "num_micro_batches",
+           "gradient_clipping": "gradient_clipping"}
+_PIPELINE = {"stages": "pipeline_stages", "schedule": "schedule", "partition": "partition"}
+_NOT_IN_RUN = {"task", "lr", "optimizer", "scheduler", "bf16", "activation_checkpointing", *SECTIONS,
+               *_SIMPLE.values(), *_PIPELINE.values()}
+
+
+def read(path: str) -> dict[str, Any]:
+    """Translate a DeepSpeed-style JSON file into settings (sections as nested dicts)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed_config {path}: no such file")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--deepspeed_config {path}: not valid JSON ({exc})") from None
+    out: dict[str, Any] = {ours: raw[theirs] for theirs, ours in _SIMPLE.items() if theirs in raw}
+    if "bf16" in raw:
+        out["bf16"] = bool(raw["bf16"].get("enabled", False)) if isinstance(raw["bf16"], dict) else bool(raw["bf16"])
+    fp16 = raw.get("fp16", {})
+    if fp16.get("enabled", False) if isinstance(fp16, dict) else bool(fp16):
+        raise ValueError(f"--deepspeed_config {path}: fp16 enabled; expected bf16 (float16 compute needs a loss "
+                         "scaler, which aqpipe does not have: bf16 keeps float32's range, and weights train in "
+                         "float32 whatever the checkpoint's dtype)")
+    if "optimizer" in raw:  # its lr is the run's `lr`, kept in one place
+        params = dict(raw["optimizer"].get("params", {}))
+        if "lr" in params:
+            out["lr"] = params.pop("lr")
+        out["optimizer"] = {**raw["optimizer"], "params": params}
+    if "scheduler" in raw:
+        out["scheduler"] = raw["scheduler"]
+    pipe = raw.get("pipeline", {})
+    out.update({ours: pipe[theirs] for theirs, ours in _PIPELINE.items() if theirs in pipe})
+    if "activation_checkpoint_interval" in pipe:
+        out["activation_checkpointing"] = bool(pipe["activation_checkpoint_interval"])
+    out.update({section: dict(raw[section]) for section in SECTIONS if section in raw})
+    out.update(raw.get("run", {}))
+    if "train_batch_size" in raw:
+        out["_train_batch_size"] = raw["train_batch_size"]
+    return out
+
+
+def write(cfg: "RunConfig") -> dict[str, Any]:
+    """The file that `read` turns back into `cfg`'s settings."""
+    values = cfg.to_dict()
+    optimizer = {**values["optimizer"], "params": {"lr": values["lr"], **values["optimizer"].get("params", {})}}
+    out: dict[str, Any] = {theirs: values[ours] for theirs, ours in _SIMPLE.items()}
+    out.update(optimizer=optimizer, bf16={"enabled": values["bf16"]})
+    if values["scheduler"] is not None:
+        out["scheduler"] = values["scheduler"]
+    out["pipeline"] = {theirs: values[ours] for theirs, ours in _PIPELINE.items()}
+    out["pipeline"]["activation_checkpoint_interval"] = int(values["activation_checkpointing"])
+    out.update({section: values[section] for section in SECTIONS})
+    out["run"] = {k: v for k, v in values.items() if k not in _NOT_IN_RUN}
+    return out

@@ -1,0 +1,169 @@
+"""The command line, built from the settings' own fields: each field with a "help" in its metadata is a flag
+(named by its "flag", else the field), parsed by its type. A setting is declared once, where it lives.
+
+Every flag defaults to "not given" (argparse.SUPPRESS), so a value from the config file survives unless the flag
+names another; None is then an ordinary value (`--forward_group_size none`: whole rows).
+
+transformers' HfArgumentParser was the first choice; it puts each field's default into argparse, and then a flag
+the user left out cannot be told from one they gave, which the config file's layer needs.
+"""
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, Field, fields, is_dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import let_rank_0_speak, speaks
+from .environment import launch
+
+SECTION_SHORTHANDS = {  # one flag for several settings; a one-sided flag given beside it wins
+    "group_size": ("elements per quantization group on both boundaries, auto, or none for whole rows; sets "
+                   "--forward_group_size and --backward_group_size",
+                   ("compression.forward_group_size", "compression.backward_group_size")),
+}
+
+
+def int_or_word(text: str) -> int | str | None:
+    """A count, or a word (auto; none: None); validation says which words a setting takes."""
+    word = text.strip().lower()
+    if word == "none":
+        return None
+    try:
+        return int(word)
+    except ValueError:
+        if not word.isidentifier():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer or auto") from None
+        return word
+
+
+def numbers(kind: type) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {kind.__name__}s") from None
+    return parse
+
+
+def ints_or_word(text: str) -> list[int] | str:
+    """`2,2` (block counts) or a word (parameters, uniform)."""
+    if text.strip().isidentifier():
+        return text.strip()
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a word such as parameters, or block counts like "
+                                         "2,2") from None
+
+
+def dtype(text: str) -> torch.dtype:
+    value = getattr(torch, text.strip(), None)
+    if not isinstance(value, torch.dtype):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a torch dtype such as float16")
+    return value
+
+
+def parser_for(tp: Any) -> Callable[[str], Any] | None:
+    """How a field's text becomes its value, from its type; None for a switch (bool) or a field no flag sets."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(tp) if union else (tp,)) - {type(None)}
+    table: list[tuple[set[Any], Callable[[str], Any] | None]] = [
+        ({bool}, None), ({int}, int), ({float}, float), ({str}, str), ({int, str}, int_or_word),
+        ({list[float]}, numbers(float)), ({list[int], str}, ints_or_word), ({torch.dtype}, dtype)]
+    for match, parse in table:
+        if kinds == match:
+            return parse
+    raise TypeError(f"no flag parser for a field of type {tp}")
+
+
+def settings(config: type, prefix: str = "") -> Iterator[tuple[str, Field, Any]]:
+    """(dotted destination, field, its type) for every flag of `config` and of its sections, in order."""
+    hints = typing.get_type_hints(config)
+    for f in fields(config):
+        if is_dataclass(hints[f.name]):
+            yield from settings(hints[f.name], f"{prefix}{f.name}.")
+        elif "help" in f.metadata:
+            yield f"{prefix}{f.name}", f, hints[f.name]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a bad flag in one line (no usage block), said by rank 0; every rank exits alike."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if status and message and not speaks():
+            let_rank_0_speak()
+            message = f"{message.rstrip()} (rank {launch().rank})\n"
+        super().exit(status, message)
+
+    def print_help(self, file: Any = None) -> None:
+        if speaks():
+            super().print_help(file)
+
+
+def build_parser(config: type, description: str, prog: str | None = None) -> Parser:
+    """A flag per field of `config` (and its sections) with a help text; flags set "section.field" destinations."""
+    p = Parser(prog=prog, usage="%(prog)s [flags]", description=description,
+               formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
+    p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
+    p.add_argument("--print_config", action="store_true",
+                   help="print the settings as a DeepSpeed-style JSON config (to edit and pass to "
+                        "--deepspeed_config) and exit")
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    for dest, f, tp in settings(config):
+        name, text = f.metadata.get("flag", f.name), f.metadata["help"]
+        if f.default not in (None, MISSING) and "default" not in text:
+            shown = str(f.default).removeprefix("torch.") if not isinstance(f.default, bool) else None
+            text += f" (default: {shown})" if shown is not None else ""
+        parse = parser_for(tp)
+        if parse is not None:
+            extra = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}
+            p.add_argument(f"--{name}", dest=dest, type=parse, help=text, metavar=name.upper(), **extra)
+        else:
+            p.add_argument(f"--{name}", dest=dest, action="store_const", const=True, help=text)
+            if f.default is True:
+                p.add_argument(f"--no_{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
+    for name, (text, _) in SECTION_SHORTHANDS.items():
+        p.add_argument(f"--{name}", type=int_or_word, help=text)
+    return p
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given, as settings: top-level fields by name, section fields as {"section": {...}}."""
+    values = dict(vars(args))
+    for name, (_, targets) in SECTION_SHORTHANDS.items():
+        if name in values:
+            value = values.pop(name)
+            for dest in targets:
+                values.setdefault(dest, value)
+    out: dict[str, Any] = {}
+    for dest, value in values.items():
+        if dest in ("deepspeed_config", "print_config", "local_rank"):
+            continue
+        section, _, key = dest.rpartition(".")
+        (out.setdefault(section, {}) if section else out)[key] = value
+    return out
+
+
+def parse_text(config: type, values: dict[str, Any]) -> dict[str, Any]:
+    """A config file's strings parsed as the flags parse them ("auto", "none", "2,2", "float16"); other values as
+    they are."""
+    out = dict(values)
+    hints = typing.get_type_hints(config)
+    for f in fields(config):
+        value = out.get(f.name)
+        if is_dataclass(hints[f.name]) and isinstance(value, dict):
+            out[f.name] = parse_text(hints[f.name], value)
+        elif isinstance(value, str) and "help" in f.metadata and parser_for(hints[f.name]) not in (None, str):
+            parse = parser_for(hints[f.name])
+            try:
+                out[f.name] = parse(value)
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise ValueError(f"{f.metadata.get('flag', f.name)}={value!r}: {exc}") from None
+    return out
