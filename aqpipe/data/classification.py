@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 from .corpus import fetch_shakespeare, verse_runs
 from .datasets import TensorDictDataset, check_seq_len, check_split, split_slice
-from .sources import TABLE_FORMATS, load_hub, load_table, local_file
+from .sources import TABLE_FORMATS, hub_split, load_hub, load_table, local_file
 from .tokens import cached
 
 
@@ -64,7 +64,7 @@ Example = tuple[str, str | None, int]
 Labeled = tuple[list[Example], int, list[str] | None]  # examples, number of labels, label names by id
 
 
-def classification_dataset(task: str, tokenizer: PreTrainedTokenizerBase, seq_len: int, split: str = "train",
+def classification_dataset(task: Any, tokenizer: PreTrainedTokenizerBase, seq_len: int, split: str = "train",
                            *, seed: int = 0, eval_fraction: float = 0.05, max_samples: int | None = None,
                            text_path: str | Path | None = None, text_column: str | None = None,
                            text_pair_column: str | None = None, label_column: str | None = None) -> TensorDictDataset:
@@ -96,9 +96,17 @@ def classification_dataset(task: str, tokenizer: PreTrainedTokenizerBase, seq_le
                              label_names=names)
 
 
-def _classification_examples(task: str, split: str, seed: int, eval_fraction: float, max_samples: int | None,
+def _classification_examples(task: Any, split: str, seed: int, eval_fraction: float, max_samples: int | None,
                              text_path: str | Path | None, text_column: str | None, text_pair_column: str | None,
                              label_column: str | None) -> Labeled:
+    if not isinstance(task, str):  # a datasets.Dataset, or a DatasetDict with its own splits, from a user's script
+        table, presplit = (task, False) if hasattr(task, "column_names") else hub_split(task, split, "the dataset")
+        examples, num_labels, names = _table_examples(table, "the dataset given", text_column, text_pair_column,
+                                                      label_column)
+        if not presplit:
+            order = np.random.default_rng([seed, 1]).permutation(len(examples))
+            examples = [examples[i] for i in order[split_slice(len(order), split, eval_fraction)]]
+        return (examples[:max_samples] if max_samples else examples), num_labels, names
     if task in BUILTIN_TASKS:
         corpus = Path(text_path).expanduser() if text_path is not None else fetch_shakespeare()
         if not corpus.is_file():

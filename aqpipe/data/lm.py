@@ -3,13 +3,14 @@ into fixed-length blocks, each with a stable `sample_id`."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+from .chat import instruction_tensors, is_instruction_table
 from .corpus import fetch_shakespeare
 from .datasets import TensorDictDataset, check_seq_len, check_split, describe, split_slice
 from .sources import (HUB_DEFAULT_CONFIGS, TABLE_FORMATS, TEXT_SUFFIXES, column_texts, hub_split, load_hub, load_table,
@@ -17,7 +18,7 @@ from .sources import (HUB_DEFAULT_CONFIGS, TABLE_FORMATS, TEXT_SUFFIXES, column_
 from .tokens import token_stream
 
 
-def lm_dataset(text_path_or_name: str | Path | None, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_len: int,
                split: str = "train", eval_fraction: float = 0.05, *, text_column: str | None = None,
                dataset_config: str | None = None) -> TensorDictDataset:
     """Causal-LM samples: the text tokenized and cut into blocks of exactly `seq_len` tokens.
@@ -28,11 +29,23 @@ def lm_dataset(text_path_or_name: str | Path | None, tokenizer: PreTrainedTokeni
     name with `dataset_config` (wikitext defaults to wikitext-2-raw-v1). The last `eval_fraction`
     of the blocks form the "eval" split (a hub dataset's own validation split where it has one).
     Items: input_ids, attention_mask (ones), labels (= input_ids; the model shifts), sample_id.
+
+    A table of conversations (`messages`) or prompt/completion pairs gives instruction samples instead: one per
+    row, padded, labels -100 but on the assistant's tokens (chat.py).
     """
     check_seq_len(seq_len)
     check_split(split, eval_fraction)
-    documents, presplit = _lm_documents(text_path_or_name, split, text_column, dataset_config)
-    ids = token_stream(documents, tokenizer)
+    text, table, presplit, where = _lm_source(text_path_or_name, split, dataset_config)
+    if table is not None and is_instruction_table(table.column_names):
+        tensors = instruction_tensors(table.to_list(), tokenizer, seq_len, where)
+        if not presplit:
+            tensors = {name: t[split_slice(len(t), split, eval_fraction)] for name, t in tensors.items()}
+        count = len(tensors["input_ids"])
+        if count == 0:
+            raise ValueError(f"{where}: no sample left for the {split!r} split; expected more rows")
+        tensors["sample_id"] = torch.arange(count, dtype=torch.int64)
+        return TensorDictDataset(tensors, seq_len=seq_len, split=split)
+    ids = token_stream(text if table is None else column_texts(table, text_column, where), tokenizer)
     count = len(ids) // seq_len
     blocks = torch.from_numpy(ids[: count * seq_len]).view(count, seq_len)
     if not presplit:
@@ -46,23 +59,26 @@ def lm_dataset(text_path_or_name: str | Path | None, tokenizer: PreTrainedTokeni
     return TensorDictDataset(tensors, seq_len=seq_len, split=split)
 
 
-def _lm_documents(source: str | Path | None, split: str, text_column: str | None,
-                  dataset_config: str | None) -> tuple[str | list[str], bool]:
-    """The source's text (one string) or rows (a list), and whether they already are the requested
-    split (a hub dataset's own split)."""
+def _lm_source(source: Any, split: str, dataset_config: str | None) -> tuple[str | None, Any, bool, str]:
+    """(text, None) or (None, a table), whether it already is the requested split (a hub dataset's own split),
+    and how to name it in a message. `source` may be a `datasets.Dataset` or `DatasetDict` a user's script built."""
+    if hasattr(source, "column_names") and hasattr(source, "to_list"):  # a datasets.Dataset
+        return None, source, False, "the dataset given"
+    if hasattr(source, "keys") and not isinstance(source, (str, Path)):  # a DatasetDict: its own splits
+        table, presplit = hub_split(source, split, "the dataset given")
+        return None, table, presplit, "the dataset given"
     if source is None or str(source) == "shakespeare":
-        return fetch_shakespeare().read_text(encoding="utf-8"), False
+        return fetch_shakespeare().read_text(encoding="utf-8"), None, False, "shakespeare"
     path = local_file(source)
     if path is not None:
         suffix = path.suffix.lower()
         if suffix in TEXT_SUFFIXES:
-            return path.read_text(encoding="utf-8"), False
+            return path.read_text(encoding="utf-8"), None, False, str(path)
         if suffix in TABLE_FORMATS:
-            return column_texts(load_table(path), text_column, str(path)), False
+            return None, load_table(path), False, str(path)
         raise ValueError(f"{str(path)!r}: unsupported file type {suffix!r}; expected one of "
                          f"{sorted(TEXT_SUFFIXES | set(TABLE_FORMATS))}")
     name = str(source)
     config = dataset_config or HUB_DEFAULT_CONFIGS.get(name)
-    splits = load_hub(name, config)
-    table, presplit = hub_split(splits, split, name)
-    return column_texts(table, text_column, f"{name} ({config})"), presplit
+    table, presplit = hub_split(load_hub(name, config), split, name)
+    return None, table, presplit, f"{name} ({config})"

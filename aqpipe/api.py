@@ -1,0 +1,60 @@
+"""`aqpipe.finetune`: one job from a user's script, as HF's Trainer is called, on every rank alike.
+
+    import aqpipe
+    summary = aqpipe.finetune("causal-lm", model="path/to/Qwen2.5-0.5B", dataset=my_dataset,
+                              forward_bits=2, dp_algorithm="qadam", output_dir="runs/mine")
+
+Settings are the flags' names with Python values (or text, parsed as the flag parses it); `config` names a
+DeepSpeed-style JSON file beneath them. Bad input raises ValueError with the line the command line prints.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .flags import SECTION_SHORTHANDS, settings
+from .tasks import TASKS
+
+
+def flag_destinations() -> dict[str, str]:
+    """Each flag's name -> where it lands ("field", or "section.field")."""
+    from .config import RunConfig
+
+    return {f.metadata.get("flag", f.name): dest for dest, f, _ in settings(RunConfig)}
+
+
+def as_layer(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings by flag name as a config layer: top-level fields by name, section fields as {"section": {...}}."""
+    dests, out = flag_destinations(), {}
+    for name, value in values.items():
+        if name in SECTION_SHORTHANDS:
+            targets = [t for t in SECTION_SHORTHANDS[name][1] if t.rpartition(".")[2] not in values]
+        elif name in dests:
+            targets = [dests[name]]
+        else:
+            raise ValueError(f"unknown setting {name!r}: expected a flag's name without its dashes "
+                             f"(aqpipe TASK --help lists them), e.g. {', '.join(list(dests)[:4])}")
+        if name == "resume" and value is True:
+            value = "latest"
+        for dest in targets:
+            section, _, key = dest.rpartition(".")
+            (out.setdefault(section, {}) if section else out)[key] = value
+    return out
+
+
+def finetune(task: str, *, model: str | None = None, dataset: Any = None, config: str | None = None,
+             **settings_: Any) -> dict[str, Any]:
+    """Run one fine-tune and return its summary (the JSON line the command line prints: steps, final_loss, eval
+    figures, bytes per wire). `dataset`: a hub name, a local file, a built-in name, or a `datasets.Dataset` /
+    `DatasetDict` (its own train and validation splits). Call it on every rank under torchrun or deepspeed, or in
+    one process."""
+    from . import config_file
+    from .config import settle
+    from .train import run
+
+    if task not in TASKS:
+        raise ValueError(f"task {task!r}: expected one of {', '.join(TASKS)}")
+    chosen = TASKS[task]
+    named = {"model": model, **({"dataset": dataset} if isinstance(dataset, str) else {})}
+    layer = as_layer({**{k: v for k, v in named.items() if v is not None}, **settings_})
+    cfg = settle(chosen.kind, [chosen.defaults, config_file.read(config) if config else {}, layer])
+    return run(chosen, cfg, f"aqpipe.finetune({task!r})", data=None if isinstance(dataset, str) else dataset)

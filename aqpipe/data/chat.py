@@ -1,0 +1,99 @@
+"""Instruction data: conversations (a `messages` column of role/content turns) rendered with the tokenizer's own
+chat template, or `prompt`/`completion` pairs, with the loss on the assistant's (the completion's) tokens alone.
+
+Real templates (Llama 3, Qwen) mark no generation spans, so the assistant's spans are found by rendering prefixes:
+the conversation up to an assistant turn with the generation prompt ends where that turn's text starts, and the
+conversation up to and including it ends where the turn ends (its end-of-turn token is a target, as a model must
+learn to stop). Tokens are matched to those character spans through the tokenizer's offsets, so any template
+whose renders of a conversation's prefixes are prefixes of its render works; one that is not gets one line.
+
+One conversation per sample, padded to seq_len (labels -100 on padding, attention mask 0): without packing no
+conversation attends to another. A conversation longer than seq_len is cut; one left with no target is dropped.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+IGNORE = -100  # the label of a token that is not a target (HF's loss ignores it)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_instruction_table(columns: list[str]) -> bool:
+    """A table of conversations (`messages`) or of prompt/completion pairs."""
+    return "messages" in columns or {"prompt", "completion"} <= set(columns)
+
+
+def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, where: str
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns."""
+    _check_messages(messages, where)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: the tokenizer has no chat_template; expected a model whose tokenizer has one "
+                         "(its tokenizer_config.json or chat_template.jinja), or prompt/completion columns")
+    text = _render(tokenizer, messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _render(tokenizer, messages[:i], True) if i else ""
+        end = _render(tokenizer, messages[:i + 1], False)
+        if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
+            raise ValueError(f"{where}: the chat template renders turn {i} differently alone than within the "
+                             "conversation, so its assistant tokens cannot be found; expected a template whose "
+                             "renders of a conversation's first turns begin its render")
+        spans.append((len(start), len(end)))
+    return text, spans
+
+
+def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str
+                       ) -> tuple[list[int], list[int]] | None:
+    """(input ids, labels) of one row, cut to seq_len; None when no target token is left."""
+    if "messages" in row:
+        text, spans = assistant_spans(row["messages"], tokenizer, where)
+    else:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise ValueError(f"{where}: prompt={prompt!r}, completion={completion!r}: expected two strings")
+        eos = tokenizer.eos_token or ""
+        text, spans = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+    ids = encoded["input_ids"][:seq_len]
+    labels = [token if any(lo <= start < hi for lo, hi in spans) else IGNORE
+              for token, (start, _) in zip(ids, encoded["offset_mapping"])]
+    return (ids, labels) if any(v != IGNORE for v in labels[1:]) else None  # position 0 is never predicted
+
+
+def instruction_tensors(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                        where: str) -> dict[str, torch.Tensor]:
+    """Padded samples: input_ids, attention_mask, labels (-100 but on assistant tokens), one row per sample."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    samples = [s for i, row in enumerate(rows)
+               if (s := encode_instruction(row, tokenizer, seq_len, f"{where} row {i}")) is not None]
+    if not samples:
+        raise ValueError(f"{where}: none of its {len(rows)} rows has an assistant token within seq_len={seq_len}; "
+                         "expected assistant turns (or completions) that fit")
+    ids = torch.full((len(samples), seq_len), pad, dtype=torch.int64)
+    labels = torch.full((len(samples), seq_len), IGNORE, dtype=torch.int64)
+    mask = torch.zeros((len(samples), seq_len), dtype=torch.int64)
+    for n, (tokens, targets) in enumerate(samples):
+        ids[n, :len(tokens)] = torch.tensor(tokens)
+        labels[n, :len(targets)] = torch.tensor(targets)
+        mask[n, :len(tokens)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: messages={messages!r}: expected a list of {{role, content}} turns")
+    for turn in messages:
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+            raise ValueError(f"{where}: turn {turn!r}: expected role one of {', '.join(ROLES)} and string content")

@@ -1,0 +1,63 @@
+"""`aqpipe.finetune` called from a user's script under torchrun, on a `datasets.Dataset` of conversations: the
+summary comes back on every rank, the loss falls on the assistant's tokens, and bad input raises one line."""
+import json
+import subprocess
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.helpers.processes import checkout_env, free_port
+from tests.helpers.chat import LLAMA3, chat_tokenizer
+
+SCRIPT = '''
+import json, sys
+import datasets
+import aqpipe
+
+model, out = sys.argv[1], sys.argv[2]
+replies = ["hello how can", "see you later", "i help you"]  # three tokens each, plus the end of turn
+rows = [{"messages": [{"role": "user", "content": " ".join(["hi"] * (1 + i % 5)) + " there"},
+                      {"role": "assistant", "content": replies[i % 3]}]} for i in range(42)]
+for bad in ({"seq_len": 1}, {"forward_bitz": 2}):
+    try:
+        aqpipe.finetune("causal-lm", model=model, dataset=datasets.Dataset.from_list(rows), output_dir=out, **bad)
+    except ValueError as err:
+        print("ERROR", err, flush=True)
+summary = aqpipe.finetune("causal-lm", model=model, dataset=datasets.Dataset.from_list(rows), seq_len=24,
+                          micro_batch_size=2, num_micro_batches=2, epochs=1, forward_bits="2", lr=1e-2,
+                          output_dir=out, dist_timeout=60)
+print("SUMMARY", json.dumps({k: summary[k] for k in ("steps", "final_loss", "fwd_bytes", "train_samples")}))
+'''
+
+
+def test_the_api_runs_a_chat_job_from_a_script_under_torchrun(tmp_path):
+    model = tmp_path / "model"
+    tok = chat_tokenizer(LLAMA3)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model)
+    tok.save_pretrained(model)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(model),
+           str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("ERROR seq_len=1: expected at least 2 tokens") == 2, output[-3000:]  # raised on each rank
+    assert output.count("ERROR unknown setting 'forward_bitz': expected a flag's name") == 2, output[-3000:]
+    summaries = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("SUMMARY")]
+    assert len(summaries) == 2 and summaries[0] == summaries[1], output[-3000:]  # every rank gets the summary
+    assert summaries[0]["train_samples"] == 39 and summaries[0]["steps"] == 9 and summaries[0]["fwd_bytes"] > 0
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+             if "lr" in json.loads(line)]
+    # 4 conversations a step, each with 3 reply tokens + the end of turn as targets, whatever its padding
+    assert [s["target_tokens"] for s in steps] == [16] * 9
+    losses = [s["loss"] for s in steps]
+    assert losses[-1] < losses[0], losses
+    saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"]
+    assert "chat_template" in (tmp_path / "out" / "model" / "tokenizer_config.json").read_text() or \
+        (tmp_path / "out" / "model" / "chat_template.jinja").is_file()

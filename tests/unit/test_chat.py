@@ -1,0 +1,81 @@
+"""Instruction data (aqpipe/data/chat.py): the loss falls on the assistant's tokens alone, under real templates
+that mark no generation spans."""
+import json
+
+import pytest
+import torch
+
+from aqpipe import data
+from aqpipe.data.chat import IGNORE, encode_instruction
+from tests.helpers.chat import CHATML, LLAMA3, chat_tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "you are terse"},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "bye"},
+    {"role": "assistant", "content": "see you later"},
+]
+END_OF_TURN = {LLAMA3: "<|eot_id|>", CHATML: "<|im_end|>"}
+
+
+def targets(tok, ids, labels):
+    assert [i for i, v in zip(ids, labels) if v != IGNORE] == [v for v in labels if v != IGNORE]  # labels = ids there
+    return [tok.convert_ids_to_tokens(v) for v in labels if v != IGNORE]
+
+
+@pytest.mark.parametrize("template", [LLAMA3, CHATML], ids=["llama3", "chatml"])
+def test_a_two_turn_conversation_trains_on_the_assistant_tokens_alone(template):
+    tok = chat_tokenizer(template)
+    ids, labels = encode_instruction({"messages": CONVERSATION}, tok, 64, "t")
+    eot = END_OF_TURN[template]
+    assert targets(tok, ids, labels) == ["hello", eot, "see", "you", "later", eot]
+    tokens = tok.convert_ids_to_tokens(ids)
+    first = tokens.index("hello")  # the exact positions: the header before it and the user turn after it are not
+    assert [i for i, v in enumerate(labels) if v != IGNORE][:2] == [first, first + 1]
+    assert tokens[first - 1] in ("<|end_header_id|>", "assistant") and labels[first - 1] == IGNORE
+
+
+def test_a_cut_conversation_keeps_its_first_targets_and_one_without_any_is_dropped():
+    tok = chat_tokenizer(LLAMA3)
+    full, _ = encode_instruction({"messages": CONVERSATION}, tok, 64, "t")
+    first = tok.convert_ids_to_tokens(full).index("hello")
+    ids, labels = encode_instruction({"messages": CONVERSATION}, tok, first + 2, "t")
+    assert len(ids) == first + 2 and targets(tok, ids, labels) == ["hello", "<|eot_id|>"]
+    assert encode_instruction({"messages": CONVERSATION}, tok, first, "t") is None
+
+
+def test_prompt_and_completion_train_on_the_completion_and_its_end():
+    tok = chat_tokenizer()
+    ids, labels = encode_instruction({"prompt": "hi there ", "completion": "hello how can i help"}, tok, 32, "t")
+    assert targets(tok, ids, labels) == ["hello", "how", "can", "i", "help", "</s>"]
+
+
+def test_no_chat_template_or_a_malformed_turn_is_one_line():
+    with pytest.raises(ValueError, match="the tokenizer has no chat_template; expected a model whose tokenizer"):
+        encode_instruction({"messages": CONVERSATION}, chat_tokenizer(None), 64, "chat.jsonl row 0")
+    with pytest.raises(ValueError, match=r"turn \{'role': 'robot'.*expected role one of system, user"):
+        encode_instruction({"messages": [{"role": "robot", "content": "hi"}]}, chat_tokenizer(LLAMA3), 64, "t")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    """Qwen3-style templates drop an earlier turn's reasoning: prefixes are then not prefixes, and a guess would
+    train on the wrong tokens."""
+    rewrites = CHATML.replace("{{ m['content'] }}", "{{ m['content'] if loop.last else 'hi' }}")
+    with pytest.raises(ValueError, match="renders turn 2 differently alone than within the conversation"):
+        encode_instruction({"messages": CONVERSATION}, chat_tokenizer(rewrites), 64, "t")
+
+
+def test_a_chat_table_becomes_padded_samples_with_masks(tmp_path):
+    tok = chat_tokenizer(CHATML)
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": CONVERSATION[1:3]}, {"messages": CONVERSATION}] * 10
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.1)
+    evaluation = data.lm_dataset(str(path), tok, 48, split="eval", eval_fraction=0.1)
+    assert (len(train), len(evaluation)) == (18, 2)
+    mask, labels, ids = train.tensors["attention_mask"], train.tensors["labels"], train.tensors["input_ids"]
+    lengths = mask.sum(1)
+    assert lengths.tolist() == [len(encode_instruction(r, tok, 48, "t")[0]) for r in rows[:18]]
+    assert (ids[mask == 0] == tok.pad_token_id).all() and (labels[mask == 0] == IGNORE).all()
+    assert torch.equal(train.tensors["sample_id"], torch.arange(18))
