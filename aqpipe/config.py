@@ -82,6 +82,8 @@ class RunConfig:
     lr: float = _flag(1e-3, "peak learning rate")
     seed: int = _flag(42, "seed of model init, data order and codecs")
     output_dir: str = _flag("runs/latest", "where metrics, summary and the fine-tuned model go")
+    report_to: str = _flag("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
+                                   "(<output_dir>/tensorboard)")
     optimizer: dict[str, Any] = field(default_factory=_adamw)  # DeepSpeed's block; its lr is `lr`
     scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay)  # DeepSpeed's; None: a constant lr
     gradient_clipping: float = _flag(1.0, "clip the global gradient norm to this (0: off)")

@@ -1,4 +1,5 @@
-"""metrics.jsonl (one JSON object per step, kept across a resume) and the progress bar, on rank 0."""
+"""metrics.jsonl (one JSON object per step, kept across a resume), the progress bar and the reporter (reporters.py),
+on rank 0."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .config import RunConfig
+from .reporters import reporter
 from .world import World
 
 
@@ -28,6 +30,7 @@ class MetricsWriter:
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
+            self.reporter = reporter(cfg.report_to, cfg.output_dir)
             self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="train", unit="step",
                             dynamic_ncols=True)
 
@@ -51,6 +54,7 @@ class MetricsWriter:
         record = {**record, "time": round(time.perf_counter() - self.start, 3)}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.reporter.log(record)
         if "lr" in record:  # a training step (eval-only records have no lr)
             self.bar.update(1)
             if "loss" in record:
@@ -59,3 +63,4 @@ class MetricsWriter:
     def close(self) -> None:
         if self.active:
             self.bar.close()
+            self.reporter.close()

@@ -10,7 +10,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from . import checkpoint, faults
+from . import checkpoint, faults, reporters
 from .environment import configure_kernels, launch, link_latency_s
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
     if cfg.dataset is not None and not is_hub_name(cfg.dataset) and not os.path.exists(cfg.dataset):
         raise ValueError(f"dataset={cfg.dataset!r}: no such file (expected an HF dataset name, a built-in name, "
                          "or a local text/json/csv/parquet file)")
+    reporters.check(cfg.report_to)
     _check_hub(cfg)
     _check_model_shape(cfg)
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
