@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .flags import SECTION_SHORTHANDS, settings
+from .flags import SECTION_SHORTHANDS, layer, settings
 from .tasks import TASKS
 
 
@@ -24,21 +24,13 @@ def flag_destinations() -> dict[str, str]:
 
 def as_layer(values: dict[str, Any]) -> dict[str, Any]:
     """Settings by flag name as a config layer: top-level fields by name, section fields as {"section": {...}}."""
-    dests, out = flag_destinations(), {}
-    for name, value in values.items():
-        if name in SECTION_SHORTHANDS:
-            targets = [t for t in SECTION_SHORTHANDS[name][1] if t.rpartition(".")[2] not in values]
-        elif name in dests:
-            targets = [dests[name]]
-        else:
-            raise ValueError(f"unknown setting {name!r}: expected a flag's name without its dashes "
-                             f"(aqpipe TASK --help lists them), e.g. {', '.join(list(dests)[:4])}")
-        if name == "resume" and value is True:
-            value = "latest"
-        for dest in targets:
-            section, _, key = dest.rpartition(".")
-            (out.setdefault(section, {}) if section else out)[key] = value
-    return out
+    dests = {**flag_destinations(), **{name: name for name in SECTION_SHORTHANDS}}
+    unknown = [name for name in values if name not in dests]
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]!r}: expected a flag's name without its dashes "
+                         f"(aqpipe TASK --help lists them), e.g. {', '.join(list(dests)[:4])}")
+    return layer({dests[name]: "latest" if name == "resume" and value is True else value
+                  for name, value in values.items()})
 
 
 def finetune(task: str, *, model: str | None = None, dataset: Any = None, config: str | None = None,

@@ -236,11 +236,17 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     return cfg
 
 
+def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
+    """The layers merged (later wins; text parsed as its flag parses it), and DeepSpeed's train_batch_size apart:
+    a key checked against the batch, not a setting."""
+    values = _merge(*(parse_text(RunConfig, layer) for layer in layers))
+    return values, values.pop("_train_batch_size", None)
+
+
 def settle(task: str, layers: list[dict[str, Any]]) -> RunConfig:
     """Settings layered (later wins; text parsed as its flag parses it), validated for the launcher's world, then
     the checks that read files (preflight); frozen from here on. Raises ValueError naming the first bad value."""
-    values = _merge(*(parse_text(RunConfig, layer) for layer in layers))
-    batch = values.pop("_train_batch_size", None)
+    values, batch = _layered(layers)
     world = launch().world_size
     cfg = validate(build(task, values), world)
     if world % cfg.pipeline_stages:
@@ -266,9 +272,7 @@ def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[
         layers = [defaults or {}, config_file.read(args.deepspeed_config) if "deepspeed_config" in args else {},
                   given(args)]
         if "print_config" in args:  # as given: `auto` stages stay auto
-            values = _merge(*(parse_text(RunConfig, layer) for layer in layers))
-            values.pop("_train_batch_size", None)  # a DeepSpeed key checked against the batch, not a setting
-            cfg = build(task, values)
+            cfg = build(task, _layered(layers)[0])
             validate(cfg, launch().world_size)
             if speaks():
                 print(json.dumps(config_file.write(cfg), indent=2))

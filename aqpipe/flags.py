@@ -136,7 +136,14 @@ def build_parser(config: type, description: str, prog: str | None = None) -> Par
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The flags given, as settings: top-level fields by name, section fields as {"section": {...}}."""
-    values = dict(vars(args))
+    return layer({dest: value for dest, value in vars(args).items()
+                  if dest not in ("deepspeed_config", "print_config", "local_rank")})
+
+
+def layer(values: dict[str, Any]) -> dict[str, Any]:
+    """Values by destination ("field", "section.field", or a shorthand's name) as a config layer: top-level fields
+    by name, section fields as {"section": {...}}; a shorthand fills the destinations not given beside it."""
+    values = dict(values)
     for name, (_, targets) in SECTION_SHORTHANDS.items():
         if name in values:
             value = values.pop(name)
@@ -144,8 +151,6 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
                 values.setdefault(dest, value)
     out: dict[str, Any] = {}
     for dest, value in values.items():
-        if dest in ("deepspeed_config", "print_config", "local_rank"):
-            continue
         section, _, key = dest.rpartition(".")
         (out.setdefault(section, {}) if section else out)[key] = value
     return out
