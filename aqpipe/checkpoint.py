@@ -38,7 +38,8 @@ FINGERPRINT = (
     "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "partition",
     "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr", "gradient_clipping",
     "text_column", "text_pair_column", "label_column",
-    "bf16", "param_dtype", "compression", "data_parallel",
+    "bf16", "param_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "compression",
+    "data_parallel",
 )
 
 
@@ -102,6 +103,8 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
         cfg = replace(cfg, data_parallel=replace(cfg.data_parallel, warmup_steps=theirs[auto]))
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("param_dtype", "float32")
+    for key, value in (("lora_rank", 0), ("lora_alpha", None), ("lora_dropout", None), ("lora_target_modules", None)):
+        theirs.setdefault(key, value)  # checkpoints from before LoRA: none
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
             for k, v in mine.items() if theirs.get(k) != v]
     if diff:

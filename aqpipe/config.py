@@ -16,6 +16,7 @@ from typing import Any
 
 from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig
+from pipeline.lora import LoraSettings
 from pipeline.schedule import SCHEDULES
 
 from . import config_file, preflight, speaks
@@ -91,6 +92,18 @@ class RunConfig:
     param_dtype: str = _flag("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")
+    lora_rank: int = _flag(0, "train LoRA adapters of this rank (PEFT's layers, in every stage) instead of every "
+                              "weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes under "
+                              "bf16 autocast), only the adapters (and a new classification head) get gradients, "
+                              "optimizer state and data-parallel traffic; exports <output_dir>/adapter beside the "
+                              "merged model (0: off)")
+    lora_alpha: float | None = _flag(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
+                                           "default: PEFT's, 8")
+    lora_dropout: float | None = _flag(None, "dropout on the adapters' input; default: PEFT's, 0")
+    lora_target_modules: list[str] | None = _flag(None, "the modules to adapt: comma-separated names, or all-linear; "
+                                                        "default: PEFT's for the architecture (q_proj,v_proj for the "
+                                                        "Llama lineage, c_attn for GPT2, query_proj,value_proj for "
+                                                        "DeBERTa, query,value for BERT)")
     dist_timeout: float = _flag(45.0, "seconds a collective or receive may wait for a peer before the run stops "
                                       "(then ~6 s to exit)")
     peer_timeout: float = _flag(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
@@ -116,6 +129,13 @@ class RunConfig:
         out = asdict(self)
         out["compression"]["buffer_dtype"] = str(self.compression.buffer_dtype).removeprefix("torch.")
         return out
+
+    def lora(self) -> LoraSettings | None:
+        """The LoRA settings, None without adapters."""
+        if not self.lora_rank:
+            return None
+        targets = tuple(self.lora_target_modules) if self.lora_target_modules else None
+        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, targets)
 
     def for_run(self, total_steps: int) -> "RunConfig":
         """The settings a run of `total_steps` records: with replicas, an "auto" data-parallel warm-up resolved to
@@ -218,6 +238,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.param_dtype == "bfloat16" and others:
         raise ValueError(f"param_dtype=bfloat16 with optimizer params {', '.join(others)}: expected only betas, eps "
                          "and weight_decay (bf16 weights step through aqpipe's own Adam)")
+    _check_lora(cfg)
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
     for name in ("dist_timeout", "peer_timeout"):
@@ -234,6 +255,29 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.scheduler is not None and cfg.scheduler.get("type") not in SCHEDULERS:
         raise ValueError(f"scheduler type {cfg.scheduler.get('type')!r}: expected one of {', '.join(SCHEDULERS)}")
     return cfg
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    _positive(cfg, "lora_rank", allow_zero=True)
+    if not cfg.lora_rank:
+        others = [f"{name}={getattr(cfg, name)!r}" for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
+                  if getattr(cfg, name) is not None]
+        if others:
+            raise ValueError(f"{', '.join(others)} without --lora_rank: expected a LoRA rank >= 1 to adapt with")
+        return
+    if cfg.lora_alpha is not None and (isinstance(cfg.lora_alpha, bool) or
+                                       not isinstance(cfg.lora_alpha, (int, float)) or not cfg.lora_alpha > 0):
+        raise ValueError(f"lora_alpha={cfg.lora_alpha!r}: expected a positive number")
+    if cfg.lora_dropout is not None and not (isinstance(cfg.lora_dropout, (int, float)) and
+                                             0 <= cfg.lora_dropout < 1):
+        raise ValueError(f"lora_dropout={cfg.lora_dropout!r}: expected a probability in [0, 1)")
+    targets = cfg.lora_target_modules
+    if targets is not None and (not isinstance(targets, list) or not targets or
+                                not all(isinstance(t, str) and t.strip() for t in targets)):
+        raise ValueError(f"lora_target_modules={targets!r}: expected module names such as q_proj,v_proj, or "
+                         "all-linear")
+    if targets is not None and "all-linear" in targets and len(targets) > 1:
+        raise ValueError(f"lora_target_modules={','.join(targets)}: all-linear stands alone")
 
 
 def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:

@@ -5,9 +5,14 @@ by its owner, under its first name, so `from_pretrained` ties it again), in the 
 `model.safetensors.index.json`, the config, the generation config and the tokenizer. Everything goes into
 `<output_dir>/model.partial`, renamed to `<output_dir>/model` once complete: a loader never sees half a model.
 Every rank writes into the output directory, so it must be one every rank shares (as checkpoints need).
+
+With LoRA the model is the merged one (each adapter folded into its base weight), and `<output_dir>/adapter` holds
+the adapters in PEFT's layout (`adapter_config.json`, `adapter_model.safetensors`), which
+`PeftModel.from_pretrained(base, adapter)` loads: they are small, so rank 0 gathers them over the process group.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -24,6 +29,7 @@ from .models import ModelSpec
 from .world import World, barrier
 
 INDEX = "model.safetensors.index.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's names for an adapter's files
 
 
 def stage_tensors(engine: PipelineEngine, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -96,4 +102,28 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
     if target.exists():
         shutil.rmtree(target)
     os.replace(partial, target)  # never leave a half-written model where a loader looks
+    return str(target)
+
+
+def save_adapter(engine: PipelineEngine, config: Any, cfg: RunConfig, world: World) -> str | None:
+    """Write the trained LoRA adapters (and a head trained in full) as PEFT does, under `<output_dir>/adapter`,
+    `config` (PEFT's LoraConfig) naming the base model; the directory on rank 0, None elsewhere."""
+    from pipeline import lora
+
+    tensors = lora.adapter_state_dict(engine.stage) if engine.groups.replica == 0 else {}
+    entries = _gathered({k: v.to("cpu").contiguous() for k, v in tensors.items()}, world)
+    if world.rank != 0:
+        return None
+    out = Path(cfg.output_dir)
+    partial, target = out / "adapter.partial", out / "adapter"
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    _write_shard({k: v for entry in entries for k, v in sorted(entry.items())}, partial / ADAPTER_WEIGHTS)
+    saved = copy.copy(config)
+    saved.base_model_name_or_path, saved.inference_mode = cfg.model, True
+    saved.save_pretrained(str(partial))
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(partial, target)
     return str(target)

@@ -49,6 +49,14 @@ def numbers(kind: type) -> Callable[[str], list[Any]]:
     return parse
 
 
+def names(text: str) -> list[str]:
+    """`q_proj,v_proj`: comma-separated names."""
+    out = [v.strip() for v in text.split(",")]
+    if not all(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated names")
+    return out
+
+
 def ints_or_word(text: str) -> list[int] | str:
     """`2,2` (block counts) or a word (parameters, uniform)."""
     if text.strip().isidentifier():
@@ -73,7 +81,8 @@ def parser_for(tp: Any) -> Callable[[str], Any] | None:
     kinds = set(typing.get_args(tp) if union else (tp,)) - {type(None)}
     table: list[tuple[set[Any], Callable[[str], Any] | None]] = [
         ({bool}, None), ({int}, int), ({float}, float), ({str}, str), ({int, str}, int_or_word),
-        ({list[float]}, numbers(float)), ({list[int], str}, ints_or_word), ({torch.dtype}, dtype)]
+        ({list[float]}, numbers(float)), ({list[int], str}, ints_or_word), ({list[str]}, names),
+        ({torch.dtype}, dtype)]
     for match, parse in table:
         if kinds == match:
             return parse

@@ -49,7 +49,8 @@ def _check_gpus() -> None:
                          "(CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
 
 
-RESULTS = ("summary.json", "metrics.jsonl", "model", "checkpoints")  # what a run writes into its output_dir
+# what a run writes into its output_dir
+RESULTS = ("summary.json", "metrics.jsonl", "model", "adapter", "checkpoints", "tensorboard")
 
 
 def previous_results(output_dir: str) -> list[str]:
@@ -130,7 +131,11 @@ def _check_model_shape(cfg: "RunConfig") -> None:
             config = AutoConfig.from_pretrained(cfg.model, local_files_only=is_hub_name(cfg.model))
         except Exception:  # noqa: BLE001 - a hub name not cached here: the run checks once it has the model
             return
-        model_class(cfg.task, config)
+        cls = model_class(cfg.task, config)
+        if cfg.lora() is not None:  # targets resolved on the model's own modules (no weight read)
+            from pipeline.lora import lora_config
+
+            lora_config(cls, config, cfg.lora(), train_head=cfg.task == "classification")
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
         positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         name = repr(cfg.model)

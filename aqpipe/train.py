@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 import data_parallel
 from pipeline import Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline.lora import add_lora, lora_config
 
 from . import checkpoint, preflight
 from . import data as datalib
 from . import faults
 from .config import RunConfig
 from .environment import launch
-from .export import save_model
+from .export import save_adapter, save_model
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
 from .progress import Progress
@@ -153,17 +154,21 @@ def model_spec(cfg: RunConfig, task: Task, tokenizer: Any, train_set: Any) -> Mo
                          getattr(train_set, "num_labels", None), getattr(train_set, "label_names", None), cfg.dropout)
 
 
-def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int,
-                 total_steps: int) -> PipelineEngine:
-    """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), its optimizer
+def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int, total_steps: int,
+                 adapters: Any = None) -> PipelineEngine:
+    """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), with LoRA
+    `adapters` (a PEFT LoraConfig: pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
     and LR schedule, its replicas' algorithm, and the engine that trains it."""
     grid = Grid.for_world(world.size, cfg.pipeline_stages)
     groups = build_groups(grid, world.rank)
+    trained = getattr(torch, cfg.param_dtype)
     stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
-                                      dtype=getattr(torch, cfg.param_dtype), device=world.device,
+                                      dtype=spec.dtype if adapters is not None else trained, device=world.device,
                                       activation_checkpointing=cfg.activation_checkpointing)
     if cfg.dropout is not None:
         set_dropout(stage, None, float(cfg.dropout))
+    if adapters is not None:  # after the dropout: the adapters' own is --lora_dropout
+        add_lora(stage, adapters, cfg.seed, trained)
     barrier(world)  # every stage built (a model download takes what it takes) before the first message
     # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
@@ -190,7 +195,9 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps)
-    engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps)
+    adapters = None if cfg.lora() is None else \
+        lora_config(spec.model_class, spec.config, cfg.lora(), train_head=task.kind == "classification")
+    engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
@@ -237,6 +244,8 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
     writer.close()
     elapsed = time.perf_counter() - started
     model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups)
+    if adapters is not None:
+        save_adapter(engine, adapters, cfg, world)
     return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,
                      (len(train_set), len(eval_set)))
 

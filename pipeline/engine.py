@@ -97,14 +97,15 @@ def followed_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch
 
 
 def owned_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch.nn.Parameter]:
-    """The parameters this stage's optimizer and data-parallel algorithm update.
+    """The parameters this stage's optimizer and data-parallel algorithm update: those that train (LoRA freezes the
+    base), less the tied copies it follows.
 
     A tied weight is stepped by its owner alone (ties.py); the followers' copies take the owner's rows
     each step, so an algorithm keeping state about its parameters (replicas, drift, error memory)
     never sees them change behind its back.
     """
     followers = {id(p) for p in followed_parameters(stage, ties)}
-    return [p for p in stage.parameters() if id(p) not in followers]
+    return [p for p in stage.parameters() if p.requires_grad and id(p) not in followers]
 
 
 class PipelineEngine:
@@ -127,15 +128,20 @@ class PipelineEngine:
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
         self.gradient_clipping, self.schedule, self.skip_nonfinite = gradient_clipping, schedule, skip_nonfinite
         self.compression = (compression or CompressionConfig()).validate()
-        self.device, self.bf16, self.seed = torch.device(device), bf16, seed
+        self.device, self.seed = torch.device(device), seed
         self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
+        # weights of several dtypes (a frozen bf16 base under float32 LoRA adapters) multiply only under autocast
+        dtypes = {p.dtype for p in stage.parameters() if p.is_floating_point()}
+        self.bf16 = bf16 or len(dtypes) > 1
         # activations cross in bf16 under bf16 autocast or with bf16 weights (which compute in bf16), else float32
-        weights = next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
-        self.wire_dtype = torch.bfloat16 if bf16 or weights == torch.bfloat16 else torch.float32
+        self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
         self.wire = Wire(latency_s=link_latency_s)
         c = self.compression
-        self.tied = TiedWeights(stage.tied_parameters(), self.ties, groups.stage, self.wire, groups.pipeline_rank_of,
+        # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
+        trained = {k: p for k, p in stage.tied_parameters().items() if p.requires_grad}
+        self.tied = TiedWeights(trained, {k: v for k, v in self.ties.items() if k in trained}, groups.stage,
+                                self.wire, groups.pipeline_rank_of,
                                 channel=lambda src, dst: groups.channel(TIE, src, dst),
                                 mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
                                 seed=seed * 100 + groups.replica)
@@ -337,13 +343,20 @@ class PipelineEngine:
         return {"stage": self.groups.stage, "replica": self.groups.replica, "stages": grid.stages,
                 "replicas": grid.replicas}
 
+    def _frozen(self) -> set[str]:
+        """The names of the stage's weights that never train (LoRA's base): the model's, not the run's state."""
+        return {name for name, p in self.stage.named_parameters() if not p.requires_grad}
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything the engine needs to continue exactly: weights, optimizer, LR scheduler, step,
+        """Everything the engine needs to continue exactly: weights that train, optimizer, LR scheduler, step,
         codecs (dither generators, AQ-SGD buffers and seen bits), data-parallel algorithm, auto bits. The rows of
-        buffers kept in files stay in the files (`file_buffers()`: a checkpoint copies them)."""
+        buffers kept in files stay in the files (`file_buffers()`: a checkpoint copies them); frozen weights stay in
+        the model they were read from."""
+        frozen = self._frozen()
         return {
             "place": self._place(), "global_step": self.global_step, "skipped_steps": self.skipped_steps,
-            "model": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": {k: v for k, v in self.stage.state_dict().items() if k not in frozen},
+            "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "codecs": {name: codec.state_dict() for name, codec in self.codecs().items()},
             "data_parallel": None if self.data_parallel is None else self.data_parallel.state_dict(),
@@ -364,9 +377,14 @@ class PipelineEngine:
         if (state.get("auto_bits") is None) != (self.auto_bits is None):
             raise ValueError("engine state and this engine differ in whether bits are chosen per link (auto)")
         try:
-            self.stage.load_state_dict(state["model"])
+            missing, unexpected = self.stage.load_state_dict(state["model"], strict=False)
         except RuntimeError as exc:
             raise ValueError(f"the saved stage {self.groups.stage} does not fit this model: {exc}") from None
+        absent = sorted(set(missing) - self._frozen())  # a frozen weight is the model's: not in the state
+        if unexpected or absent:
+            raise ValueError(f"the saved stage {self.groups.stage} does not fit this model: weights "
+                             f"{', '.join(unexpected[:3]) or '-'} saved but not here, {', '.join(absent[:3]) or '-'} "
+                             "here but not saved")
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

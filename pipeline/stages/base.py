@@ -149,8 +149,11 @@ class PipelineStage(nn.Module):
         return dict(self._origin)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters and persistent buffers under their names in the unpartitioned HF model."""
-        return dict(self.state_dict())
+        """This stage's parameters and persistent buffers under their names in the unpartitioned HF model; with LoRA
+        adapters (pipeline/lora.py), each folded into its base weight: the merged model."""
+        from .. import lora
+
+        return lora.merged_state_dict(self) if lora.has_adapters(self) else dict(self.state_dict())
 
     # ------------------------------------------------------------------ helpers for subclasses
     def _checkpointing(self) -> bool:

@@ -56,6 +56,14 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--partition", "2,0"], "partition=[2, 0]: expected parameters, uniform, or block counts like 2,2"),
     (["--lr", "0"], "lr=0.0: expected a positive learning rate"),
     (["--dropout", "1"], "dropout=1.0: expected a probability in [0, 1)"),
+    (["--lora_rank", "-1"], "lora_rank=-1: expected an integer >= 0"),
+    (["--lora_rank", "8", "--lora_alpha", "0"], "lora_alpha=0.0: expected a positive number"),
+    (["--lora_rank", "8", "--lora_dropout", "1"], "lora_dropout=1.0: expected a probability in [0, 1)"),
+    (["--lora_target_modules", "q_proj"], "lora_target_modules=['q_proj'] without --lora_rank: expected a LoRA rank"),
+    (["--lora_rank", "8", "--lora_target_modules", "all-linear,q_proj"],
+     "lora_target_modules=all-linear,q_proj: all-linear stands alone"),
+    (["--lora_rank", "8", "--lora_target_modules", "q_proj,"], "argument --lora_target_modules: 'q_proj,': expected "
+                                                              "comma-separated names"),
     (["--model", "/no/such/model"], "model='/no/such/model': no such file or directory"),
     (["--deepspeed_config", "/no/such.json"], "--deepspeed_config /no/such.json: no such file"),
     (["--buffer_dtype", "int8"], "buffer_dtype='int8': expected one of float16, bfloat16, float32"),
@@ -188,7 +196,7 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
 
 PRINTED = [[], ["--group_size", "none", "--partition", "1,1", "--buffer_dtype", "bfloat16", "--link_mbit", "5",
                "--no_stochastic", "--bf16", "--forward_bits", "auto", "--dp_warmup_steps", "7", "--dropout", "0.2",
-               "--max_steps", "3", "--model", "config.json"]]
+               "--max_steps", "3", "--model", "config.json", "--lora_rank", "4", "--lora_target_modules", "c_attn"]]
 
 
 @pytest.mark.parametrize("name", list(TASKS))

@@ -1,0 +1,174 @@
+"""LoRA adapters inside each stage, through PEFT: the base frozen in its checkpoint's dtype, only the adapters train.
+
+    config = lora_config(LlamaForCausalLM, hf_config, LoraSettings(rank=16))  # resolved on the whole model
+    add_lora(stage, config, seed=0, dtype=torch.float32)                      # each rank, its stage
+
+`lora_config` resolves PEFT's choices once, on the whole model (on the meta device): its default target modules
+per architecture, `all-linear`, a target that matches nothing. Every stage then adapts what PEFT would adapt in the
+unpartitioned model. `add_lora` injects PEFT's own LoRA layers into one stage (`peft.inject_adapter_in_model`) and
+seeds each adapter by its module's name, so the initial values are the same on any stage count (as
+`pipeline.loading` seeds weights). Everything else is frozen except the task's new head (a classifier, which a
+base checkpoint lacks: PEFT's `modules_to_save`), and the trainable weights are cast to `dtype`.
+
+The stage's `hf_state_dict()` then folds each adapter into its base weight (the merged model);
+`adapter_state_dict` gives the trained tensors under the names `PeftModel.save_pretrained` writes.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .seeding import derive_seed
+
+ADAPTER = "default"  # PEFT's name for a model's one adapter
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the model's own names
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The user's choices; None: PEFT's default (alpha 8, dropout 0, the architecture's target modules)."""
+
+    rank: int
+    alpha: float | None = None
+    dropout: float | None = None
+    target_modules: tuple[str, ...] | None = None  # module names, or ("all-linear",)
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The last name of every linear layer (nn.Linear, GPT2's Conv1D): what a target may name."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))})
+
+
+def _adapted(model: nn.Module) -> list[str]:
+    from peft.tuners.lora import LoraLayer
+
+    return [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def lora_config(model_class: type, hf_config: Any, settings: LoraSettings, train_head: bool = False) -> Any:
+    """PEFT's `LoraConfig` for `model_class(hf_config)`, its targets resolved on the whole model; `train_head`: the
+    family's head (a new classifier) trains in full beside the adapters. ValueError naming the setting when the
+    targets match nothing, when PEFT has no default for the architecture, or when a target holds a tied weight."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from .loading import meta_model
+    from .partitioning import model_family
+
+    model = meta_model(model_class, hf_config)
+    family = model_family(model)
+    options: dict[str, Any] = {"r": settings.rank}
+    if settings.alpha is not None:
+        options["lora_alpha"] = settings.alpha
+    if settings.dropout is not None:
+        options["lora_dropout"] = settings.dropout
+    targets = settings.target_modules
+    if targets:
+        options["target_modules"] = "all-linear" if targets == ("all-linear",) else list(targets)
+    config = LoraConfig(task_type="SEQ_CLS" if train_head else "CAUSAL_LM", **options)
+    try:
+        with warnings.catch_warnings():  # GPT2's Conv1D: PEFT sets fan_in_fan_out itself, with a warning
+            warnings.simplefilter("ignore")
+            inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+    except ValueError:
+        if not targets:
+            raise ValueError(f"lora_target_modules: PEFT has no default for model type "
+                             f"{hf_config.model_type!r}; expected module names of its linear layers "
+                             f"({', '.join(_linear_names(model))}) or all-linear") from None
+    _check_targets(model, targets)
+    resolved = model.peft_config[ADAPTER]
+    resolved.modules_to_save = list(family.head) if train_head else None
+    return resolved
+
+
+def _check_targets(model: nn.Module, targets: tuple[str, ...] | None) -> None:
+    """Refuse a target name no module has (PEFT adapts what matches and says nothing of a misspelt name beside it)
+    and a target holding a tied weight (a delta on the head would also be one on the embedding)."""
+    shown, adapted = ",".join(targets) if targets else None, _adapted(model)
+    unmatched = [t for t in targets or () if t != "all-linear" and
+                 not any(path == t or path.endswith(f".{t}") for path in adapted)]
+    if unmatched:
+        raise ValueError(f"lora_target_modules={shown}: no module of {type(model).__name__} is named "
+                         f"{', '.join(unmatched)} (its linear layers: {', '.join(_linear_names(model))})")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for path in adapted:
+        for p in model.get_submodule(path).get_base_layer().parameters(recurse=False):
+            if len(names[id(p)]) > 1:
+                raise ValueError(f"lora_target_modules={shown}: {path} holds a tied weight "
+                                 f"({', '.join(names[id(p)])}); expected modules inside the blocks")
+
+
+def add_lora(stage: nn.Module, config: Any, seed: int, dtype: torch.dtype) -> None:
+    """Inject `config`'s adapters into `stage` (PEFT's layers), seeded by module name; freeze all but them and
+    `config.modules_to_save`; cast what trains to `dtype`. ValueError when the stage holds no target."""
+    from peft import inject_adapter_in_model
+
+    injected = copy.copy(config)
+    injected.modules_to_save = None  # the head trains as it is: no PEFT wrapper renaming its weights
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inject_adapter_in_model(injected, stage)
+    except ValueError:
+        targets = config.target_modules
+        shown = targets if isinstance(targets, str) else ",".join(sorted(targets))
+        raise ValueError(f"lora_target_modules={shown}: stage {getattr(stage, 'stage_index', 0)} holds none of "
+                         "them; expected targets every stage holds (in its blocks)") from None
+    from .stages.base import present
+
+    for path in config.modules_to_save or ():
+        module = present(stage, path)
+        if module is not None:
+            module.requires_grad_(True)
+    with torch.no_grad():
+        for p in stage.parameters():
+            if p.requires_grad and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    seed_adapters(stage, seed)  # drawn in the adapters' own dtype (PEFT makes them the base's first)
+
+
+def seed_adapters(model: nn.Module, seed: int) -> None:
+    """Give every adapter its initial values (PEFT's: A uniform as nn.Linear's, B zero) from a generator seeded by
+    its module's name in `model`: a stage and the unpartitioned model it mirrors draw the same values."""
+    for name in _adapted(model):
+        torch.manual_seed(derive_seed(seed, "lora", name))
+        model.get_submodule(name).reset_lora_parameters(ADAPTER, True)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return ADAPTER in getattr(model, "peft_config", {})
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with each adapter folded into its base weight (W + B A scale, in float32), under the
+    names the model had before the adapters came; the adapters' own tensors left out."""
+    layers = {path: model.get_submodule(path) for path in _adapted(model)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        path, _, leaf = key.rpartition(".")
+        owner, _, part = path.rpartition(".")
+        if owner in layers and part == "base_layer":
+            if leaf == "weight":
+                value = value.float() + layers[owner].get_delta_weight(ADAPTER).detach().float()
+            out[f"{owner}.{leaf}"] = value
+        elif not any(key.startswith(f"{p}.") for p in layers):
+            out[key] = value
+    return out
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What trains, by the names `PeftModel.save_pretrained` writes (the adapter name dropped, `base_model.model.`
+    before each): the adapters and the head trained in full."""
+    from peft import get_peft_model_state_dict
+
+    out = dict(get_peft_model_state_dict(model, adapter_name=ADAPTER))
+    out.update({name: p for name, p in model.named_parameters() if p.requires_grad and ".lora_" not in name})
+    return {PEFT_PREFIX + name: value.detach() for name, value in out.items()}

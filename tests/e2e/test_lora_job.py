@@ -1,0 +1,111 @@
+"""`aqpipe causal-lm --lora_rank` on a tied Llama as it ships (bf16 safetensors shards), on 2 stages under torchrun
+with AQ-SGD on: the adapter PEFT loads, the merged model equal to base + adapter, the base left as it came; and a
+classifier whose new head trains beside the adapters, through `aqpipe.finetune`."""
+import hashlib
+import json
+import subprocess
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, BertConfig,
+                          BertForSequenceClassification, LlamaConfig, LlamaForCausalLM)
+
+import aqpipe
+from aqpipe import data
+from tests.helpers.processes import checkout_env, free_port
+
+QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
+         "--num_micro_batches", "2", "--max_steps", "3", "--lr", "1e-2"]
+
+
+def digests(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_a_bf16_tied_llama_trains_adapters_on_two_stages_and_exports_adapter_and_merged_model(tmp_path):
+    tokenizer = data.load_tokenizer(None)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    source = tmp_path / "llama"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(source, max_shard_size="200KB")
+    tokenizer.save_pretrained(source)
+    before = digests(source)
+    out = tmp_path / "out"
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "aqpipe", "causal-lm",
+           "--model", str(source), "--lora_rank", "4", "--lora_alpha", "16", *QUICK, "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert digests(source) == before  # the base is read, never written
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "lr" in line]
+    assert len(steps) == 3 and all(s["tie_bytes"] == 0 and s["fwd_bytes"] > 0 for s in steps)  # the tie is frozen
+
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter_config["target_modules"]) == ["q_proj", "v_proj"]  # PEFT's default for Llama
+    assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 16)
+    assert adapter_config["base_model_name_or_path"] == str(source)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), out / "adapter")
+    assert any(float(v.abs().max()) > 0 for k, v in load_file(out / "adapter" / "adapter_model.safetensors").items()
+               if "lora_B" in k)  # trained: B starts at zero
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert merged.dtype == torch.bfloat16 and merged.lm_head.weight is merged.model.embed_tokens.weight
+    base = AutoModelForCausalLM.from_pretrained(source).state_dict()
+    folded = {name.removeprefix("base_model.model.").replace(".base_layer", ""): layer
+              for name, layer in tuned.named_modules() if hasattr(layer, "get_delta_weight")}
+    for name, value in merged.state_dict().items():
+        module = name.rpartition(".")[0]
+        expected = base[name] if module not in folded else \
+            (base[name].float() + folded[module].get_delta_weight("default").float()).to(torch.bfloat16)
+        assert torch.equal(value, expected), name  # W + B A alpha / r, rounded once to the checkpoint's dtype
+    assert len(folded) == 2 * config.num_hidden_layers
+    ids = torch.tensor([tokenizer("To be, or not to be").input_ids])
+    torch.testing.assert_close(merged.float()(ids).logits, tuned.float()(ids).logits, atol=0.05, rtol=0.05)
+
+
+def test_a_classifier_trains_its_new_head_beside_the_adapters_through_the_api(tmp_path):
+    tokenizer = data.load_tokenizer(None, cls_sep=True)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, num_labels=2,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    source = tmp_path / "bert"
+    BertForSequenceClassification(config).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    summary = aqpipe.finetune("classify", model=str(source), lora_rank=2, seq_len=32, max_train_samples=16,
+                              max_eval_samples=8, micro_batch_size=4, num_micro_batches=2, max_steps=2,
+                              output_dir=str(tmp_path / "out"))
+    assert summary["steps"] == 2
+    adapter = tmp_path / "out" / "adapter"
+    adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+    assert adapter_config["task_type"] == "SEQ_CLS" and adapter_config["modules_to_save"] == ["bert.pooler",
+                                                                                             "classifier"]
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert "base_model.model.classifier.weight" in weights  # the head, whole
+    base = AutoModelForSequenceClassification.from_pretrained(source)
+    tuned = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(source), adapter)
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "model")
+    assert not torch.equal(merged.classifier.weight, base.classifier.weight)
+    ids = tokenizer(["a sentence to classify"], return_tensors="pt")
+    tuned.eval(), merged.eval()
+    torch.testing.assert_close(merged(**ids).logits, tuned(**ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, line", [
+    ({"lora_alpha": 16}, "lora_alpha=16 without --lora_rank: expected a LoRA rank >= 1 to adapt with"),
+    ({"lora_rank": 4, "lora_target_modules": "q_proj,v_prj"}, "lora_target_modules=q_proj,v_prj: no module of "
+                                                              "LlamaForCausalLM is named v_prj (its linear layers: "),
+    ({"lora_rank": 4, "lora_target_modules": "qkv"}, "lora_target_modules=qkv: "),
+    ({"lora_rank": 4, "lora_target_modules": "lm_head"}, "lora_target_modules=lm_head: lm_head holds a tied weight"),
+])
+def test_bad_lora_settings_are_refused_in_one_line_before_anything_runs(tmp_path, flags, line):
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError) as caught:
+        aqpipe.finetune("causal-lm", model=str(tmp_path / "llama"), output_dir=str(tmp_path / "out"), **flags)
+    assert str(caught.value).startswith(line) and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
