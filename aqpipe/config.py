@@ -11,6 +11,7 @@ one line naming it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -92,15 +93,16 @@ class RunConfig:
     param_dtype: str = _flag("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")
-    lora_rank: int = _flag(0, "train LoRA adapters of this rank (PEFT's layers, in every stage) instead of every "
-                              "weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes under "
-                              "bf16 autocast), only the adapters (and a new classification head) get gradients, "
-                              "optimizer state and data-parallel traffic; exports <output_dir>/adapter beside the "
-                              "merged model (0: off)")
+    lora_rank: int = _flag(0, "train LoRA adapters of this rank (PEFT's layers, in every stage's blocks) instead of "
+                              "every weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes "
+                              "under bf16 autocast; a float16 one is held in float32), only the adapters (and a new "
+                              "classification head) get gradients, optimizer state and data-parallel traffic; "
+                              "exports <output_dir>/adapter beside the merged model (0: off)")
     lora_alpha: float | None = _flag(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
                                            "default: PEFT's, 8")
     lora_dropout: float | None = _flag(None, "dropout on the adapters' input; default: PEFT's, 0")
-    lora_target_modules: list[str] | None = _flag(None, "the modules to adapt: comma-separated names, or all-linear; "
+    lora_target_modules: list[str] | None = _flag(None, "the modules to adapt, inside the blocks: comma-separated "
+                                                        "names, or all-linear; "
                                                         "default: PEFT's for the architecture (q_proj,v_proj for the "
                                                         "Llama lineage, c_attn for GPT2, query_proj,value_proj for "
                                                         "DeBERTa, query,value for BERT)")
@@ -265,8 +267,8 @@ def _check_lora(cfg: RunConfig) -> None:
         if others:
             raise ValueError(f"{', '.join(others)} without --lora_rank: expected a LoRA rank >= 1 to adapt with")
         return
-    if cfg.lora_alpha is not None and (isinstance(cfg.lora_alpha, bool) or
-                                       not isinstance(cfg.lora_alpha, (int, float)) or not cfg.lora_alpha > 0):
+    if cfg.lora_alpha is not None and (isinstance(cfg.lora_alpha, bool) or not isinstance(cfg.lora_alpha, (int, float))
+                                       or not 0 < cfg.lora_alpha < math.inf):
         raise ValueError(f"lora_alpha={cfg.lora_alpha!r}: expected a positive number")
     if cfg.lora_dropout is not None and not (isinstance(cfg.lora_dropout, (int, float)) and
                                              0 <= cfg.lora_dropout < 1):

@@ -56,6 +56,20 @@ def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _fresh(partial: Path) -> None:
+    """An empty `partial` directory (one left by a run stopped while exporting is removed)."""
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """`partial`, complete, renamed to `target`: a loader never sees half of it."""
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(partial, target)
+
+
 def _gathered(entry: dict[str, Any], world: World) -> list[dict[str, Any]]:
     """Every rank's entry, on rank 0 (the others get an empty list)."""
     if not world.distributed:
@@ -73,9 +87,7 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
     stages = groups.grid.stages
     entry: dict[str, Any] = {"files": {}, "bytes": 0}
     if world.rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)  # a run stopped while exporting
-        partial.mkdir(parents=True)
+        _fresh(partial)
     barrier(world)
     if groups.replica == 0:
         tensors = stage_tensors(engine, spec.dtype)
@@ -99,9 +111,7 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
 
         GenerationConfig.from_model_config(config).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(partial, target)  # never leave a half-written model where a loader looks
+    _publish(partial, target)
     return str(target)
 
 
@@ -116,14 +126,10 @@ def save_adapter(engine: PipelineEngine, config: Any, cfg: RunConfig, world: Wor
         return None
     out = Path(cfg.output_dir)
     partial, target = out / "adapter.partial", out / "adapter"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    _fresh(partial)
     _write_shard({k: v for entry in entries for k, v in sorted(entry.items())}, partial / ADAPTER_WEIGHTS)
     saved = copy.copy(config)
     saved.base_model_name_or_path, saved.inference_mode = cfg.model, True
     saved.save_pretrained(str(partial))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(partial, target)
+    _publish(partial, target)
     return str(target)

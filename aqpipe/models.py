@@ -156,12 +156,14 @@ def label_maps(label_names: list[str] | None) -> dict[str, dict]:
 
 
 def resolve_model(model: str | None, shape: str, kind: str, tokenizer: Any, seq_len: int, num_labels: int | None,
-                  label_names: list[str] | None = None, dropout: float | None = None) -> ModelSpec:
+                  label_names: list[str] | None = None, dropout: float | None = None,
+                  frozen: bool = False) -> ModelSpec:
     """The spec of `--model` for this task and tokenizer (identical on every rank).
 
     A classifier's config maps label ids to `label_names` (the data's, e.g. a CSV's string labels) where given;
     `dropout` sets every dropout probability (None: the model's own). A vocabulary smaller than the tokenizer's grows
-    (the new rows start at the mean of the stored ones); a larger one (padded for speed, as Qwen's) is kept."""
+    (the new rows start at the mean of the stored ones); a larger one (padded for speed, as Qwen's) is kept. A
+    `frozen` model (LoRA's base) cannot grow: its new rows would never train."""
     labels = label_maps(label_names) if kind == "classification" else {}
     extra = {"num_labels": num_labels, **labels} if kind == "classification" and num_labels else labels
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -179,6 +181,10 @@ def resolve_model(model: str | None, shape: str, kind: str, tokenizer: Any, seq_
                                         f"shards, {SINGLE}, or pytorch_model.bin)")
             weights = (lambda: CheckpointReader(local)) if local.is_dir() else _hub_reader(model)
     vocab = len(tokenizer)
+    if frozen and weights is not None and config.vocab_size < vocab:
+        raise ValueError(f"lora_rank with a tokenizer of {vocab} tokens over model={model!r}'s {config.vocab_size}: "
+                         "expected the model's own tokenizer (LoRA keeps the embeddings frozen, so rows for new "
+                         "tokens would never train)")
     if config.vocab_size != vocab and (weights is None or config.vocab_size < vocab):
         config.vocab_size = vocab
         # a config written for another vocabulary (GPT2's 50256) names special tokens this tokenizer has elsewhere

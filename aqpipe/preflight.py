@@ -135,7 +135,7 @@ def _check_model_shape(cfg: "RunConfig") -> None:
         if cfg.lora() is not None:  # targets resolved on the model's own modules (no weight read)
             from pipeline.lora import lora_config
 
-            lora_config(cls, config, cfg.lora(), train_head=cfg.task == "classification")
+            lora_config(cls, config, cfg.lora(), cfg.task == "classification", cfg.pipeline_stages, cfg.partition)
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
         positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         name = repr(cfg.model)

@@ -151,7 +151,8 @@ def model_spec(cfg: RunConfig, task: Task, tokenizer: Any, train_set: Any) -> Mo
     if positions is not None and cfg.seq_len > positions:  # a hub model not cached when the config was checked
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
     return resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.seq_len,
-                         getattr(train_set, "num_labels", None), getattr(train_set, "label_names", None), cfg.dropout)
+                         getattr(train_set, "num_labels", None), getattr(train_set, "label_names", None), cfg.dropout,
+                         frozen=cfg.lora_rank > 0)
 
 
 def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int, total_steps: int,
@@ -162,8 +163,10 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     grid = Grid.for_world(world.size, cfg.pipeline_stages)
     groups = build_groups(grid, world.rank)
     trained = getattr(torch, cfg.param_dtype)
+    # the frozen base in its checkpoint's dtype, but float16's (which computes only with a loss scaler) in float32
+    frozen = torch.float32 if spec.dtype == torch.float16 else spec.dtype
     stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
-                                      dtype=spec.dtype if adapters is not None else trained, device=world.device,
+                                      dtype=frozen if adapters is not None else trained, device=world.device,
                                       activation_checkpointing=cfg.activation_checkpointing)
     if cfg.dropout is not None:
         set_dropout(stage, None, float(cfg.dropout))
@@ -195,8 +198,8 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps)
-    adapters = None if cfg.lora() is None else \
-        lora_config(spec.model_class, spec.config, cfg.lora(), train_head=task.kind == "classification")
+    adapters = None if cfg.lora() is None else lora_config(
+        spec.model_class, spec.config, cfg.lora(), task.kind == "classification", cfg.pipeline_stages, cfg.partition)
     engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]

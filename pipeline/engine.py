@@ -130,9 +130,10 @@ class PipelineEngine:
         self.compression = (compression or CompressionConfig()).validate()
         self.device, self.seed = torch.device(device), seed
         self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
-        # weights of several dtypes (a frozen bf16 base under float32 LoRA adapters) multiply only under autocast
+        # bf16 weights beside float32 ones (a frozen bf16 base under float32 LoRA adapters, or float32 under bf16
+        # ones) multiply only under autocast
         dtypes = {p.dtype for p in stage.parameters() if p.is_floating_point()}
-        self.bf16 = bf16 or len(dtypes) > 1
+        self.bf16 = bf16 or (torch.bfloat16 in dtypes and len(dtypes) > 1)
         # activations cross in bf16 under bf16 autocast or with bf16 weights (which compute in bf16), else float32
         self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
@@ -178,7 +179,7 @@ class PipelineEngine:
                         incoming=self.groups.channel(BOUNDARY, *in_link))
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bfloat16 autocast with --bf16, else nothing."""
+        """bfloat16 autocast with --bf16 or bf16 weights beside float32 ones, else nothing."""
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -345,7 +346,7 @@ class PipelineEngine:
 
     def _frozen(self) -> set[str]:
         """The names of the stage's weights that never train (LoRA's base): the model's, not the run's state."""
-        return {name for name, p in self.stage.named_parameters() if not p.requires_grad}
+        return {name for name, p in self.stage.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the engine needs to continue exactly: weights that train, optimizer, LR scheduler, step,
