@@ -1,13 +1,15 @@
 """The test suite's markers: the tests are laid out by what they start: `unit/` (one process, seconds),
 `multiprocess/` (gloo process groups spawned in-process), `e2e/` (the launchers, recipes, benchmarks and an installed
 wheel as users run them). Each folder's tests carry its name as a marker: `pytest -m unit` runs the quick ones.
-Shared helpers live in `tests/helpers/` (processes, the toy pipeline, the data-parallel toy, files, the reference).
+Shared helpers live in `tests/helpers/` (processes, the toy pipeline, the data-parallel toy, files, the reference,
+the built-in corpus's fixtures).
 """
 from __future__ import annotations
 
 import pytest
 
 LAYERS = ("unit", "multiprocess", "e2e")
+pytest_plugins = ("tests.helpers.shakespeare",)  # the built-in corpus's fixtures, for the data tests
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

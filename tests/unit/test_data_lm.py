@@ -1,0 +1,142 @@
+"""Causal LM data (aqpipe/data/lm.py): exact blocks with stable ids, a disjoint eval tail, the token cache, local
+tables and hub splits, bounded tokenizing; bad input named."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aqpipe import data
+from aqpipe.data import classification as classification_module
+from aqpipe.data import lm as lm_module
+from aqpipe.data import tokens as sources
+from tests.helpers.files import write_table
+from tests.helpers.shakespeare import SEQ, small_text
+
+pytestmark = pytest.mark.usefixtures("use_cache")
+
+
+def test_lm_blocks_have_exact_length_and_stable_ids(shakespeare_lm, tok, text):
+    train = shakespeare_lm["train"]
+    assert len(train) > 10_000
+    item = train[7]
+    assert item["input_ids"].shape == item["attention_mask"].shape == item["labels"].shape == (SEQ,)
+    assert item["sample_id"].dim() == 0 and item["sample_id"].item() == 7 and item["input_ids"].dtype == torch.int64
+    assert torch.equal(train.tensors["sample_id"], torch.arange(len(train)))
+    assert torch.equal(train.tensors["labels"], train.tensors["input_ids"])
+    assert bool(train.tensors["attention_mask"].eq(1).all())
+    assert tok.decode(train[1000]["input_ids"]) in text  # blocks are consecutive pieces of the text
+    again = data.lm_dataset("shakespeare", tok, SEQ)  # from the token cache
+    assert torch.equal(again.tensors["input_ids"], train.tensors["input_ids"])
+
+
+def test_lm_eval_split_is_the_disjoint_tail(shakespeare_lm, tok):
+    train, ev = shakespeare_lm["train"], shakespeare_lm["eval"]
+    everything = data.lm_dataset(None, tok, SEQ, eval_fraction=0.0)
+    assert len(train) + len(ev) == len(everything) and 0.04 < len(ev) / len(everything) < 0.06
+    assert torch.equal(torch.cat([train.tensors["input_ids"], ev.tensors["input_ids"]]),
+                       everything.tensors["input_ids"])
+    assert torch.equal(ev.tensors["sample_id"], torch.arange(len(ev)))
+
+
+def test_lm_tokens_are_the_same_with_or_without_the_cache(tok, text, tmp_path, monkeypatch):
+    path = tmp_path / "part.txt"
+    path.write_text(small_text(text))
+    first = data.lm_dataset(str(path), tok, SEQ)
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "fresh"))
+    fresh = data.lm_dataset(path, tok, SEQ)
+    cached = data.lm_dataset(path, tok, SEQ)
+    assert torch.equal(first.tensors["input_ids"], fresh.tensors["input_ids"])
+    assert torch.equal(fresh.tensors["input_ids"], cached.tensors["input_ids"])
+    whole = tok(small_text(text))["input_ids"]
+    assert abs(len(whole) - (len(first) + len(data.lm_dataset(path, tok, SEQ, "eval"))) * SEQ) < SEQ + 20
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv", ".parquet"])
+def test_lm_from_local_tables_joins_rows_with_eos(tok, tmp_path, suffix):
+    rows = [{"text": f"Row {i}: the quality of mercy is not strain'd, it droppeth as the gentle rain.", "n": i}
+            for i in range(40)]
+    ds = data.lm_dataset(write_table(tmp_path / f"t{suffix}", rows), tok, 16, eval_fraction=0.0)
+    expected = [i for r in rows for i in tok(r["text"])["input_ids"] + [tok.eos_token_id]]
+    assert len(ds) == len(expected) // 16 and len(ds) > 20
+    assert ds.tensors["input_ids"].flatten().tolist() == expected[: len(ds) * 16]
+
+
+def test_lm_text_column_is_chosen_and_checked(tok, tmp_path):
+    path = write_table(tmp_path / "b.jsonl", [{"body": "Once more unto the breach, dear friends", "n": 1}] * 50)
+    assert len(data.lm_dataset(path, tok, 8)) == len(data.lm_dataset(path, tok, 8, text_column="body")) > 0
+    two = write_table(tmp_path / "c.jsonl", [{"body": "Once more unto the breach", "title": "Henry V"}] * 50)
+    with pytest.raises(ValueError, match=r"no column 'text' and 2 string columns.*--text_column"):
+        data.lm_dataset(two, tok, 8)
+    with pytest.raises(ValueError, match=r"no column 'lines' \(columns found: \['body', 'title'\]\)"):
+        data.lm_dataset(two, tok, 8, text_column="lines")
+    assert len(data.lm_dataset(two, tok, 8, text_column="title")) > 0
+
+
+def test_lm_bad_inputs_are_named(tok, tmp_path, offline_hub):
+    with pytest.raises(FileNotFoundError, match="nothing.txt"):
+        data.lm_dataset(str(tmp_path / "nothing.txt"), tok, SEQ)
+    with pytest.raises(FileNotFoundError, match="data/missing.csv"):
+        data.lm_dataset("data/missing.csv", tok, SEQ)
+    (tmp_path / "x.xml").write_text("<a/>")
+    with pytest.raises(ValueError, match=r"unsupported file type '\.xml'"):
+        data.lm_dataset(tmp_path / "x.xml", tok, SEQ)
+    with pytest.raises(ValueError, match="is a directory"):
+        data.lm_dataset(tmp_path, tok, SEQ)
+    with pytest.raises(ValueError, match=r"'wikitext' \(config 'wikitext-2-raw-v1'\) from the HuggingFace hub"):
+        data.lm_dataset("wikitext", tok, SEQ)
+    for bad in (1, 0, 2.5):
+        with pytest.raises(ValueError, match=rf"seq_len={bad}: expected an int >= 2"):
+            data.lm_dataset(None, tok, bad)
+    with pytest.raises(ValueError, match="split='test'"):
+        data.lm_dataset(None, tok, SEQ, "test")
+    with pytest.raises(ValueError, match="eval_fraction=1.5"):
+        data.lm_dataset(None, tok, SEQ, eval_fraction=1.5)
+    (tmp_path / "short.txt").write_text("Brevity is the soul of wit.")
+    with pytest.raises(ValueError, match=r"'.*short.txt' has \d+ tokens: 0 blocks of seq_len=32"):
+        data.lm_dataset(tmp_path / "short.txt", tok, SEQ)
+
+
+def test_hub_dataset_splits_are_used_where_the_hub_has_them(tok, monkeypatch):
+    import datasets
+    rows = lambda word: [{"text": f"{word} {i} " * 6} for i in range(30)]  # noqa: E731
+    hub = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("train")),
+                                "validation": datasets.Dataset.from_list(rows("valid"))})
+    asked = []
+    monkeypatch.setattr(lm_module, "load_hub", lambda name, config: asked.append((name, config)) or hub)
+    train, ev = (data.lm_dataset("wikitext", tok, 8, split) for split in ("train", "eval"))
+    assert asked == [("wikitext", "wikitext-2-raw-v1")] * 2
+    assert "valid" in tok.decode(ev[0]["input_ids"]) and "train" in tok.decode(train[len(train) - 1]["input_ids"])
+    only_train = datasets.DatasetDict({"train": hub["train"]})
+    monkeypatch.setattr(lm_module, "load_hub", lambda name, config: only_train)
+    carved = data.lm_dataset("someone/corpus", tok, 8, "eval", eval_fraction=0.2)
+    assert "train" in tok.decode(carved[0]["input_ids"]) and len(carved) == math.ceil(len(train) * 0.2)
+
+
+def test_glue_tasks_take_their_columns_and_evaluation_split(cls_tok, monkeypatch):
+    import datasets
+    table = lambda tag: datasets.Dataset.from_list(  # noqa: E731
+        [{"question": f"{tag} q{i}?", "sentence": f"{tag} s{i}.", "label": i % 2, "idx": i} for i in range(10)])
+    monkeypatch.setattr(classification_module, "load_hub", lambda name, config: datasets.DatasetDict(
+        {"train": table("tr"), "validation": table("va"), "test": table("te")}))
+    ev = data.classification_dataset("glue/qnli", cls_tok, 16, "eval")
+    assert ev.num_labels == 2 and ev.examples[3] == ("va q3?", "va s3.", 1)
+    assert (ev.tensors["token_type_ids"].sum(1) > 0).all()
+
+
+def test_a_large_text_is_tokenized_in_bounded_batches_with_the_same_ids(tok, text, monkeypatch):
+    """Memory stays bounded: the tokenizer never sees more than a batch of chunks at once (the whole of a 121 MB
+    corpus at once peaked at 6.2 GB), and the ids are those of one call over every chunk."""
+    sample = text[:200_000]
+    chunks = list(sources._line_chunks(sample))
+    whole = np.concatenate([np.asarray(ids, np.int64) for ids in sources._encode(tok, chunks)])
+    calls = []
+    encode = sources._encode
+    monkeypatch.setattr(sources, "_encode", lambda t, texts: calls.append(len(texts)) or encode(t, texts))
+    batched = sources._tokenize_documents(sample, tok, batch_texts=16)
+    assert np.array_equal(batched, whole)
+    assert max(calls) == 16 and len(calls) == math.ceil(len(chunks) / 16)
+    rows = ["first row", "second row", "third"]
+    eos = tok.eos_token_id
+    assert sources._tokenize_documents(rows, tok, batch_texts=2).tolist() == \
+        [i for row in rows for i in [*tok(row, add_special_tokens=False)["input_ids"], eos]]
