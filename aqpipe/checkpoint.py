@@ -5,10 +5,12 @@
     <output_dir>/checkpoints/step_00000040/manifest.json           config fingerprint, files, sha256
     <output_dir>/checkpoints/latest                                 "step_00000040"
 
-Every rank writes its files into `step_N.partial` (temporary name, fsync, rename); rank 0
-gathers their checksums, writes the manifest, renames the directory to `step_N` and only
-then moves `latest`. A crash at any point leaves either the previous checkpoint or a
-directory without a manifest, which never loads. Files load with torch.load(weights_only=True):
+Every rank writes its files into `step_N.partial` on its own storage (temporary name, fsync, rename); rank 0
+gathers their checksums over the process group, and on each storage the ranks share (one machine's disk, or a
+filesystem every machine mounts: storage.py) one rank writes the manifest, renames the directory to `step_N` and
+only then moves `latest`. No filesystem need be shared: each machine holds its own ranks' files. A crash at any
+point leaves either the previous checkpoint or a directory without a manifest, which never loads; a resume takes
+the newest step every rank holds complete (`agree`). Files load with torch.load(weights_only=True):
 a checkpoint is data, never code. The manifest's fingerprint is plain JSON, so a resume from
 another stage count, model or codec config is refused before any process group starts.
 """
@@ -28,6 +30,8 @@ import torch
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .storage import Storage
+    from .world import World
 
 FORMAT = 4  # 3: the compression and data-parallel settings are nested sections; 4: LR schedule iteration k = step k
 LATEST = "latest"
@@ -193,13 +197,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- save and load
-def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", rank: int,
-         world_size: int, barrier: Any, keep: int | None = None) -> Path:
+def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", world: "World",
+         storage: "Storage", keep: int | None = None) -> Path:
     """Every rank calls this after step `step`; returns the checkpoint directory.
 
-    `progress` is the training loop's own state (data position, totals, losses, metrics time).
-    `barrier()` is the only collective: after it, every rank's file and its checksum note are
-    complete, and rank 0 writes the manifest and moves the `latest` marker."""
+    `progress` is the training loop's own state (data position, totals, losses, metrics time). Each rank writes its
+    files on its own storage; after a barrier (no deadline: a large stage takes what it takes to write), rank 0
+    gathers every rank's checksums over the process group, and every finalizer (one per storage: storage.py)
+    writes the same manifest into its copy of the directory, renames it into place and moves its `latest`."""
+    from .storage import broadcast, gather
+    from .world import barrier
+
     state = engine.state_dict()
     place = state["place"]
     partial = root / f"step_{step:08d}.partial"
@@ -211,17 +219,19 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     record = {"fingerprint": fingerprint(cfg), "step": step, "engine": state, "progress": progress,
               "rng": rng_state(), "external_buffers": externals}
     name = rank_file(place["stage"], place["replica"])
-    note = {"rank": rank, "file": name, "sha256": write_state(partial / name, record), "external_buffers": externals}
-    _atomic(partial / f"{name}.json", lambda f: f.write(json.dumps(note).encode()))
-    barrier()
-    final = step_dir(root, step)
-    if rank == 0:
-        notes = [json.loads(p.read_text()) for p in sorted(partial.glob("stage*_replica*.pt.json"))]
-        if sorted(n["rank"] for n in notes) != list(range(world_size)):
-            raise RuntimeError(f"checkpoint {partial}: notes from ranks {sorted(n['rank'] for n in notes)}, "
-                               f"expected all {world_size} (is output_dir on a filesystem every rank shares?)")
-        manifest = {"format": FORMAT, "step": step, "world_size": world_size, "fingerprint": fingerprint(cfg),
+    note = {"rank": world.rank, "file": name, "sha256": write_state(partial / name, record),
+            "external_buffers": externals}
+    barrier(world)  # every rank's files complete
+    notes = gather(note, world)
+    manifest = None
+    if notes is not None and sorted(n["rank"] for n in notes) == list(range(world.size)):
+        manifest = {"format": FORMAT, "step": step, "world_size": world.size, "fingerprint": fingerprint(cfg),
                     "files": sorted(notes, key=lambda n: n["rank"])}
+    manifest = broadcast(manifest, world)
+    if manifest is None:
+        raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")
+    final = step_dir(root, step)
+    if storage.finalizer:
         _atomic(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         if final.exists():
             shutil.rmtree(final)  # a stale copy from an earlier attempt at the same step
@@ -229,7 +239,48 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
         _fsync_dir(root)
         _atomic(root / LATEST, lambda f: f.write(f"{final.name}\n".encode()))  # only now is it the one to load
         _prune(root, keep, final)
+    barrier(world)  # every storage's copy in place before any rank goes on
     return final
+
+
+def complete_steps(root: Path, rank: int) -> list[int]:
+    """The steps under `root` whose checkpoint is complete here and holds this rank's file."""
+    steps = []
+    for directory in sorted(root.glob("step_*")):
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue  # unfinished
+        entry = next((f for f in manifest.get("files", []) if f.get("rank") == rank), None)
+        if entry is not None and (directory / entry["file"]).is_file():
+            steps.append(int(manifest["step"]))
+    return steps
+
+
+def agree(found: Path | None, root: Path, world: "World") -> Path | None:
+    """The checkpoint every rank resumes from (None: every rank starts fresh): the one each found on its own
+    storage (`found`, under `root`) when they agree, else the newest step every rank holds complete (a machine
+    stopped while the others finalized a later one). ValueError, on every rank alike, when some rank resumes and
+    they hold no step in common."""
+    from .storage import broadcast, gather
+
+    here = {"name": found.name if found is not None else None, "steps": complete_steps(root, world.rank)}
+    everyone = gather(here, world)
+    verdict: Any = None
+    if everyone is not None:
+        names = {e["name"] for e in everyone}
+        common = set.intersection(*(set(e["steps"]) for e in everyone))
+        if len(names) == 1:
+            verdict = names.pop() or ""
+        elif common:
+            verdict = step_dir(Path(), max(common)).name
+        else:
+            verdict = f"resume: no checkpoint every rank holds complete (steps by rank: " \
+                      f"{[e['steps'] for e in everyone]})"
+    verdict = broadcast(verdict, world)
+    if verdict and not verdict.startswith("step_"):
+        raise ValueError(verdict)
+    return root / verdict if verdict else None
 
 
 def _prune(root: Path, keep: int | None, newest: Path) -> None:

@@ -4,7 +4,8 @@ Each stage of replica 0 writes its own weights as one shard, `model-0000s-of-000
 by its owner, under its first name, so `from_pretrained` ties it again), in the checkpoint's dtype; rank 0 writes
 `model.safetensors.index.json`, the config, the generation config and the tokenizer. Everything goes into
 `<output_dir>/model.partial`, renamed to `<output_dir>/model` once complete: a loader never sees half a model.
-Every rank writes into the output directory, so it must be one every rank shares (as checkpoints need).
+A stage whose rank does not share rank 0's storage (another machine, no shared filesystem) streams its tensors to
+rank 0 instead, which writes its shard: the model arrives complete on rank 0's machine.
 
 With LoRA the model is the merged one (each adapter folded into its base weight), and `<output_dir>/adapter` holds
 the adapters in PEFT's layout (`adapter_config.json`, `adapter_model.safetensors`), which
@@ -16,6 +17,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ from pipeline import PipelineEngine
 
 from .config import RunConfig
 from .models import ModelSpec
+from .storage import Storage
+from .stream import recv_tensors, send_tensors
 from .world import World, barrier
 
 INDEX = "model.safetensors.index.json"
@@ -79,22 +83,41 @@ def _gathered(entry: dict[str, Any], world: World) -> list[dict[str, Any]]:
     return out
 
 
+def _shard(stage: int, stages: int) -> str:
+    return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
 def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: RunConfig, world: World,
-               groups: Any) -> str | None:
-    """Write the fine-tuned model under `<output_dir>/model`; its path on rank 0, None elsewhere."""
+               groups: Any, storage: Storage | None = None) -> str | None:
+    """Write the fine-tuned model under `<output_dir>/model` on rank 0's storage; its path on rank 0, None elsewhere.
+
+    A stage whose rank shares rank 0's storage (`storage`: storage.py; default: every rank does) writes its shard
+    there itself; another streams its tensors to rank 0 (stream.py), which writes the shard."""
     out = Path(cfg.output_dir)
     partial, target = out / "model.partial", out / "model"
     stages = groups.grid.stages
+    storage = storage or Storage(world.rank, tuple(range(world.size)))
     entry: dict[str, Any] = {"files": {}, "bytes": 0}
     if world.rank == 0:
         _fresh(partial)
     barrier(world)
     if groups.replica == 0:
         tensors = stage_tensors(engine, spec.dtype)
-        shard = f"model-{groups.stage + 1:05d}-of-{stages:05d}.safetensors"
-        _write_shard(tensors, partial / shard)
+        shard = _shard(groups.stage, stages)
+        if storage.with_rank_zero:
+            _write_shard(tensors, partial / shard)
+        else:
+            send_tensors(tensors, 0, world.device)
         entry = {"files": dict.fromkeys(tensors, shard), "bytes": sum(t.numel() * t.element_size()
                                                                       for t in tensors.values())}
+    if world.rank == 0:  # the stages whose ranks write elsewhere, received one at a time
+        for stage in range(stages):
+            src = groups.pipeline_rank_of(stage)
+            if src not in storage.peers:
+                tensors = recv_tensors(src, world.device)
+                _write_shard(tensors, partial / _shard(stage, stages))
+                print(f"model: stage {stage}'s {sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6:.1f} "
+                      f"MB received from rank {src}", file=sys.stderr, flush=True)
     barrier(world)  # every shard complete
     entries = _gathered(entry, world)
     if world.rank != 0:

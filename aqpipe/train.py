@@ -32,6 +32,8 @@ from .export import save_adapter, save_model
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
 from .progress import Progress
+from .storage import Storage
+from .storage import detect as detect_storage
 from .models import ModelSpec, model_positions, resolve_model, set_dropout
 from .tasks import Task
 from .watchdog import Watchdog
@@ -137,9 +139,10 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
     return summary
 
 
-def clear_previous_results(cfg: RunConfig, world: World) -> None:
-    """--overwrite_output_dir: rank 0 removes another run's results, before the set-up barrier (no rank wrote yet)."""
-    if cfg.overwrite_output_dir and world.rank == 0:
+def clear_previous_results(cfg: RunConfig, storage: Storage) -> None:
+    """--overwrite_output_dir: one rank of each storage removes another run's results there, before anything is
+    written (no rank wrote yet)."""
+    if cfg.overwrite_output_dir and storage.finalizer:
         for name in preflight.previous_results(cfg.output_dir):
             path = Path(cfg.output_dir) / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -191,7 +194,11 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
 
 def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    clear_previous_results(cfg, world)
+    storage = detect_storage(cfg.output_dir, world)  # which ranks write where this one writes
+    clear_previous_results(cfg, storage)
+    checkpoints = Path(cfg.output_dir) / "checkpoints"
+    resumed = checkpoint.agree(Path(cfg.resume) if cfg.resume else None, checkpoints, world)
+    cfg = dataclasses.replace(cfg, resume=str(resumed) if resumed is not None else None)
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
     replicas = world.size // cfg.pipeline_stages
@@ -213,8 +220,8 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
     started, saved = time.perf_counter() - progress.elapsed, progress.step
 
     def save() -> None:
-        checkpoint.save(Path(cfg.output_dir) / "checkpoints", progress.step, engine, progress.state_dict(), cfg,
-                        world.rank, world.size, lambda: barrier(world), cfg.save_total_limit or None)
+        checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
+                        cfg.save_total_limit or None)
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
@@ -246,7 +253,7 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
         writer.write({"step": progress.step, **progress.evals})
     writer.close()
     elapsed = time.perf_counter() - started
-    model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups)
+    model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage)
     if adapters is not None:
         save_adapter(engine, adapters, cfg, world)
     return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,

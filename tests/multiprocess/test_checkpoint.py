@@ -12,6 +12,8 @@ import data_parallel
 from tests.helpers.processes import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from aqpipe import checkpoint
+from aqpipe.storage import Storage
+from aqpipe.world import World
 from aqpipe.config import RunConfig, validate
 from aqpipe import data
 from tests.helpers.toy import ToyStage, toy_dataset, toy_stages, toy_ties
@@ -123,7 +125,8 @@ def _cfg(tmp_path, **kw):
 
 def _save(tmp_path, engine, cfg, step):
     root = tmp_path / "out" / "checkpoints"
-    return checkpoint.save(root, step, engine, {"step": step}, cfg, 0, 1, lambda: None, keep=2)
+    return checkpoint.save(root, step, engine, {"step": step}, cfg, World(0, 1, 0, torch.device("cpu")),
+                           Storage(0, (0,)), keep=2)
 
 
 def test_a_damaged_or_unfinished_checkpoint_never_loads(tmp_path):

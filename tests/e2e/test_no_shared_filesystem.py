@@ -1,0 +1,82 @@
+"""Two machines without a shared filesystem, as two `torchrun --nnodes 2` launches each in a directory of its own
+(`--output_dir out`, relative): each holds only its own rank's checkpoint files, a machine killed mid-run leaves
+the two with different latest checkpoints, the resume takes the newest both hold, and the merged model arrives
+complete on node 0, streamed from node 1. The losses and the model are those of the run on one machine."""
+import json
+import subprocess
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers.processes import ROOT, checkout_env, free_port
+
+RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
+FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
+         "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "2", "--peer_timeout", "20",
+         "--output_dir", "out"]
+
+
+def one_machine(directory):
+    directory.mkdir()
+    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), RECIPE, *FLAGS]
+    proc = subprocess.run(cmd, cwd=directory, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def two_machines(nodes, *flags, fault=""):
+    """Node i's launcher started in nodes[i]; (status, stderr) of each."""
+    port = free_port()
+    procs = []
+    for i, directory in enumerate(nodes):
+        directory.mkdir(exist_ok=True)
+        cmd = ["torchrun", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr",
+               "127.0.0.1", "--master_port", str(port), RECIPE, *FLAGS, *flags]
+        procs.append(subprocess.Popen(cmd, cwd=directory, env=checkout_env(AQPIPE_FAULT=fault),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [(p.wait(), p.stderr.read()) for p in procs]
+
+
+def records(directory):
+    return [json.loads(line) for line in (directory / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_on_node_0(tmp_path):
+    one_machine(tmp_path / "ref")
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    (rc0, err0), (rc1, _) = two_machines(nodes, fault="kill:1:5")  # node 1's rank dies before step 5
+    assert rc0 != 0 and rc1 != 0 and "stopping: rank 1 (stage 1, replica 0)" in err0, err0[-2000:]
+    for rank, node in enumerate(nodes):  # each machine holds its own rank's files, and a manifest naming both
+        for step in ("step_00000002", "step_00000004"):
+            directory = node / "out" / "checkpoints" / step
+            assert sorted(p.name for p in directory.glob("*.pt")) == [f"stage{rank}_replica0.pt"]
+            assert [f["file"] for f in json.loads((directory / "manifest.json").read_text())["files"]] == [
+                "stage0_replica0.pt", "stage1_replica0.pt"]
+    # node 1 stopped before finalizing step 4 (the directory unrenamed, no manifest, latest still at step 2)
+    stopped = nodes[1] / "out" / "checkpoints"
+    (stopped / "step_00000004" / "manifest.json").unlink()
+    (stopped / "step_00000004").rename(stopped / "step_00000004.partial")
+    (stopped / "latest").write_text("step_00000002\n")
+
+    (rc0, err0), (rc1, err1) = two_machines(nodes, "--resume")
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert "model: stage 1's" in err0 and "received from rank 1" in err0  # streamed, not read from a shared disk
+    want, got = records(tmp_path / "ref"), records(nodes[0])
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # resumed at step 2, the newest both machines hold
+    for a, b in zip(want, got):
+        for key in ("loss", "eval_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a, b)
+    assert not (nodes[1] / "out" / "model").exists()
+    ref, merged = (AutoModelForCausalLM.from_pretrained(d / "out" / "model").state_dict()
+                   for d in (tmp_path / "ref", nodes[0]))
+    assert set(ref) == set(merged)
+    for key, value in ref.items():
+        assert torch.allclose(merged[key], value, rtol=1e-6, atol=0), key
