@@ -1,7 +1,8 @@
 """Two machines without a shared filesystem, as two `torchrun --nnodes 2` launches each in a directory of its own
-(`--output_dir out`, relative): each holds only its own rank's checkpoint files, a machine killed mid-run leaves
-the two with different latest checkpoints, the resume takes the newest both hold, and the merged model arrives
-complete on node 0, streamed from node 1. The losses and the model are those of the run on one machine."""
+(`--output_dir out`, relative) and, where namespaces can be built, a network namespace of its own on a shaped link:
+each holds only its own rank's checkpoint files, a machine killed mid-run leaves the two with different latest
+checkpoints, the resume takes the newest both hold, and the merged model arrives complete on node 0, streamed from
+node 1. The losses and the model are those of the run on one machine."""
 import json
 import subprocess
 import time
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.netns import Network, can_build
 from tests.helpers.processes import ROOT, checkout_env, free_port
 
 RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
@@ -25,16 +27,34 @@ def one_machine(directory):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def two_machines(nodes, *flags, fault=""):
-    """Node i's launcher started in nodes[i]; (status, stderr) of each."""
+@pytest.fixture(scope="module")
+def network():
+    """Two machines as two network namespaces joined by a shaped 200 Mbit/s link (benchmarks/netns.py) where they
+    can be built (root, iproute2); else both on loopback, which still keeps their directories apart."""
+    why_not = can_build()
+    if why_not is not None:
+        print(f"two machines on loopback: {why_not}")
+        yield None
+        return
+    with Network(2) as net:
+        net.shape("200mbit")
+        yield net
+
+
+def two_machines(nodes, network, *flags, fault=""):
+    """Node i's launcher started in nodes[i] (in namespace i where there is a network); (status, stderr) of each."""
     port = free_port()
     procs = []
     for i, directory in enumerate(nodes):
         directory.mkdir(exist_ok=True)
-        cmd = ["torchrun", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr",
-               "127.0.0.1", "--master_port", str(port), RECIPE, *FLAGS, *flags]
-        procs.append(subprocess.Popen(cmd, cwd=directory, env=checkout_env(AQPIPE_FAULT=fault),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        env, prefix, master = checkout_env(AQPIPE_FAULT=fault), [], "127.0.0.1"
+        if network is not None:
+            env["GLOO_SOCKET_IFNAME"] = network.interface(i)
+            prefix, master = network.exec_prefix(i), network.address(0)
+        cmd = [*prefix, "torchrun", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr",
+               master, "--master_port", str(port), RECIPE, *FLAGS, *flags]
+        procs.append(subprocess.Popen(cmd, cwd=directory, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
     deadline = time.monotonic() + 300
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -48,10 +68,10 @@ def records(directory):
     return [json.loads(line) for line in (directory / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_on_node_0(tmp_path):
+def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_on_node_0(tmp_path, network):
     one_machine(tmp_path / "ref")
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    (rc0, err0), (rc1, _) = two_machines(nodes, fault="kill:1:5")  # node 1's rank dies before step 5
+    (rc0, err0), (rc1, _) = two_machines(nodes, network, fault="kill:1:5")  # node 1's rank dies before step 5
     assert rc0 != 0 and rc1 != 0 and "stopping: rank 1 (stage 1, replica 0)" in err0, err0[-2000:]
     for rank, node in enumerate(nodes):  # each machine holds its own rank's files, and a manifest naming both
         for step in ("step_00000002", "step_00000004"):
@@ -65,7 +85,7 @@ def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_o
     (stopped / "step_00000004").rename(stopped / "step_00000004.partial")
     (stopped / "latest").write_text("step_00000002\n")
 
-    (rc0, err0), (rc1, err1) = two_machines(nodes, "--resume")
+    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--resume")
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "model: stage 1's" in err0 and "received from rank 1" in err0  # streamed, not read from a shared disk
     want, got = records(tmp_path / "ref"), records(nodes[0])
