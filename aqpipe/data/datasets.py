@@ -54,6 +54,8 @@ def limit(dataset: Dataset, max_samples: int | None) -> Dataset:
         raise ValueError(f"max_samples={max_samples!r}: expected None or an int >= 1")
     if max_samples >= len(dataset):
         return dataset
+    if hasattr(dataset, "limited"):  # a dataset that cuts its samples as they are asked for
+        return dataset.limited(max_samples)
     if not isinstance(dataset, TensorDictDataset):
         return torch.utils.data.Subset(dataset, range(max_samples))
     examples = dataset.examples[:max_samples] if dataset.examples is not None else None

@@ -3,9 +3,11 @@ into fixed-length blocks, each with a stable `sample_id`."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -15,12 +17,12 @@ from .corpus import fetch_shakespeare
 from .datasets import TensorDictDataset, check_seq_len, check_split, describe, split_slice
 from .sources import (HUB_DEFAULT_CONFIGS, TABLE_FORMATS, TEXT_SUFFIXES, column_texts, hub_split, load_hub, load_table,
                       local_file)
-from .tokens import token_stream
+from .tokens import token_file
 
 
 def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_len: int,
                split: str = "train", eval_fraction: float = 0.05, *, text_column: str | None = None,
-               dataset_config: str | None = None) -> TensorDictDataset:
+               dataset_config: str | None = None) -> Dataset:
     """Causal-LM samples: the text tokenized and cut into blocks of exactly `seq_len` tokens.
 
     Sources: None or "shakespeare" (built in), a local .txt, .json/.jsonl, .csv or .parquet file
@@ -28,7 +30,8 @@ def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_l
     document, followed by the eos token), or a hub dataset
     name with `dataset_config` (wikitext defaults to wikitext-2-raw-v1). The last `eval_fraction`
     of the blocks form the "eval" split (a hub dataset's own validation split where it has one).
-    Items: input_ids, attention_mask (ones), labels (= input_ids; the model shifts), sample_id.
+    Items: input_ids, attention_mask (ones), labels (= input_ids; the model shifts), sample_id, cut from the
+    memory-mapped token file as they are asked for (`TokenBlocks`).
 
     A table of conversations (`messages`) or prompt/completion pairs gives instruction samples instead: one per
     row, padded, labels -100 but on the assistant's tokens (chat.py).
@@ -45,22 +48,47 @@ def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_l
             raise ValueError(f"{where}: no sample left for the {split!r} split; expected more rows")
         tensors["sample_id"] = torch.arange(count, dtype=torch.int64)
         return TensorDictDataset(tensors, seq_len=seq_len, split=split)
-    ids = token_stream(text if table is None else column_texts(table, text_column, where), tokenizer)
+    ids = token_file(text if table is None else column_texts(table, text_column, where), tokenizer)
     count = len(ids) // seq_len
-    blocks = torch.from_numpy(ids[: count * seq_len]).view(count, seq_len)
-    if not presplit:
-        blocks = blocks[split_slice(count, split, eval_fraction)]
-    if len(blocks) == 0:
+    part = range(count)[split_slice(count, split, eval_fraction)] if not presplit else range(count)
+    if len(part) == 0:
         raise ValueError(f"text {describe(text_path_or_name)} has {len(ids)} tokens: {count} blocks of "
                          f"seq_len={seq_len}, none left for the {split!r} split; expected a longer text "
                          "or a smaller seq_len")
-    tensors = {"input_ids": blocks, "attention_mask": torch.ones_like(blocks), "labels": blocks.clone(),
-               "sample_id": torch.arange(len(blocks), dtype=torch.int64)}
-    return TensorDictDataset(tensors, seq_len=seq_len, split=split)
+    return TokenBlocks(ids, seq_len, part.start, len(part), split)
 
 
-def _lm_source(source: Any, split: str, dataset_config: str | None) -> tuple[str | None, Any, bool, str]:
-    """(text, None) or (None, a table), whether it already is the requested split (a hub dataset's own split),
+class TokenBlocks(Dataset):
+    """Causal-LM samples cut from a token file as they are asked for: sample i is tokens [(first + i) T,
+    (first + i + 1) T) of `tokens` (memory-mapped, uint16 or uint32), its attention mask ones and its labels its
+    ids. Nothing is stored per sample, so a rank's memory does not grow with the corpus. `sample_id` = i."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, first: int, count: int, split: str) -> None:
+        self.tokens, self.seq_len, self.first, self.count, self.split = tokens, seq_len, first, count, split
+
+    def __len__(self) -> int:
+        return self.count
+
+    def batch(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+        """The samples at `indices`, stacked (int64 ids, as the model takes them)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.count):
+            raise IndexError(f"sample indices {idx.min()}..{idx.max()}: expected 0..{self.count - 1}")
+        rows = (self.first + idx)[:, None] * self.seq_len + np.arange(self.seq_len)
+        ids = torch.from_numpy(self.tokens[rows].astype(np.int64))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+                "sample_id": torch.from_numpy(idx)}
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {name: t[0] for name, t in self.batch([index]).items()}
+
+    def limited(self, count: int) -> "TokenBlocks":
+        """The first `count` samples (ids unchanged)."""
+        return TokenBlocks(self.tokens, self.seq_len, self.first, min(count, self.count), self.split)
+
+
+def _lm_source(source: Any, split: str, dataset_config: str | None) -> tuple[Path | None, Any, bool, str]:
+    """(a text file, None) or (None, a table), whether it already is the requested split (a hub dataset's own split),
     and how to name it in a message. `source` may be a `datasets.Dataset` or `DatasetDict` a user's script built."""
     if hasattr(source, "column_names") and hasattr(source, "to_list"):  # a datasets.Dataset
         return None, source, False, "the dataset given"
@@ -68,12 +96,12 @@ def _lm_source(source: Any, split: str, dataset_config: str | None) -> tuple[str
         table, presplit = hub_split(source, split, "the dataset given")
         return None, table, presplit, "the dataset given"
     if source is None or str(source) == "shakespeare":
-        return fetch_shakespeare().read_text(encoding="utf-8"), None, False, "shakespeare"
+        return fetch_shakespeare(), None, False, "shakespeare"
     path = local_file(source)
     if path is not None:
         suffix = path.suffix.lower()
         if suffix in TEXT_SUFFIXES:
-            return path.read_text(encoding="utf-8"), None, False, str(path)
+            return path, None, False, str(path)
         if suffix in TABLE_FORMATS:
             return None, load_table(path), False, str(path)
         raise ValueError(f"{str(path)!r}: unsupported file type {suffix!r}; expected one of "

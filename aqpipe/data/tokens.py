@@ -1,12 +1,16 @@
 """Text to token ids: documents tokenized in line-aligned chunks, in parallel, and cached on disk by the text's and
-the tokenizer's digests, so processes that start together build the cache once."""
+the tokenizer's digests, so processes that start together build the cache once: a corpus's ids as a memory-mapped
+token file (`token_file`), a classification set's tensors as a torch file (`cached`)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
+import os
 import tempfile
-from typing import TYPE_CHECKING, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -21,14 +25,71 @@ _CHUNK_CHARS = 2000  # plain text is tokenized in line-aligned chunks, in parall
 
 
 _BATCH_TEXTS = 1024  # chunks (or table rows) per tokenizer call
+_READ_BYTES = 1 << 24  # a text file is hashed 16 MiB at a time
 
 
-def token_stream(documents: str | list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
-    """The token ids of a text, or of table rows each followed by eos, in one vector; cached on disk."""
-    rows = not isinstance(documents, str)
-    parts = [b"rows" if rows else b"text", *(d.encode("utf-8") for d in (documents if rows else [documents]))]
-    build = lambda: {"ids": torch.from_numpy(_tokenize_documents(documents, tokenizer))}  # noqa: E731
-    return cached(tokenizer, parts, build)["ids"].to(torch.int64).numpy()
+def token_file(source: Path | list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
+    """The token ids of a text file (tokenized in line-aligned chunks) or of table rows (each followed by eos), as
+    one read-only vector memory-mapped from a file in the cache: uint16 when the vocabulary fits, else uint32
+    (nanoGPT's train.bin). Built once per machine, streaming: memory stays near one batch of text whatever the
+    corpus's size; every process of the machine maps the same pages."""
+    dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
+    fingerprint = _tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:  # a tokenizer that cannot be fingerprinted is not cached
+        return np.concatenate([*_token_pieces(source, tokenizer), np.zeros(0, np.int64)]).astype(dtype)
+    key = sha256_hex(fingerprint.encode(), *_source_parts(source))[:32]
+    path = cache_root() / "tokens" / f"{key}.{np.dtype(dtype).name}.bin"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for ids in _token_pieces(source, tokenizer):
+                    ids.astype(dtype).tofile(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _source_parts(source: Path | list[str]) -> Iterator[bytes]:
+    """What the cache key covers: a file's bytes (read in pieces) or the rows' text."""
+    if isinstance(source, Path):
+        yield b"text"
+        digest = hashlib.sha256()
+        with open(source, "rb") as f:
+            while piece := f.read(_READ_BYTES):
+                digest.update(piece)
+        yield digest.digest()
+    else:
+        yield b"rows"
+        yield from (row.encode("utf-8") for row in source)
+
+
+def _token_pieces(source: Path | list[str], tokenizer: PreTrainedTokenizerBase,
+                  batch_texts: int = _BATCH_TEXTS) -> Iterator[np.ndarray]:
+    """The ids of `batch_texts` chunks (or rows, each followed by eos where the tokenizer has one) at a time: a
+    tokenizer's output for a whole 121 MB corpus at once peaked at 6.2 GB. A bar shows progress when it takes more
+    than a few seconds."""
+    from tqdm import tqdm
+
+    rows = not isinstance(source, Path)
+    eos = [tokenizer.eos_token_id] if rows and tokenizer.eos_token_id is not None else []
+    total = sum(len(d) for d in source) if rows else source.stat().st_size
+    with contextlib.ExitStack() as stack:
+        texts = iter(source) if rows else _line_chunks(stack.enter_context(open(source, encoding="utf-8")))
+        bar = stack.enter_context(tqdm(total=total, desc="tokenizing", unit="B" if not rows else "char",
+                                       unit_scale=True, delay=3, leave=False))
+        while batch := list(itertools.islice(texts, batch_texts)):
+            ids = _encode(tokenizer, batch)
+            yield np.fromiter(itertools.chain.from_iterable(i + eos for i in ids), dtype=np.int64)
+            bar.update(sum(len(t.encode("utf-8")) if not rows else len(t) for t in batch))
 
 
 def cached(tokenizer: PreTrainedTokenizerBase, parts: list[bytes],
@@ -75,37 +136,21 @@ def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str | None:
     return sha256_hex(json.dumps(definition, sort_keys=True).encode("utf-8"), repr(settings).encode())
 
 
-def _tokenize_documents(documents: str | list[str], tokenizer: PreTrainedTokenizerBase,
-                        batch_texts: int = _BATCH_TEXTS) -> np.ndarray:
-    """One long text in line-aligned chunks, or table rows each followed by eos (where the tokenizer has one),
-    `batch_texts` at a time: a tokenizer's output for a whole 121 MB corpus at once peaked at 6.2 GB; in batches
-    memory stays near the text's own size. A bar shows progress when it takes more than a few seconds."""
-    from tqdm import tqdm
-
-    rows = not isinstance(documents, str)
-    eos = [tokenizer.eos_token_id] if rows and tokenizer.eos_token_id is not None else []
-    texts = iter(documents) if rows else _line_chunks(documents)
-    total = sum(len(d) for d in documents) if rows else len(documents)
-    pieces = []
-    with tqdm(total=total, desc="tokenizing", unit="char", unit_scale=True, delay=3, leave=False) as bar:
-        while batch := list(itertools.islice(texts, batch_texts)):
-            ids = _encode(tokenizer, batch)
-            pieces.append(np.fromiter(itertools.chain.from_iterable(i + eos for i in ids), dtype=np.int32))
-            bar.update(sum(len(t) for t in batch))
-    return np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
-
-
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
                      return_token_type_ids=False)["input_ids"] if texts else []
 
 
-def _line_chunks(text: str, size: int = _CHUNK_CHARS) -> Iterator[str]:
-    """`text` in pieces of at least `size` characters that end at line ends (byte-level BPE never merges
-    across a newline followed by a letter, so this hardly changes the tokens), one at a time."""
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start + size - 1)
-        end = len(text) if end < 0 else end + 1
-        yield text[start:end]
-        start = end
+def _line_chunks(lines: Iterable[str], size: int = _CHUNK_CHARS) -> Iterator[str]:
+    """The text of `lines` (a file, read a line at a time) in pieces of at least `size` characters that end at line
+    ends (byte-level BPE never merges across a newline followed by a letter, so this hardly changes the tokens)."""
+    piece: list[str] = []
+    length = 0
+    for line in lines:
+        piece.append(line)
+        length += len(line)
+        if length >= size:
+            yield "".join(piece)
+            piece, length = [], 0
+    if piece:
+        yield "".join(piece)

@@ -32,7 +32,7 @@ def test_micro_batches_shapes_and_contents(shakespeare_lm):
         assert len(step) == 3
         for mb in step:
             assert mb["input_ids"].shape == mb["labels"].shape == (4, SEQ) and mb["sample_id"].shape == (4,)
-            assert torch.equal(mb["input_ids"], ds.tensors["input_ids"][mb["sample_id"]])
+            assert torch.equal(mb["input_ids"], ds.batch(mb["sample_id"])["input_ids"])
     seen = [i for step in order(steps) for i in step]
     assert len(seen) == len(set(seen)) == len(steps) * 12
 

@@ -16,27 +16,42 @@ from tests.helpers.shakespeare import SEQ, small_text
 pytestmark = pytest.mark.usefixtures("use_cache")
 
 
+def every(dataset):
+    """Every sample of a dataset, stacked per field."""
+    return dataset.batch(np.arange(len(dataset)))
+
+
 def test_lm_blocks_have_exact_length_and_stable_ids(shakespeare_lm, tok, text):
     train = shakespeare_lm["train"]
     assert len(train) > 10_000
     item = train[7]
     assert item["input_ids"].shape == item["attention_mask"].shape == item["labels"].shape == (SEQ,)
     assert item["sample_id"].dim() == 0 and item["sample_id"].item() == 7 and item["input_ids"].dtype == torch.int64
-    assert torch.equal(train.tensors["sample_id"], torch.arange(len(train)))
-    assert torch.equal(train.tensors["labels"], train.tensors["input_ids"])
-    assert bool(train.tensors["attention_mask"].eq(1).all())
+    assert torch.equal(every(train)["sample_id"], torch.arange(len(train)))
+    assert torch.equal(every(train)["labels"], every(train)["input_ids"])
+    assert bool(every(train)["attention_mask"].eq(1).all())
     assert tok.decode(train[1000]["input_ids"]) in text  # blocks are consecutive pieces of the text
     again = data.lm_dataset("shakespeare", tok, SEQ)  # from the token cache
-    assert torch.equal(again.tensors["input_ids"], train.tensors["input_ids"])
+    assert torch.equal(every(again)["input_ids"], every(train)["input_ids"])
+
+
+def test_lm_samples_are_cut_from_a_memory_mapped_token_file_and_a_prefix_keeps_them(shakespeare_lm):
+    train = shakespeare_lm["train"]
+    assert isinstance(train.tokens, np.memmap) and train.tokens.dtype == np.uint16  # 2 bytes a token, on disk
+    part = data.limit(train, 10)
+    assert len(part) == 10 and torch.equal(every(part)["input_ids"], train.batch(np.arange(10))["input_ids"])
+    assert torch.equal(train[3]["input_ids"], torch.from_numpy(train.tokens[3 * SEQ:4 * SEQ].astype(np.int64)))
+    with pytest.raises(IndexError, match="sample indices"):
+        part.batch([10])
 
 
 def test_lm_eval_split_is_the_disjoint_tail(shakespeare_lm, tok):
     train, ev = shakespeare_lm["train"], shakespeare_lm["eval"]
     everything = data.lm_dataset(None, tok, SEQ, eval_fraction=0.0)
     assert len(train) + len(ev) == len(everything) and 0.04 < len(ev) / len(everything) < 0.06
-    assert torch.equal(torch.cat([train.tensors["input_ids"], ev.tensors["input_ids"]]),
-                       everything.tensors["input_ids"])
-    assert torch.equal(ev.tensors["sample_id"], torch.arange(len(ev)))
+    assert torch.equal(torch.cat([every(train)["input_ids"], every(ev)["input_ids"]]),
+                       every(everything)["input_ids"])
+    assert torch.equal(every(ev)["sample_id"], torch.arange(len(ev)))
 
 
 def test_lm_tokens_are_the_same_with_or_without_the_cache(tok, text, tmp_path, monkeypatch):
@@ -46,8 +61,8 @@ def test_lm_tokens_are_the_same_with_or_without_the_cache(tok, text, tmp_path, m
     monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "fresh"))
     fresh = data.lm_dataset(path, tok, SEQ)
     cached = data.lm_dataset(path, tok, SEQ)
-    assert torch.equal(first.tensors["input_ids"], fresh.tensors["input_ids"])
-    assert torch.equal(fresh.tensors["input_ids"], cached.tensors["input_ids"])
+    assert torch.equal(every(first)["input_ids"], every(fresh)["input_ids"])
+    assert torch.equal(every(fresh)["input_ids"], every(cached)["input_ids"])
     whole = tok(small_text(text))["input_ids"]
     assert abs(len(whole) - (len(first) + len(data.lm_dataset(path, tok, SEQ, "eval"))) * SEQ) < SEQ + 20
 
@@ -59,7 +74,7 @@ def test_lm_from_local_tables_joins_rows_with_eos(tok, tmp_path, suffix):
     ds = data.lm_dataset(write_table(tmp_path / f"t{suffix}", rows), tok, 16, eval_fraction=0.0)
     expected = [i for r in rows for i in tok(r["text"])["input_ids"] + [tok.eos_token_id]]
     assert len(ds) == len(expected) // 16 and len(ds) > 20
-    assert ds.tensors["input_ids"].flatten().tolist() == expected[: len(ds) * 16]
+    assert every(ds)["input_ids"].flatten().tolist() == expected[: len(ds) * 16]
 
 
 def test_lm_text_column_is_chosen_and_checked(tok, tmp_path):
@@ -121,22 +136,27 @@ def test_glue_tasks_take_their_columns_and_evaluation_split(cls_tok, monkeypatch
         {"train": table("tr"), "validation": table("va"), "test": table("te")}))
     ev = data.classification_dataset("glue/qnli", cls_tok, 16, "eval")
     assert ev.num_labels == 2 and ev.examples[3] == ("va q3?", "va s3.", 1)
-    assert (ev.tensors["token_type_ids"].sum(1) > 0).all()
+    assert (every(ev)["token_type_ids"].sum(1) > 0).all()
 
 
-def test_a_large_text_is_tokenized_in_bounded_batches_with_the_same_ids(tok, text, monkeypatch):
-    """Memory stays bounded: the tokenizer never sees more than a batch of chunks at once (the whole of a 121 MB
-    corpus at once peaked at 6.2 GB), and the ids are those of one call over every chunk."""
-    sample = text[:200_000]
-    chunks = list(sources._line_chunks(sample))
+def test_a_large_text_is_tokenized_in_bounded_batches_with_the_same_ids(tok, text, monkeypatch, tmp_path):
+    """Memory stays bounded: the file is read a line at a time and the tokenizer never sees more than a batch of
+    chunks at once (the whole of a 121 MB corpus at once peaked at 6.2 GB); the ids are those of one call over
+    every chunk, written as uint16 (a 4096-token vocabulary) to a file every process maps."""
+    path = tmp_path / "sample.txt"
+    path.write_text(text[:200_000])
+    chunks = list(sources._line_chunks(text[:200_000].splitlines(keepends=True)))
+    assert "".join(chunks) == text[:200_000] and all(c.endswith("\n") for c in chunks[:-1])
     whole = np.concatenate([np.asarray(ids, np.int64) for ids in sources._encode(tok, chunks)])
     calls = []
     encode = sources._encode
     monkeypatch.setattr(sources, "_encode", lambda t, texts: calls.append(len(texts)) or encode(t, texts))
-    batched = sources._tokenize_documents(sample, tok, batch_texts=16)
+    batched = np.concatenate(list(sources._token_pieces(path, tok, batch_texts=16)))
     assert np.array_equal(batched, whole)
     assert max(calls) == 16 and len(calls) == math.ceil(len(chunks) / 16)
+    mapped = sources.token_file(path, tok)
+    assert isinstance(mapped, np.memmap) and mapped.dtype == np.uint16 and np.array_equal(mapped, whole)
     rows = ["first row", "second row", "third"]
     eos = tok.eos_token_id
-    assert sources._tokenize_documents(rows, tok, batch_texts=2).tolist() == \
+    assert np.concatenate(list(sources._token_pieces(rows, tok, batch_texts=2))).tolist() == \
         [i for row in rows for i in [*tok(row, add_special_tokens=False)["input_ids"], eos]]

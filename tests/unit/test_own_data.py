@@ -228,7 +228,9 @@ def test_causal_lm_tables_take_text_or_the_one_string_column_or_the_flag(cls_tok
     with pytest.raises(ValueError, match=r"2 string columns \['body', 'title'\].*--text_column"):
         data.lm_dataset(two, cls_tok, 8)
     by_flag = data.lm_dataset(two, cls_tok, 8, text_column="body")
-    assert by_flag.tensors["input_ids"].tolist() == data.lm_dataset(one, cls_tok, 8).tensors["input_ids"].tolist()
+    by_column = data.lm_dataset(one, cls_tok, 8)
+    assert by_flag.batch(range(len(by_flag)))["input_ids"].tolist() == \
+        by_column.batch(range(len(by_column)))["input_ids"].tolist()
 
 
 # ----------------------------------------------------------------------------- errors
