@@ -23,6 +23,7 @@ from pipeline.schedule import SCHEDULES
 from . import config_file, preflight, speaks
 from .environment import launch
 from .flags import build_parser, given, parse_text
+from .placement import BACKENDS
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -106,6 +107,9 @@ class RunConfig:
                                                         "default: PEFT's for the architecture (q_proj,v_proj for the "
                                                         "Llama lineage, c_attn for GPT2, query_proj,value_proj for "
                                                         "DeBERTa, query,value for BERT)")
+    backend: str = _flag("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
+                                 "shared by several stages with tensors staged through host memory; TCP, the robust "
+                                 "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)")
     dist_timeout: float = _flag(45.0, "seconds a collective or receive may wait for a peer before the run stops "
                                       "(then ~6 s to exit)")
     peer_timeout: float = _flag(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
@@ -243,6 +247,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     _check_lora(cfg)
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend={cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
     for name in ("dist_timeout", "peer_timeout"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name}={getattr(cfg, name)}: expected a positive number of seconds")

@@ -107,14 +107,14 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
         if storage.with_rank_zero:
             _write_shard(tensors, partial / shard)
         else:
-            send_tensors(tensors, 0, world.device)
+            send_tensors(tensors, 0, world.transport)
         entry = {"files": dict.fromkeys(tensors, shard), "bytes": sum(t.numel() * t.element_size()
                                                                       for t in tensors.values())}
     if world.rank == 0:  # the stages whose ranks write elsewhere, received one at a time
         for stage in range(stages):
             src = groups.pipeline_rank_of(stage)
             if src not in storage.peers:
-                tensors = recv_tensors(src, world.device)
+                tensors = recv_tensors(src, world.transport)
                 _write_shard(tensors, partial / _shard(stage, stages))
                 print(f"model: stage {stage}'s {sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6:.1f} "
                       f"MB received from rank {src}", file=sys.stderr, flush=True)

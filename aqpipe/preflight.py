@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import checkpoint, faults, reporters
 from .environment import configure_kernels, launch, link_latency_s
+from .placement import place
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -31,22 +32,20 @@ def check(cfg: "RunConfig") -> "RunConfig":
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
     configure_kernels()  # and AQPIPE_KERNELS, set for the run here, once
     link_latency_s()
-    _check_gpus()
+    _check_gpus(cfg.backend)
     cfg = _resumed(cfg)
     _check_output_dir(cfg)
     return cfg
 
 
-def _check_gpus() -> None:
-    """NCCL takes one GPU per process: more processes on this machine than GPUs cannot run (one line, not a CUDA
-    error on some ranks while the others wait)."""
+def _check_gpus(backend: str) -> None:
+    """The backend can run on this machine's GPUs (NCCL: one per process), said in one line, not as a CUDA error
+    on some ranks while the others wait."""
     import torch
 
-    local = launch().local_world_size
-    if torch.cuda.is_available() and local > torch.cuda.device_count():
-        raise ValueError(f"{local} processes on this machine but {torch.cuda.device_count()} GPU(s): expected one GPU "
-                         "per process (NCCL); start fewer processes per machine, or hide the GPUs "
-                         "(CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+    here = launch()
+    place(backend, here.local_rank, here.local_world_size,
+          torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 # what a run writes into its output_dir

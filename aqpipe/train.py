@@ -164,7 +164,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     `adapters` (a PEFT LoraConfig: pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
     and LR schedule, its replicas' algorithm, and the engine that trains it."""
     grid = Grid.for_world(world.size, cfg.pipeline_stages)
-    groups = build_groups(grid, world.rank)
+    groups = build_groups(grid, world.rank, world.transport)
     trained = getattr(torch, cfg.param_dtype)
     # the frozen base in its checkpoint's dtype, but float16's (which computes only with a loss scaler) in float32
     frozen = torch.float32 if spec.dtype == torch.float16 else spec.dtype
@@ -179,7 +179,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
     if grid.replicas > 1:
-        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
+        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage), world.transport)
         algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
         if world.rank == 0 and (plan := cfg.data_parallel.plan(total_steps)):
             print(plan, file=sys.stderr)

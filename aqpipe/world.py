@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .config import RunConfig
 from .environment import launch, link_latency_s, show_tracebacks
 from .host_memory import keep_freed_memory
+from .placement import place
 from .watchdog import Watchdog
 
 
@@ -29,6 +30,7 @@ class World:
     size: int
     local_rank: int
     device: torch.device
+    transport: torch.device = torch.device("cpu")  # where the backend moves tensors from (placement.py)
     watchdog: Watchdog | None = None  # a multi-process run's; its store holds the barriers set-up waits at
     link_latency_s: float = 0.0  # an emulated one-way link delay (AQPIPE_LINK_LATENCY_MS), for the benchmarks
 
@@ -38,19 +40,20 @@ class World:
 
 
 def init_world(cfg: RunConfig) -> World:
-    """Join the process group the launcher described (gloo on CPU, NCCL on GPU), or run alone."""
+    """Join the process group the launcher described with the backend `cfg.backend` places this process on
+    (placement.py), or run alone."""
     here = launch()  # config.resolve checked its world size is stages x replicas
     size, rank, local_rank = here.world_size, here.rank, here.local_rank
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    placed = place(cfg.backend, local_rank, here.local_world_size, gpus)  # preflight checked it can run here
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here.local_world_size))
     keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch
+    if placed.device.type == "cuda":
+        torch.cuda.set_device(placed.device)
     if size > 1:
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
-    return World(rank, size, local_rank, device, link_latency_s=link_latency_s())
+        dist.init_process_group(placed.backend, timeout=timedelta(seconds=cfg.dist_timeout))
+    return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s())
 
 
 def barrier(world: World) -> None:

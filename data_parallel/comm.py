@@ -17,12 +17,17 @@ import torch
 import torch.distributed as dist
 
 from compression import QuantizedTensor, dequantize, quantize
+from compression.staging import HostStaging
 
 
 class Comm:
-    def __init__(self, group: object | None = None, ranks: list[int] | None = None) -> None:
-        """`group` and its global `ranks` in order; both None for a single replica (no process group)."""
+    def __init__(self, group: object | None = None, ranks: list[int] | None = None,
+                 transport: torch.device | str | None = None) -> None:
+        """`group` and its global `ranks` in order; both None for a single replica (no process group). `transport`:
+        the device the backend moves tensors from (cpu for gloo), where tensors computed elsewhere are staged; None:
+        the backend takes them where they are."""
         self.group = group
+        self.staging = HostStaging(transport) if transport is not None else None
         self.ranks = ranks or [dist.get_rank() if dist.is_initialized() else 0]
         here = dist.get_rank() if dist.is_initialized() else self.ranks[0]
         if here not in self.ranks:
@@ -47,14 +52,27 @@ class Comm:
         """
         ops = []
         for p, tensor in sends.items():
-            tensor = tensor.contiguous()
+            tensor = self._out(tensor.contiguous())
             ops.append(dist.P2POp(dist.isend, tensor, self.ranks[p], group=self.group))
             self.sent_bytes += self._nbytes(tensor)
-        ops += [dist.P2POp(dist.irecv, buf, self.ranks[q], group=self.group) for q, buf in receives.items()]
+        landed = {q: self._landing(buf) for q, buf in receives.items()}
+        ops += [dist.P2POp(dist.irecv, buf, self.ranks[q], group=self.group) for q, buf in landed.items()]
         # one batch: NCCL then runs the sends and receives as one group, so a ring cannot deadlock on it
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
+        for q, buf in landed.items():
+            if buf is not receives[q]:
+                receives[q].copy_(buf)
         return receives
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        return self.staging.outgoing(t) if self.staging is not None else t
+
+    def _landing(self, like: torch.Tensor) -> torch.Tensor:
+        """A receive buffer for `like` where the backend writes (`like` itself when that is its device)."""
+        if self.staging is None or like.device == self.staging.transport:
+            return like
+        return self.staging.landing(like.numel(), like.dtype, like.device).view(like.shape)
 
     def exchange(self, tensor: torch.Tensor, peers: list[int]) -> list[torch.Tensor]:
         """Send `tensor` to each peer (group positions) and receive theirs; returns them in `peers` order.
@@ -147,7 +165,10 @@ class Comm:
         """In-place mean over the group (float); counted as a ring allreduce."""
         if self.size == 1:
             return tensor
-        dist.all_reduce(tensor, group=self.group)
+        moved = self._out(tensor)
+        dist.all_reduce(moved, group=self.group)
+        if moved is not tensor:
+            tensor.copy_(moved)
         tensor.div_(self.size)
         self.sent_bytes += 2 * (self.size - 1) * self._nbytes(tensor) // self.size
         return tensor
@@ -156,7 +177,8 @@ class Comm:
         """Every member's tensor (same shape), in group order; counted as a ring allgather."""
         if self.size == 1:
             return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor.contiguous(), group=self.group)
+        moved = self._out(tensor.contiguous())
+        out = [torch.empty_like(moved) for _ in range(self.size)]
+        dist.all_gather(out, moved, group=self.group)
         self.sent_bytes += (self.size - 1) * self._nbytes(tensor)
-        return out
+        return [t.to(tensor.device) for t in out]

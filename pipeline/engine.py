@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from compression import BackwardCodec, ForwardCodec
 
@@ -83,10 +82,12 @@ class StepMetrics:
     # no aqsgd boundary, a warm-up step, or first visits only)
     bits: dict[str, int] | None = None  # with auto bits: "boundary.direction" -> the bits this step's messages used
     bits_decision: dict[str, Any] | None = None  # with auto bits, on a decision step: its inputs and outcome
+    staging: float | None = None  # of the schedule's time, the fraction spent copying GPU tensors to and from gloo
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
-        drop = ("skipped",) if self.skipped is None else ("loss", "grad_norm")
+        drop = (("skipped",) if self.skipped is None else ("loss", "grad_norm")) + \
+            (("staging",) if self.staging is None else ())
         return {k: v for k, v in vars(self).items() if k not in drop}
 
 
@@ -137,7 +138,7 @@ class PipelineEngine:
         # activations cross in bf16 under bf16 autocast or with bf16 weights (which compute in bf16), else float32
         self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
-        self.wire = Wire(latency_s=link_latency_s)
+        self.wire = Wire(latency_s=link_latency_s, transport=groups.transport)
         c = self.compression
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
         trained = {k: p for k, p in stage.tied_parameters().items() if p.requires_grad}
@@ -269,7 +270,7 @@ class PipelineEngine:
         loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
                            t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change(), bits,
-                           decision)
+                           decision, t.staging())
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -300,7 +301,7 @@ class PipelineEngine:
         if norm is None:
             sq = self._owned_squares()
             if self.groups.pipeline is not None and self.groups.grid.stages > 1:
-                dist.all_reduce(sq, group=self.groups.pipeline)
+                self.groups.collective(sq, self.groups.pipeline)
             norm = float(sq.sqrt())
         if not torch.isfinite(torch.tensor(norm)):
             raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step + 1} after the data-parallel "

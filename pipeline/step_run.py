@@ -39,7 +39,7 @@ class StepRun:
         self.weights: dict[int, split_backward.WeightGradients | None] = {}  # zb1's weight gradients still to run
         self.losses: dict[int, float] = {}
         self.correct = self.counted = 0
-        self.schedule_seconds = self.compute_seconds = 0.0
+        self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
         buffered = phase != "eval" and engine.compression.forward == "aqsgd" and \
             (engine.prev is not None or engine.next is not None)  # ids checked once, where AQ-SGD buffers read them
         self.ids = [SampleIds(mb.get("sample_id"), engine.num_samples) if buffered else mb.get("sample_id")
@@ -60,6 +60,7 @@ class StepRun:
                 getattr(self, op)(mb)
         e.wire.flush()
         self.schedule_seconds = time.perf_counter() - began
+        self.staging_seconds = e.wire.staging.take_seconds()
         return self
 
     def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -68,6 +69,7 @@ class StepRun:
         return StepTotals(**vars(self.counters), loss_sum=sum(self.losses.values()), correct=self.correct,
                           counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
                           schedule_seconds=self.schedule_seconds, compute_seconds=self.compute_seconds,
+                          staging_seconds=self.staging_seconds,
                           change_squares=change[0], activation_squares=change[1], link_ahead=link[0],
                           link_back=link[1], link_latency=link[2])
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from compression import BufferRangeError
 
@@ -46,6 +45,7 @@ class StepTotals(StepCounters):
     nonfinite: int = 0
     schedule_seconds: float = 0.0
     compute_seconds: float = 0.0
+    staging_seconds: float = 0.0  # of the schedule's, copying tensors between a GPU and the host (gloo on GPUs)
     change_squares: float = 0.0  # AQ-SGD senders' sum of ||a - m||^2 over the changes they sent
     activation_squares: float = 0.0  # and of ||a||^2 over the same rows
     # this rank's probe of the link to its next stage (auto bits): read per row from the table, never summed
@@ -60,6 +60,11 @@ class StepTotals(StepCounters):
     def bubble(self) -> float | None:
         """The fraction of the schedule's time the stages waited instead of computing (the pipeline bubble)."""
         return 1.0 - self.compute_seconds / self.schedule_seconds if self.schedule_seconds > 0 else None
+
+    def staging(self) -> float | None:
+        """Of the schedule's time over all ranks, the fraction spent staging tensors through host memory (None:
+        nothing was staged)."""
+        return self.staging_seconds / self.schedule_seconds if self.staging_seconds and self.schedule_seconds else None
 
     def mean_loss(self, micro_batches: int, replicas: int) -> float:
         """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
@@ -106,7 +111,7 @@ def sum_over_job(groups: "Groups", t: torch.Tensor) -> torch.Tensor:
     span the job; a group of a single rank is skipped)."""
     for group, size in ((groups.pipeline, groups.grid.stages), (groups.data_parallel, groups.grid.replicas)):
         if group is not None and size > 1:
-            dist.all_reduce(t, group=group)
+            groups.collective(t, group)
     return t
 
 

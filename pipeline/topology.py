@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 BOUNDARY, TIE = "boundary", "tie"  # the kinds of channel between two stages of a pipeline
@@ -68,6 +69,16 @@ class Groups:
     data_parallel: object | None  # this stage's replicas
     # (kind, from stage, to stage) -> a group of the two ranks that carries only that kind, that way
     channels: dict[tuple[str, int, int], object] = field(default_factory=dict)
+    # where the groups' tensors must live: cpu for gloo (a GPU stage's tensors are staged through host memory),
+    # the rank's GPU for NCCL
+    transport: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def collective(self, t: torch.Tensor, group: object) -> None:
+        """All-reduce (sum) `t` in place over `group`, staged through the transport's device."""
+        moved = t.to(self.transport)
+        dist.all_reduce(moved, group=group)
+        if moved is not t:
+            t.copy_(moved)
 
     def pipeline_rank_of(self, stage: int) -> int:
         return self.grid.rank(stage, self.replica)
@@ -90,8 +101,9 @@ def channels(stages: int) -> list[tuple[str, int, int]]:
     return out + [(TIE, a, b) for a in range(stages) for b in range(stages) if a != b]
 
 
-def build_groups(grid: Grid, rank: int) -> Groups:
-    """Create every group on every rank (torch requires all ranks to call new_group alike)."""
+def build_groups(grid: Grid, rank: int, transport: torch.device | str = "cpu") -> Groups:
+    """Create every group on every rank (torch requires all ranks to call new_group alike); `transport`: the device
+    the backend moves tensors from (cpu for gloo, the rank's GPU for NCCL)."""
     stage, replica = grid.coords(rank)
     pipeline = data_parallel = None
     links: dict[tuple[str, int, int], object] = {}
@@ -107,4 +119,4 @@ def build_groups(grid: Grid, rank: int) -> Groups:
                 g = dist.new_group([grid.rank(a, r), grid.rank(b, r)])
                 if r == replica and stage in (a, b):
                     links[kind, a, b] = g
-    return Groups(grid, rank, stage, replica, pipeline, data_parallel, links)
+    return Groups(grid, rank, stage, replica, pipeline, data_parallel, links, torch.device(transport))

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from compression import BackwardCodec, ForwardCodec, Message, SampleIds
+from compression.staging import HostStaging
 
 PROBE_REPEATS = 2  # round trips per size in a link probe; the faster counts
 
@@ -38,34 +39,41 @@ class Incoming:
     """A receive posted ahead of its use. gloo starts moving a message only once its receive is
     posted, so posting early lets the transfer run while this stage computes."""
 
-    def __init__(self, work: object, buf: torch.Tensor, latency_s: float) -> None:
-        self.work, self.buf, self.latency_s = work, buf, latency_s
+    def __init__(self, work: object, buf: torch.Tensor, latency_s: float, staging: HostStaging,
+                 device: torch.device) -> None:
+        self.work, self.buf, self.latency_s, self.staging, self.device = work, buf, latency_s, staging, device
 
     def wait(self) -> torch.Tensor:
+        """The message on the device it was posted for."""
         self.work.wait()
         if self.latency_s:
             time.sleep(self.latency_s)
-        return self.buf
+        return self.staging.arrived(self.buf, self.device)
 
 
 class Wire:
     """Non-blocking sends and receives. `latency_s`: a one-way delay added to every receive, emulating a distant
-    link on one machine (the benchmarks' --latency_ms)."""
+    link on one machine (the benchmarks' --latency_ms). `transport`: the device the process group moves tensors
+    from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through it (compression.staging)."""
 
-    def __init__(self, latency_s: float = 0.0) -> None:
+    def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu") -> None:
         if not latency_s >= 0:
             raise ValueError(f"link latency {latency_s!r} s: expected >= 0")
         self._pending: list[tuple[object, torch.Tensor]] = []
         self.latency_s = latency_s
+        self.staging = HostStaging(transport)
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None) -> None:
+        payload = self.staging.outgoing(payload)
         work = dist.isend(payload, dst, group=group, tag=tag)
         self._pending.append((work, payload))  # keep the buffer alive until the send completes
 
     def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0, group: object | None = None) -> Incoming:
-        """Start receiving `nbytes` from `src`; messages from one peer in one group match in posting order."""
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.latency_s)
+        """Start receiving `nbytes` from `src` for use on `device`; messages from one peer in one group match in
+        posting order."""
+        buf = self.staging.landing(nbytes, torch.uint8, device)
+        return Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.latency_s, self.staging,
+                        torch.device(device))
 
     def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0,
              group: object | None = None) -> torch.Tensor:

@@ -51,6 +51,8 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--dataset", "/no/such/corpus.txt"], "dataset='/no/such/corpus.txt': no such file"),
     (["--save_every", "-1"], "save_every=-1: expected an integer >= 0"),
     (["--peer_timeout", "0"], "peer_timeout=0.0: expected a positive number of seconds"),
+    (["--backend", "mpi"], "backend='mpi': expected one of auto, gloo, nccl"),
+    (["--backend", "nccl"], "backend=nccl: no CUDA GPU on this machine; expected gloo (or auto) on CPUs"),
     (["--pipeline_stages", "two"], "pipeline_stages='two': expected a positive integer or auto"),
     (["--partition", "2,x"], "argument --partition: '2,x': expected a word such as parameters, or block counts"),
     (["--partition", "2,0"], "partition=[2, 0]: expected parameters, uniform, or block counts like 2,2"),

@@ -1,0 +1,54 @@
+"""Tensors on their way to and from a process group whose backend lives on another device.
+
+gloo moves host memory only. A stage computing on a GPU under gloo (several stages sharing one GPU, or a WAN link
+where TCP is the robust choice) hands gloo a host copy of each payload and gets host buffers back: `outgoing`
+copies a payload to the transport's device (into pinned memory, which the GPU copies at full speed), `landing`
+allocates a receive buffer there, `arrived` moves a received buffer to where the stage computes. Where the two
+devices are one (CPU under gloo, a GPU under NCCL) each is the identity, so callers stage unconditionally.
+`seconds` is the time spent copying, which a step reports as its staging share.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class HostStaging:
+    """Copies between the compute device and `transport` (the device the process group's tensors must live on)."""
+
+    def __init__(self, transport: torch.device | str = "cpu") -> None:
+        self.transport = torch.device(transport)
+        self.seconds = 0.0
+
+    def _pinned(self, device: torch.device) -> bool:
+        return self.transport.type == "cpu" and device.type == "cuda"
+
+    def outgoing(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the transport's device (a new tensor the caller keeps alive until the send completes)."""
+        if t.device == self.transport:
+            return t
+        start = time.perf_counter()
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.transport, pin_memory=self._pinned(t.device))
+        out.copy_(t)  # synchronous from a GPU: the bytes are in host memory before gloo reads them
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def landing(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A receive buffer on the transport's device for a tensor that will be used on `device`."""
+        return torch.empty(numel, dtype=dtype, device=self.transport, pin_memory=self._pinned(torch.device(device)))
+
+    def arrived(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A received buffer on `device` (queued on the current stream: later kernels there see it complete)."""
+        device = torch.device(device)
+        if buf.device == device:
+            return buf
+        start = time.perf_counter()
+        out = buf.to(device, non_blocking=self._pinned(device))
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def take_seconds(self) -> float:
+        """Seconds spent copying since the last call."""
+        spent, self.seconds = self.seconds, 0.0
+        return spent
