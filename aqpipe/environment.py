@@ -24,12 +24,18 @@ def launch(environ: dict[str, str] | None = None) -> Launch:
 
 
 def configure_kernels(environ: dict[str, str] | None = None) -> None:
-    """The quantizer's kernels as the environment asks: AQPIPE_KERNELS (auto, native or torch), AQPIPE_CACHE (where
-    the compiled ones are kept) and CC (the C compiler)."""
+    """The quantizer's kernels as the environment asks: AQPIPE_KERNELS (auto, native, triton or torch), AQPIPE_CACHE
+    (where the compiled ones are kept) and CC (the C compiler)."""
+    import torch
+
     from compression import kernels
 
     env = os.environ if environ is None else environ
-    kernels.configure(env.get("AQPIPE_KERNELS", "auto"), env.get("AQPIPE_CACHE"), env.get("CC", "cc"))
+    choice = env.get("AQPIPE_KERNELS", "auto")
+    kernels.configure(choice, env.get("AQPIPE_CACHE"), env.get("CC", "cc"))
+    if choice == "triton" and not torch.cuda.is_available() and not env.get("TRITON_INTERPRET"):
+        raise ValueError("AQPIPE_KERNELS=triton: Triton's kernels need a CUDA GPU (or TRITON_INTERPRET=1, its CPU "
+                         "interpreter, for tests); this machine has none")
 
 
 def link_latency_s(environ: dict[str, str] | None = None) -> float:

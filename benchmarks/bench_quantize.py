@@ -6,6 +6,10 @@ timed interleaved in one run so the ratios survive a noisy machine. Also
 c_Q = E||x - Q(x)|| / ||x||: AQ-SGD's convergence theorem assumes c_Q < sqrt(1/2).
 
     python -m benchmarks.bench_quantize [--shape 8,1024,1600] [--repeats 7] [--backends native,torch]
+    python -m benchmarks.bench_quantize --device cuda --backends triton,torch --shape 16,1024,1600  # a GPU
+
+On a GPU, clone reads and writes each float32 once (8 bytes an element at the memory's bandwidth): a quantizer as
+fast as clone (`quant/clone` >= 1) processes its input at half the memory bandwidth or better, the GPU target.
 """
 from __future__ import annotations
 
@@ -24,28 +28,33 @@ from compression.quantizer import error_constant
 TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
 
 
-def timed(fn) -> float:
+def timed(fn, device: torch.device = torch.device("cpu")) -> float:
+    """Seconds `fn` takes, its GPU kernels finished."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 
 c_q = error_constant  # E||x - Q(x)|| / ||x|| over Gaussian rows (the commands in RESULTS.md call it c_q)
 
 
-def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: str) -> list[dict]:
+def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: str,
+        device: torch.device = torch.device("cpu")) -> list[dict]:
     kernels.configure(backend=backend)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
     gb = x.numel() * 4 / 1e9
     g = torch.Generator().manual_seed(1)
     samples = {b: {"q": [], "d": []} for b in bit_widths}
     clone = []
     for _ in range(repeats + 1):  # the first round warms caches and builds the kernels
-        clone.append(timed(lambda: x.clone()))
+        clone.append(timed(lambda: x.clone(), device))
         for b in bit_widths:
             holder = {}
-            samples[b]["q"].append(timed(lambda: holder.setdefault("q", quantize(x, b, generator=g))))
-            samples[b]["d"].append(timed(lambda: dequantize(holder["q"])))
+            samples[b]["q"].append(timed(lambda: holder.setdefault("q", quantize(x, b, generator=g)), device))
+            samples[b]["d"].append(timed(lambda: dequantize(holder["q"]), device))
     t_clone = statistics.median(clone[1:])
     rows = []
     for b in bit_widths:
@@ -54,7 +63,8 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
         rows.append({
             "backend": backend, "bits": b, "quantize_GBps": gb / tq, "dequantize_GBps": gb / td,
             "round_trip_GBps": gb / (tq + td), "clone_GBps": gb / t_clone,
-            "round_trip_vs_clone": t_clone / (tq + td), "compression": x.numel() * 4 / q.nbytes,
+            "round_trip_vs_clone": t_clone / (tq + td), "quantize_vs_clone": t_clone / tq,
+            "compression": x.numel() * 4 / q.nbytes,
             "c_Q": c_q(b, shape[-1]),
         })
     return rows
@@ -65,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="8,1024,1600", help="comma-separated tensor shape")
     p.add_argument("--bits", default="1,2,4,8", help="comma-separated bit widths")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--backends", default="native", help="comma-separated: native, torch")
+    p.add_argument("--backends", default="native", help="comma-separated: native, triton, torch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--group_sizes", default="16,32,128", help="group sizes for the c_Q table (beside a whole row)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", help="also write the rows to this file")
@@ -77,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tensor {shape} float32 ({math.prod(shape) * 4 / 1e6:.1f} MB), {torch.get_num_threads()} threads, "
           f"median of {args.repeats}")
     print(f"{'backend':<7} {'bits':>4} {'quant GB/s':>10} {'dequant GB/s':>12} {'round GB/s':>10} "
-          f"{'clone GB/s':>10} {'round/clone':>11} {'x smaller':>9} {'c_Q':>6}")
+          f"{'clone GB/s':>10} {'round/clone':>11} {'quant/clone':>11} {'x smaller':>9} {'c_Q':>6}")
     rows = []
     for backend in args.backends.split(","):
-        for r in run(shape, bit_widths, args.repeats, backend):
+        for r in run(shape, bit_widths, args.repeats, backend, torch.device(args.device)):
             rows.append(r)
             print(f"{r['backend']:<7} {r['bits']:>4} {r['quantize_GBps']:>10.2f} {r['dequantize_GBps']:>12.2f} "
                   f"{r['round_trip_GBps']:>10.2f} {r['clone_GBps']:>10.2f} {r['round_trip_vs_clone']:>11.2f} "
+                  f"{r['quantize_vs_clone']:>11.2f} "
                   f"{r['compression']:>9.1f} {r['c_Q']:>6.3f}")
     native = [r for r in rows if r["backend"] == "native"]
     if native:

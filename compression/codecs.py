@@ -248,14 +248,14 @@ class ForwardCodec(_Codec):
         return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
 
     def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
-               m: torch.Tensor, change: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Both sides: store whole rows, set m += change for the others.
+               moved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Both sides: store whole rows, and `moved` (m + change) for the others.
 
         Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`.
         BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype."""
-        buf, device = self.buffer, m.device
+        buf, device = self.buffer, moved.device
         whole_ids, delta_ids = ids[whole], ids[delta]
-        stored, updated = buf.prepare(delta_ids, m + change)
+        stored, updated = buf.prepare(delta_ids, moved)
         if whole_ids.numel():
             buf.store(whole_ids, buf.prepare(whole_ids, rows)[0])
         buf.store(delta_ids, stored)
@@ -285,7 +285,7 @@ class ForwardCodec(_Codec):
         self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
                          self._squares[1] + torch.linalg.vector_norm(moved).square())
         q = self._quantize(change)
-        decoded = self._apply(ids, whole, delta, rows, m, dequantize(q), x.dtype)
+        decoded = self._apply(ids, whole, delta, rows, dequantize(q, base=m), x.dtype)
         payload = torch.cat([_raw_bytes(rows), q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
@@ -315,7 +315,7 @@ class ForwardCodec(_Codec):
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta], payload.device).float()
-        return self._apply(ids, whole, delta, rows, m, dequantize(q), message.dtype)
+        return self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
 
     def take_change(self) -> tuple[float, float]:
         """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: the root of their ratio

@@ -1,4 +1,4 @@
-"""The quantizer's inner loops, in two bit-identical implementations.
+"""The quantizer's inner loops, in three bit-identical implementations.
 
 `native`: a small C file (native/quant.c) compiled with the system C compiler on
 first use and called through ctypes, which releases the GIL, so chunks run on
@@ -6,19 +6,23 @@ first use and called through ctypes, which releases the GIL, so chunks run on
 tensor passes (and a slow `torch.rand`) the torch version needs: that is what
 brings the CPU round trip within reach of memory bandwidth.
 
-`torch`: the same arithmetic in tensor ops, for CUDA tensors and machines with
-no compiler. Both use the same counter-based dither (a hash of the element's
+`triton`: GPU kernels (triton_kernels.py), for CUDA tensors where Triton is installed.
+
+`torch`: the same arithmetic in tensor ops, for any device and machines with
+neither. All three use the same counter-based dither (a hash of the element's
 index and a key drawn from the caller's torch.Generator) and the same float32
 operations in the same order, so codes and decoded values match bit for bit:
-tests/unit/test_kernels.py holds them to it.
+tests/unit/test_kernels.py and test_triton_kernels.py hold them to it.
 
-Choose with `configure(backend="auto"|"native"|"torch")`: the trainer reads it from AQPIPE_KERNELS (with
-AQPIPE_CACHE, where the compiled library is kept, and CC, the compiler), once, at start.
+Choose with `configure(backend="auto"|"native"|"triton"|"torch")`: the trainer reads it from AQPIPE_KERNELS (with
+AQPIPE_CACHE, where the compiled library is kept, and CC, the compiler), once, at start. auto: native on CPU
+tensors, triton on CUDA ones, each falling back to torch with one warning where it cannot run.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import math
 import os
 import platform
@@ -38,11 +42,12 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-share
 _MIN_CHUNK = 1 << 16  # elements per thread below which splitting costs more than it saves
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
-BACKENDS = ("auto", "native", "torch")
+BACKENDS = ("auto", "native", "triton", "torch")
 _settings = {"backend": "auto", "cache_dir": None, "compiler": "cc"}  # what configure() set
-_warned = False
+_warned: set[str] = set()  # the fallbacks already warned about
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
+_triton_error: str | None = None  # "" once Triton imported
 _lib_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -50,11 +55,13 @@ _pool_size = 0
 
 def configure(backend: str = "auto", cache_dir: str | os.PathLike | None = None, compiler: str = "cc") -> None:
     """How the quantizer runs, for the whole process: `backend` auto (the C kernels on CPU tensors where they build,
-    else torch ops), native or torch; `cache_dir` where the compiled kernels are kept (default ~/.cache/aqpipe);
-    `compiler` the C compiler's command."""
+    Triton's on CUDA tensors where it imports, else torch ops), native, triton or torch; `cache_dir` where the
+    compiled kernels are kept (default ~/.cache/aqpipe); `compiler` the C compiler's command."""
     if backend not in BACKENDS:
         raise ValueError(f"AQPIPE_KERNELS={backend!r}: expected one of {', '.join(BACKENDS)}")
+    global _triton_error
     _settings.update(backend=backend, cache_dir=cache_dir, compiler=compiler)
+    _triton_error = None  # whether Triton imports is asked again
 
 
 # ----------------------------------------------------------------------------- native library
@@ -126,20 +133,44 @@ def native_error() -> str | None:
     return _lib_error
 
 
+def triton_error() -> str | None:
+    """Why the Triton kernels cannot run here (None: they can); asked once a process."""
+    global _triton_error
+    if _triton_error is None:
+        try:
+            importlib.import_module(".triton_kernels", __package__)  # sys.modules decides: a test can hide triton
+            _triton_error = ""
+        except ImportError as exc:
+            _triton_error = str(exc) or type(exc).__name__
+    return _triton_error or None
+
+
+def _fallback(kernel: str, why: str | None) -> str:
+    """'torch', after one warning per kernel family."""
+    if kernel not in _warned:
+        warnings.warn(f"aqpipe: {kernel} quantizer kernels unavailable, using torch ops ({why})", stacklevel=4)
+        _warned.add(kernel)
+    return "torch"
+
+
 def backend_for(t: torch.Tensor) -> str:
-    """'native' or 'torch' for a tensor, as configured."""
-    global _warned
+    """'native', 'triton' or 'torch' for a tensor, as configured."""
     choice = _settings["backend"]
-    if choice == "torch" or t.device.type != "cpu" or sys.byteorder != "little":
+    if choice == "torch" or sys.byteorder != "little":
         return "torch"
-    lib = native_library()
-    if lib is None:
+    if choice == "triton" or (choice == "auto" and t.device.type == "cuda"):
+        why = triton_error()
+        if why is None:
+            return "triton"
+        if choice == "triton":
+            raise RuntimeError(f"AQPIPE_KERNELS=triton but Triton cannot be imported: {why}")
+        return _fallback("Triton", why)
+    if t.device.type != "cpu":
+        return "torch"
+    if native_library() is None:
         if choice == "native":
             raise RuntimeError(f"AQPIPE_KERNELS=native but the C kernels could not be built: {_lib_error}")
-        if not _warned:
-            warnings.warn(f"aqpipe: C quantizer kernels unavailable, using torch ops ({_lib_error})", stacklevel=3)
-            _warned = True
-        return "torch"
+        return _fallback("C", _lib_error)
     return "native"
 
 
@@ -224,7 +255,12 @@ def quantize_flat(
     maxs = torch.empty_like(mins)
     if groups == 0:
         return packed, mins, maxs
-    if backend_for(flat) == "native":
+    chosen = backend_for(flat)
+    if chosen == "triton":
+        from . import triton_kernels
+
+        return triton_kernels.quantize_flat(flat, gs, bits, key)
+    if chosen == "native":
         lib = native_library()
         k0, k1 = key if key is not None else (0, 0)
         align = 8 // math.gcd(gs, 8)  # chunks start on whole bytes of the stream
@@ -256,34 +292,43 @@ def quantize_flat(
         v = v + u
         codes[start : start + p.numel()] = v.clamp_(0.0, float(levels)).to(torch.uint8).reshape(-1)
         start += p.numel()
-    packed.copy_(_pack(codes, bits))
+    packed.copy_(pack_codes(codes, bits))
     return packed, mins, maxs
 
 
 def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor,
-                    steps: torch.Tensor) -> torch.Tensor:
-    """Decode n elements: code * step + min per element, as float32 (no fused multiply-add)."""
+                    steps: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode n elements: code * step + min per element, as float32 (no fused multiply-add), plus `base` (flat
+    float32, n elements) where given: AQ-SGD's m + change in the same pass on a GPU."""
+    chosen = backend_for(packed) if n else "torch"
+    if chosen == "triton":
+        from . import triton_kernels
+
+        return triton_kernels.dequantize_flat(packed, n, gs, bits, mins, steps, base)
     out = torch.empty(n, dtype=torch.float32, device=packed.device)
-    if n == 0:
-        return out
-    if backend_for(packed) == "native":
+    if n and chosen == "native":
         lib = native_library()
         blocks = -(-n // 8)
         packed = packed.contiguous()
         _parallel(blocks, 8, lambda a, b: lib.aq_dequantize(
             _ptr(packed), gs, 8 * a, min(8 * b, n), bits, _ptr(mins), _ptr(steps), _ptr(out)))
-        return out
-    codes = _unpack(packed, bits, n)
+    elif n:
+        _dequantize_torch(packed, n, gs, bits, mins, steps, out)
+    return out if base is None else base + out
+
+
+def _dequantize_torch(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor, steps: torch.Tensor,
+                      out: torch.Tensor) -> None:
+    codes = unpack_codes(packed, bits, n)
     start = 0
     parts = _groups(codes, gs)
     for p, mn, st in zip(parts, _per_group(mins, parts), _per_group(steps, parts)):
         v = p.to(torch.float32) * st
         out[start : start + p.numel()] = (v + mn).reshape(-1)
         start += p.numel()
-    return out
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes (each < 2**bits) into the little-endian bit stream, with tensor ops."""
     n = codes.numel()
     blocks = -(-n // 8)
@@ -294,8 +339,8 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return stream.to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
 
 
-def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of `_pack`: n uint8 codes."""
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: n uint8 codes."""
     blocks = -(-n // 8)
     padded = torch.zeros(blocks * bits, dtype=torch.int64, device=packed.device)
     padded[: packed.numel()] = packed

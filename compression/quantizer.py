@@ -152,11 +152,16 @@ def error_constant(bits: int, width: int, group_size: int | None = None, rows: i
     return float(((y - x).norm(dim=1) / x.norm(dim=1)).mean())
 
 
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """The decoded tensor, in q's shape and dtype."""
+def dequantize(q: QuantizedTensor, base: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoded tensor, in q's shape and dtype; with `base` (float32, q's shape), base + the decoded tensor in
+    float32, as AQ-SGD's receiver sets m += change (one pass on a GPU)."""
     gs = _group_size(q.shape, q.group_size)
-    flat = kernels.dequantize_flat(q.codes, q.numel, gs, q.bits, q.mins, q.steps)
-    return flat.view(q.shape).to(q.dtype)
+    if base is not None:
+        if base.dtype != torch.float32 or base.shape != q.shape:
+            raise ValueError(f"base: expected float32 of shape {tuple(q.shape)}, got {base.dtype} {tuple(base.shape)}")
+        base = base.reshape(-1).contiguous()
+    flat = kernels.dequantize_flat(q.codes, q.numel, gs, q.bits, q.mins, q.steps, base)
+    return flat.view(q.shape) if base is not None else flat.view(q.shape).to(q.dtype)
 
 
 def _dither_key(generator: torch.Generator | None, device: torch.device) -> tuple[int, int]:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from compression import QuantizedTensor, dequantize, quantize
+from compression.kernels import pack_codes, unpack_codes
 
 from .base import Algorithm, check_int, register
 from .comm import Comm
@@ -99,7 +99,8 @@ class CocktailSGD(Algorithm):
             perms = []
             for i, (s, e) in enumerate(self.bounds):  # from the seed alone: the same on every replica
                 g = torch.Generator().manual_seed((self.seed * 1_000_003 + index * 7_919 + i) % (1 << 63))
-                perms.append(torch.randperm(e - s, generator=g))
+                # drawn on the CPU (the same permutation whatever device a replica runs on), kept on the device
+                perms.append(torch.randperm(e - s, generator=g).to(self.device))
             self._perms = (index, perms)
         perm = self._perms[1][shard]
         n = perm.numel()
@@ -119,7 +120,7 @@ class CocktailSGD(Algorithm):
         keep = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
         keep[torch.topk(values.abs(), k, sorted=False).indices] = True
         q = quantize(values[keep], self.bits, group_size=self.group_size, generator=self.generator)
-        bitmap = torch.from_numpy(np.packbits(keep.cpu().numpy(), bitorder="little")).to(values.device)
+        bitmap = pack_codes(keep.to(torch.uint8), 1)  # on the values' device: no trip to the host
         dense = torch.zeros_like(values)
         dense[keep] = dequantize(q)
         return torch.cat([bitmap, q.to_bytes()]), dense
@@ -129,8 +130,7 @@ class CocktailSGD(Algorithm):
         if subset_size == 0:
             return message.new_zeros(0, dtype=torch.float32)
         cut = -(-subset_size // 8)
-        keep = np.unpackbits(message[:cut].cpu().numpy(), count=subset_size, bitorder="little").astype(bool)
-        keep = torch.from_numpy(keep).to(message.device)
+        keep = unpack_codes(message[:cut], 1, subset_size).bool()
         k = min(k, subset_size)
         dense = message.new_zeros(subset_size, dtype=torch.float32)
         dense[keep] = dequantize(QuantizedTensor.from_bytes(message[cut:], (k,), torch.float32, self.bits,

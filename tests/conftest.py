@@ -6,7 +6,12 @@ the built-in corpus's fixtures).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# the quantizer's Triton kernels run in Triton's interpreter, on CPU tensors: set before anything imports triton
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LAYERS = ("unit", "multiprocess", "e2e")
 pytest_plugins = ("tests.helpers.shakespeare",)  # the built-in corpus's fixtures, for the data tests

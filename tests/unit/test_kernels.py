@@ -1,8 +1,13 @@
-"""The C kernels and their torch twins give the same bits; the packed format is a plain bit stream."""
+"""The C kernels, the Triton kernels (in Triton's interpreter here: tests/conftest.py) and their torch twins give
+the same bits; the packed format is a plain bit stream."""
+import sys
+
 import pytest
 import torch
 
 from compression import dequantize, kernels, quantize
+
+BACKENDS = ["native", "triton", "torch"]
 
 
 @pytest.fixture
@@ -16,24 +21,37 @@ def test_native_kernels_build_here():
     assert kernels.native_library() is not None, kernels.native_error()
 
 
-def both(backend, x, bits, **kw):
+def both(backend, x, bits, other="torch", **kw):
     out = {}
-    for name in ("native", "torch"):
+    for name in ("native", other):
         backend(name)
         q = quantize(x, bits, generator=torch.Generator().manual_seed(11), **kw)
         out[name] = (q, dequantize(q))
-    return out["native"], out["torch"]
+    return out["native"], out[other]
 
 
+@pytest.mark.parametrize("other", ["torch", "triton"])
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("group_size", [None, 1, 5, 8, 13, 300])
+@pytest.mark.parametrize("group_size", [None, 1, 5, 8, 13, 300, 1100])  # 1100: wider than a Triton program's read
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_native_and_torch_are_bit_identical(backend, bits, group_size, stochastic):
-    x = torch.randn(4, 9, 29, generator=torch.Generator().manual_seed(bits)) * 4
-    (qn, yn), (qt, yt) = both(backend, x, bits, group_size=group_size, stochastic=stochastic)
+def test_every_backend_gives_the_native_bits(backend, other, bits, group_size, stochastic):
+    x = torch.randn(4, 9, 61, generator=torch.Generator().manual_seed(bits)) * 4
+    (qn, yn), (qt, yt) = both(backend, x, bits, other, group_size=group_size, stochastic=stochastic)
     assert torch.equal(qn.codes, qt.codes)
     assert torch.equal(qn.mins, qt.mins) and torch.equal(qn.steps, qt.steps)
     assert torch.equal(yn, yt)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_decoding_onto_a_base_is_the_base_plus_the_decoded_tensor(backend, name):
+    """AQ-SGD's m + change, in one pass on a GPU: the same float32 sum as adding afterwards."""
+    backend(name)
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    base = torch.randn(6, 300, generator=torch.Generator().manual_seed(6)) * 10
+    q = quantize(x, 3, group_size=64, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(dequantize(q, base=base), base + dequantize(q))
+    with pytest.raises(ValueError, match=r"base: expected float32 of shape \(6, 300\)"):
+        dequantize(q, base=base.T)
 
 
 def test_threaded_native_path_matches_torch_on_a_large_tensor(backend):
@@ -45,7 +63,7 @@ def test_threaded_native_path_matches_torch_on_a_large_tensor(backend):
     assert torch.equal(qn.codes, qt.codes) and torch.equal(yn, yt)
 
 
-@pytest.mark.parametrize("name", ["native", "torch"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_packed_format_is_a_little_endian_bit_stream(backend, name):
     backend(name)
     # one group 0..3 at 2 bits: with nearest rounding the codes are exactly 0, 1, 2, 3, 3, 2, 1, 0, 1
@@ -56,7 +74,7 @@ def test_packed_format_is_a_little_endian_bit_stream(backend, name):
     assert quantize(x3, 3, stochastic=False).codes.tolist() == [0b01111000, 0b0]
 
 
-@pytest.mark.parametrize("name", ["native", "torch"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_non_finite_is_found_by_both(backend, name):
     backend(name)
     x = torch.randn(5, 20)
@@ -76,5 +94,26 @@ def test_dither_is_uniform_and_key_dependent():
 
 
 def test_unknown_backend_is_refused(backend):
-    with pytest.raises(ValueError, match="AQPIPE_KERNELS='gpu': expected one of auto, native, torch"):
+    with pytest.raises(ValueError, match="AQPIPE_KERNELS='gpu': expected one of auto, native, triton, torch"):
         backend("gpu")
+
+
+def test_triton_asked_for_but_missing_is_one_line(backend, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.delitem(sys.modules, "compression.triton_kernels", raising=False)
+    backend("triton")  # configure() asks again whether Triton imports
+    with pytest.raises(RuntimeError, match="AQPIPE_KERNELS=triton but Triton cannot be imported"):
+        quantize(torch.randn(4, 8), 2)
+
+
+def test_cpu_tensors_keep_the_c_kernels_under_auto(backend):
+    backend("auto")
+    assert kernels.backend_for(torch.zeros(4)) == "native"
+
+
+def test_the_trainer_refuses_triton_kernels_on_a_machine_without_a_gpu(backend):
+    from aqpipe.environment import configure_kernels
+
+    with pytest.raises(ValueError, match="AQPIPE_KERNELS=triton: Triton's kernels need a CUDA GPU"):
+        configure_kernels({"AQPIPE_KERNELS": "triton"})
+    configure_kernels({"AQPIPE_KERNELS": "triton", "TRITON_INTERPRET": "1"})  # the interpreter runs on CPUs

@@ -1,0 +1,139 @@
+"""The quantizer's GPU kernels in Triton: bit-identical to the C kernels and the torch twins (kernels.py).
+
+Three launches per quantize, one per dequantize:
+- `_group_range`: each group's min and max (a NaN min where the group holds NaN or inf), ROWS groups a program,
+  COLS columns at a time (groups of 64: 64 of them a program; rows of 4096: 4 loops of 1024), so any size runs;
+- the scales, `levels / span` in float64 rounded to float32, in torch ops on the per-group vectors (tiny): the same
+  expression as the torch twin, so the same bits;
+- `_quantize_pack`: per element (x - min) * inv + dither, clamped and truncated, then 8 codes at a time packed into
+  `bits` bytes of the little-endian stream (code i holds bits [i*b, (i+1)*b)), the packing of native/quant.c.
+`_dequantize` unpacks 8 codes a word and writes code * step + min, plus an optional base (AQ-SGD's m + change).
+
+Kernels launch with `enable_fp_fusion=False`: a fused multiply-add rounds once where the CPU rounds twice, the
+one float difference the kernels would otherwise have. The dither is the C kernel's counter hash in uint32
+arithmetic. Under TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors,
+which is how CI tests them. Importing this module imports triton: kernels.py does so only when it is chosen.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # elements a program quantizes or decodes: 128 words of 8 codes
+TILE = 4096  # elements a program reduces at a time: COLS of a group (at most 1024, looping over wider groups)
+# in each of ROWS groups
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _dither(idx, k0, k1):
+    """Uniform [0, 1) for element `idx` under key (k0, k1): dither() of native/quant.c."""
+    i = idx.to(tl.uint32)  # the index modulo 2**32, as the C kernel's cast
+    h = _mix32(i * 0x9E3779B9 + k0.to(tl.uint32)) ^ k1.to(tl.uint32)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < groups
+    lo = tl.full([ROWS], float("inf"), tl.float32)
+    hi = tl.full([ROWS], float("-inf"), tl.float32)
+    bad = tl.zeros([ROWS], tl.int32)
+    for start in range(0, gs, COLS):
+        cols = start + tl.arange(0, COLS)
+        idx = rows[:, None] * gs + cols[None, :]
+        m = live[:, None] & (cols[None, :] < gs) & (idx < n)
+        v = tl.load(x_ptr + idx, mask=m, other=0.0)
+        finite = tl.abs(v) < float("inf")  # false for NaN and inf
+        bad = tl.maximum(bad, tl.max((m & ~finite).to(tl.int32), axis=1))
+        lo = tl.minimum(lo, tl.min(tl.where(m, v, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(m, v, float("-inf")), axis=1))
+    tl.store(mins_ptr + rows, tl.where(bad > 0, float("nan"), lo), mask=live)
+    tl.store(maxs_ptr + rows, hi, mask=live)
+
+
+@triton.jit
+def _quantize_pack(x_ptr, mins_ptr, invs_ptr, out_ptr, n, gs, nbytes, k0, k1, levels, BITS: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+    WORDS: tl.constexpr = BLOCK // 8
+    word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+    lane = tl.arange(0, 8)
+    idx = word[:, None] * 8 + lane[None, :]
+    m = idx < n
+    x = tl.load(x_ptr + idx, mask=m, other=0.0)
+    g = idx // gs
+    v = (x - tl.load(mins_ptr + g, mask=m, other=0.0)) * tl.load(invs_ptr + g, mask=m, other=0.0)
+    if STOCHASTIC:
+        v = v + _dither(idx, k0, k1)
+    else:
+        v = v + 0.5
+    v = tl.minimum(tl.maximum(v, 0.0), levels)
+    codes = tl.where(m, v.to(tl.int64), 0)  # v >= 0: truncation is the floor, as the C cast
+    packed = tl.sum(codes << (lane[None, :] * BITS), axis=1)  # the codes' bits are disjoint: the sum is an or
+    pos = word[:, None] * BITS + lane[None, :]
+    out = (packed[:, None] >> (lane[None, :] * 8)) & 0xFF
+    tl.store(out_ptr + pos, out.to(tl.uint8), mask=(lane[None, :] < BITS) & (pos < nbytes))
+
+
+@triton.jit
+def _dequantize(packed_ptr, mins_ptr, steps_ptr, base_ptr, out_ptr, n, gs, nbytes, BITS: tl.constexpr,
+                HAS_BASE: tl.constexpr, BLOCK: tl.constexpr):
+    WORDS: tl.constexpr = BLOCK // 8
+    word = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+    lane = tl.arange(0, 8)
+    pos = word[:, None] * BITS + lane[None, :]
+    raw = tl.load(packed_ptr + pos, mask=(lane[None, :] < BITS) & (pos < nbytes), other=0).to(tl.int64)
+    packed = tl.sum(raw << (lane[None, :] * 8), axis=1)
+    idx = word[:, None] * 8 + lane[None, :]
+    m = idx < n
+    codes = (packed[:, None] >> (lane[None, :] * BITS)) & ((1 << BITS) - 1)
+    g = idx // gs
+    v = codes.to(tl.float32) * tl.load(steps_ptr + g, mask=m, other=0.0)
+    v = v + tl.load(mins_ptr + g, mask=m, other=0.0)
+    if HAS_BASE:
+        v = tl.load(base_ptr + idx, mask=m, other=0.0) + v
+    tl.store(out_ptr + idx, v, mask=m)
+
+
+def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.quantize_flat on Triton: (packed codes, mins, maxs)."""
+    n = flat.numel()
+    groups = -(-n // gs)
+    nbytes = (n * bits + 7) // 8
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
+    maxs = torch.empty_like(mins)
+    cols = min(1024, triton.next_power_of_2(gs))
+    rows = TILE // cols
+    _group_range[(triton.cdiv(groups, rows),)](flat, mins, maxs, n, gs, groups, ROWS=rows, COLS=cols)
+    levels = (1 << bits) - 1
+    span = maxs - mins
+    ratio = (torch.full_like(span, levels, dtype=torch.float64) / span.double()).clamp(max=_FLOAT32_MAX).float()
+    invs = torch.where(span > 0, ratio, torch.zeros_like(span))  # kernels.py's expression: the same scales
+    k0, k1 = key if key is not None else (0, 0)
+    _quantize_pack[(triton.cdiv(n, BLOCK),)](flat, mins, invs, packed, n, gs, nbytes, k0, k1, float(levels),
+                                              BITS=bits, STOCHASTIC=key is not None, BLOCK=BLOCK,
+                                              enable_fp_fusion=False)
+    return packed, mins, maxs
+
+
+def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor, steps: torch.Tensor,
+                    base: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.dequantize_flat on Triton: n float32 values, plus `base` (flat float32) where given."""
+    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    _dequantize[(triton.cdiv(n, BLOCK),)](packed.contiguous(), mins, steps, base if base is not None else out, out,
+                                          n, gs, packed.numel(), BITS=bits, HAS_BASE=base is not None, BLOCK=BLOCK,
+                                          enable_fp_fusion=False)
+    return out
