@@ -10,6 +10,8 @@ c_Q = E||x - Q(x)|| / ||x||: AQ-SGD's convergence theorem assumes c_Q < sqrt(1/2
 
 On a GPU, clone reads and writes each float32 once (8 bytes an element at the memory's bandwidth): a quantizer as
 fast as clone (`quant/clone` >= 1) processes its input at half the memory bandwidth or better, the GPU target.
+`same as CPU`: the backend's bytes (minima, steps, codes) and decoded values equal the CPU kernels' for the same
+generator, on the same tensor.
 """
 from __future__ import annotations
 
@@ -57,15 +59,20 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
             samples[b]["d"].append(timed(lambda: dequantize(holder["q"]), device))
     t_clone = statistics.median(clone[1:])
     rows = []
+    kernels.configure(backend="native" if kernels.native_library() is not None else "torch")
+    cpu = {b: quantize(x.cpu(), b, generator=torch.Generator().manual_seed(5)) for b in bit_widths}
+    kernels.configure(backend=backend)
     for b in bit_widths:
         tq, td = statistics.median(samples[b]["q"][1:]), statistics.median(samples[b]["d"][1:])
-        q = quantize(x, b, generator=g)
+        q = quantize(x, b, generator=torch.Generator().manual_seed(5))
+        same = torch.equal(q.to_bytes().cpu(), cpu[b].to_bytes()) and torch.equal(dequantize(q).cpu(),
+                                                                                   dequantize(cpu[b]))
         rows.append({
             "backend": backend, "bits": b, "quantize_GBps": gb / tq, "dequantize_GBps": gb / td,
             "round_trip_GBps": gb / (tq + td), "clone_GBps": gb / t_clone,
             "round_trip_vs_clone": t_clone / (tq + td), "quantize_vs_clone": t_clone / tq,
             "compression": x.numel() * 4 / q.nbytes,
-            "c_Q": c_q(b, shape[-1]),
+            "c_Q": c_q(b, shape[-1]), "same_bytes_as_cpu": same,
         })
     return rows
 
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tensor {shape} float32 ({math.prod(shape) * 4 / 1e6:.1f} MB), {torch.get_num_threads()} threads, "
           f"median of {args.repeats}")
     print(f"{'backend':<7} {'bits':>4} {'quant GB/s':>10} {'dequant GB/s':>12} {'round GB/s':>10} "
-          f"{'clone GB/s':>10} {'round/clone':>11} {'quant/clone':>11} {'x smaller':>9} {'c_Q':>6}")
+          f"{'clone GB/s':>10} {'round/clone':>11} {'quant/clone':>11} {'x smaller':>9} {'c_Q':>6} "
+          f"{'same as CPU':>11}")
     rows = []
     for backend in args.backends.split(","):
         for r in run(shape, bit_widths, args.repeats, backend, torch.device(args.device)):
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['backend']:<7} {r['bits']:>4} {r['quantize_GBps']:>10.2f} {r['dequantize_GBps']:>12.2f} "
                   f"{r['round_trip_GBps']:>10.2f} {r['clone_GBps']:>10.2f} {r['round_trip_vs_clone']:>11.2f} "
                   f"{r['quantize_vs_clone']:>11.2f} "
-                  f"{r['compression']:>9.1f} {r['c_Q']:>6.3f}")
+                  f"{r['compression']:>9.1f} {r['c_Q']:>6.3f} {'yes' if r['same_bytes_as_cpu'] else 'NO':>11}")
     native = [r for r in rows if r["backend"] == "native"]
     if native:
         worst = min(r["round_trip_vs_clone"] for r in native)

@@ -11,6 +11,8 @@ a sample's first visit at full precision), and the ratios the issue asks for.
     sudo python -m benchmarks.slow_link --vocab gpt2 --width 256   # GPT-2's 50257-token vocabulary
     sudo python -m benchmarks.slow_link --family llama --vocab gpt2 --width 256 --engines aqpipe \
         --rates unshaped,100mbit,5mbit --methods fp32,aqsgd_2_4   # a tied Llama, as `aqpipe causal-lm` runs it
+    sudo python -m benchmarks.slow_link --family llama --vocab gpt2 --width 256 --engines aqpipe --replicas 2 \
+        --rates 100mbit --methods fp32,aqsgd_2_4,fp32_lora,aqsgd_2_4_lora   # 2 stages x 2 replicas, 4 namespaces
     sudo python -m benchmarks.slow_link --quick           # tiny shape, 2 rates, < 2 minutes
     python -m benchmarks.slow_link --quick --no_netns     # not root: loopback, no shaping
 
@@ -57,6 +59,8 @@ METHODS: dict[str, list[str]] = {
     "aqsgd_2_4_tie4": ["--forward_compress", "aqsgd", "--forward_bits", "2", "--backward_compress", "direct",
                        "--backward_bits", "4", "--tie_bits", "4"],  # the tied weight's rows and gradients at 4 bits
 }
+LORA = ["--lora_rank", "16"]  # PEFT's default targets for the family; the base frozen in its checkpoint's dtype
+METHODS.update({f"{name}_lora": [*flags, *LORA] for name, flags in list(METHODS.items())})
 UNSHAPED = "unshaped"
 WIRES = ("fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes")  # every wire a step uses, counted by the engine
 
@@ -77,9 +81,11 @@ class Shape:
     tied: bool = True  # the LM head is the token embedding, as in every HF GPT2 (and Llama 3.2, Qwen2.5)
     family: str = "gpt2"  # or "llama": a Llama-shaped decoder (RMSNorm, rotary, grouped-query attention, gated MLP)
 
+    replicas: int = 1  # pipelines, each stage's replicas kept in step by allreduce
+
     @property
     def samples_per_step(self) -> int:
-        return self.micro_batch_size * self.num_micro_batches
+        return self.micro_batch_size * self.num_micro_batches * self.replicas
 
     @property
     def steps_per_epoch(self) -> int:
@@ -89,7 +95,7 @@ class Shape:
         return ["--model", str(model_config), "--seq_len", str(self.seq_len), "--micro_batch_size",
                 str(self.micro_batch_size), "--num_micro_batches", str(self.num_micro_batches),
                 "--max_train_samples", str(self.samples), "--max_eval_samples", str(self.samples_per_step),
-                "--epochs", str(self.epochs)]
+                "--epochs", str(self.epochs), "--replicas", str(self.replicas)]
 
 
 QUICK = Shape(width=64, layers=2, heads=2, seq_len=32, micro_batch_size=2, num_micro_batches=2, samples=16, epochs=2)
@@ -274,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"of {', '.join(METHODS)}")
     p.add_argument("--engines", default="aqpipe,deepspeed", help="aqpipe and/or deepspeed (FP32 only)")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="pipelines (our engine only): stages x replicas namespaces, one process each, allreduce "
+                        "between a stage's replicas over the same shaped links")
     p.add_argument("--schedules", default="1f1b",
                    help="our engine's schedules to run, comma-separated (gpipe, 1f1b, zb1); rows of another than "
                         "1f1b are named METHOD_SCHEDULE")
@@ -303,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     shape.width, shape.layers = args.width or shape.width, args.layers or shape.layers
     shape.vocab, shape.tied, shape.family = args.vocab, not args.untied, args.family
     shape.num_micro_batches = args.num_micro_batches or shape.num_micro_batches
+    shape.replicas = args.replicas
     shape.epochs = shape.epochs if args.epochs is None else args.epochs
     schedules = [x for x in args.schedules.split(",") if x]
     for name in schedules:
@@ -319,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"engine {e!r}: expected aqpipe or deepspeed")
     if args.family == "llama" and "deepspeed" in engines:
         p.error("--family llama runs our engine only: add --engines aqpipe")
+    if args.replicas != 1 and "deepspeed" in engines:
+        p.error("--replicas runs our engine only: add --engines aqpipe")
     for r in rates:
         if r != UNSHAPED:
             try:
@@ -342,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             for sch in (schedules if e == "aqpipe" else ["1f1b"])]
     rows: list[dict[str, Any]] = []
     measured: dict[str, float] = {}
-    net = None if args.no_netns else Network(args.stages)
+    hosts = args.stages * args.replicas
+    net = None if args.no_netns else Network(hosts)
     with net if net is not None else contextlib.nullcontext():
         for rate in rates:
             if net is not None:
@@ -361,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                     if engine == "aqpipe":
                         flags += [*METHODS[method], "--schedule", schedule]
                     script = LLAMA_SCRIPT if shape.family == "llama" and engine == "aqpipe" else SCRIPTS[engine]
-                    launch(script, flags, args.stages, net, run_dir / "launch.log", args.timeout,
+                    launch(script, flags, hosts, net, run_dir / "launch.log", args.timeout,
                            args.latency_ms if engine == "aqpipe" else 0.0)
                     dirs.setdefault((engine, label), []).append(run_dir)
                     one = steady_figures(run_dir, shape)["seconds_per_step"]
@@ -370,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"engine": engine, "method": method, "rate": rate, "repeats": len(paths),
                              **steady_figures(paths, shape)})
     summary = ratios(rows, rates)
-    result = {"shape": asdict(shape), "stages": args.stages, "schedules": schedules, "repeats": args.repeats,
+    result = {"shape": asdict(shape), "stages": args.stages, "replicas": args.replicas, "schedules": schedules,
+              "repeats": args.repeats,
               "latency_ms": args.latency_ms, "netns": net is not None,
               "namespace_tag": net.tag if net is not None else None,
               "measured_mbit": measured, "rows": rows, "ratios": summary}
