@@ -25,10 +25,12 @@ def test_codec_demo_aqsgd_tracks_fp32_where_directq_falls_behind(tmp_path):
 
 def test_bench_quantize_prints_and_records_every_row(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench_quantize.main(["--shape", "2,8,64", "--repeats", "1", "--backends", "native,torch",
+    bench_quantize.main(["--shape", "2,8,64", "--repeats", "1", "--backends", "native,triton,torch",
                          "--group_sizes", "16", "--json", str(out)])
     rows = json.loads(out.read_text())
-    assert [(r["backend"], r["bits"]) for r in rows] == [(b, n) for b in ("native", "torch") for n in (1, 2, 4, 8)]
+    assert [(r["backend"], r["bits"]) for r in rows] == [(b, n) for b in ("native", "triton", "torch")
+                                                         for n in (1, 2, 4, 8)]
+    assert all(r["same_bytes_as_cpu"] for r in rows)  # triton in its interpreter here
     two = next(r for r in rows if r["bits"] == 2)
     assert abs(two["compression"] - 2 * 8 * 64 * 4 / (2 * 8 * 16 + 2 * 8 * 8)) < 1e-9
     c_q = [r["c_Q"] for r in rows[:4]]
