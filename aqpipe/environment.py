@@ -32,8 +32,9 @@ def configure_kernels(environ: dict[str, str] | None = None) -> None:
 
     env = os.environ if environ is None else environ
     choice = env.get("AQPIPE_KERNELS", "auto")
-    kernels.configure(choice, env.get("AQPIPE_CACHE"), env.get("CC", "cc"))
-    if choice == "triton" and not torch.cuda.is_available() and not env.get("TRITON_INTERPRET"):
+    interpret = env.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")  # as Triton reads it
+    kernels.configure(choice, env.get("AQPIPE_CACHE"), env.get("CC", "cc"), interpret=interpret)
+    if choice == "triton" and not torch.cuda.is_available() and not interpret:
         raise ValueError("AQPIPE_KERNELS=triton: Triton's kernels need a CUDA GPU (or TRITON_INTERPRET=1, its CPU "
                          "interpreter, for tests); this machine has none")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ from compression import dequantize, kernels, quantize
 from compression.quantizer import error_constant
 
 TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's kernels on CPU tensors (the tests)
 
 
 def timed(fn, device: torch.device = torch.device("cpu")) -> float:
@@ -45,7 +47,7 @@ c_q = error_constant  # E||x - Q(x)|| / ||x|| over Gaussian rows (the commands i
 
 def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: str,
         device: torch.device = torch.device("cpu")) -> list[dict]:
-    kernels.configure(backend=backend)
+    kernels.configure(backend=backend, interpret=INTERPRET)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
     gb = x.numel() * 4 / 1e9
     g = torch.Generator().manual_seed(1)
@@ -61,7 +63,7 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
     rows = []
     kernels.configure(backend="native" if kernels.native_library() is not None else "torch")
     cpu = {b: quantize(x.cpu(), b, generator=torch.Generator().manual_seed(5)) for b in bit_widths}
-    kernels.configure(backend=backend)
+    kernels.configure(backend=backend, interpret=INTERPRET)
     for b in bit_widths:
         tq, td = statistics.median(samples[b]["q"][1:]), statistics.median(samples[b]["d"][1:])
         q = quantize(x, b, generator=torch.Generator().manual_seed(5))

@@ -12,7 +12,7 @@ brings the CPU round trip within reach of memory bandwidth.
 neither. All three use the same counter-based dither (a hash of the element's
 index and a key drawn from the caller's torch.Generator) and the same float32
 operations in the same order, so codes and decoded values match bit for bit:
-tests/unit/test_kernels.py and test_triton_kernels.py hold them to it.
+tests/unit/test_kernels.py holds them to it (the Triton kernels in Triton's interpreter).
 
 Choose with `configure(backend="auto"|"native"|"triton"|"torch")`: the trainer reads it from AQPIPE_KERNELS (with
 AQPIPE_CACHE, where the compiled library is kept, and CC, the compiler), once, at start. auto: native on CPU
@@ -43,7 +43,7 @@ _MIN_CHUNK = 1 << 16  # elements per thread below which splitting costs more tha
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 BACKENDS = ("auto", "native", "triton", "torch")
-_settings = {"backend": "auto", "cache_dir": None, "compiler": "cc"}  # what configure() set
+_settings = {"backend": "auto", "cache_dir": None, "compiler": "cc", "interpret": False}  # what configure() set
 _warned: set[str] = set()  # the fallbacks already warned about
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
@@ -53,14 +53,17 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-def configure(backend: str = "auto", cache_dir: str | os.PathLike | None = None, compiler: str = "cc") -> None:
+def configure(backend: str = "auto", cache_dir: str | os.PathLike | None = None, compiler: str = "cc",
+              interpret: bool = False) -> None:
     """How the quantizer runs, for the whole process: `backend` auto (the C kernels on CPU tensors where they build,
     Triton's on CUDA tensors where it imports, else torch ops), native, triton or torch; `cache_dir` where the
-    compiled kernels are kept (default ~/.cache/aqpipe); `compiler` the C compiler's command."""
+    compiled kernels are kept (default ~/.cache/aqpipe); `compiler` the C compiler's command; `interpret`: Triton
+    runs in its interpreter (TRITON_INTERPRET=1, set before triton is imported), so backend triton takes CPU tensors
+    too (tests), where otherwise it takes CUDA tensors only."""
     if backend not in BACKENDS:
         raise ValueError(f"AQPIPE_KERNELS={backend!r}: expected one of {', '.join(BACKENDS)}")
     global _triton_error
-    _settings.update(backend=backend, cache_dir=cache_dir, compiler=compiler)
+    _settings.update(backend=backend, cache_dir=cache_dir, compiler=compiler, interpret=interpret)
     _triton_error = None  # whether Triton imports is asked again
 
 
@@ -158,7 +161,8 @@ def backend_for(t: torch.Tensor) -> str:
     choice = _settings["backend"]
     if choice == "torch" or sys.byteorder != "little":
         return "torch"
-    if choice == "triton" or (choice == "auto" and t.device.type == "cuda"):
+    on_gpu = t.device.type == "cuda" or (choice == "triton" and _settings["interpret"])
+    if on_gpu and choice in ("triton", "auto"):
         why = triton_error()
         if why is None:
             return "triton"
@@ -274,16 +278,9 @@ def quantize_flat(
         _parallel(-(-groups // align), gs * align, run)
         return packed, mins, maxs
     parts = _groups(flat, gs)
-    start = 0
-    for p in parts:
-        lo, hi = torch.aminmax(p, dim=1)
-        mins[start : start + p.shape[0]] = torch.where(torch.isfinite(p).all(dim=1), lo, torch.nan)
-        maxs[start : start + p.shape[0]] = hi
-        start += p.shape[0]
+    mins, maxs = group_ranges(flat, gs)
     levels = (1 << bits) - 1
-    span = maxs - mins
-    ratio = (torch.full_like(span, levels, dtype=torch.float64) / span.double()).clamp(max=_FLOAT32_MAX).float()
-    invs = torch.where(span > 0, ratio, torch.zeros_like(span))  # NaN span (bad group) -> 0
+    invs = inverse_steps(mins, maxs, bits)
     codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
     u_parts = _groups(dither(n, key, flat.device), gs) if key is not None else [0.5] * len(parts)
     start = 0
@@ -294,6 +291,29 @@ def quantize_flat(
         start += p.numel()
     packed.copy_(pack_codes(codes, bits))
     return packed, mins, maxs
+
+
+def group_ranges(flat: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (min, max), with tensor ops; a group holding NaN or inf gets min = NaN."""
+    parts = _groups(flat, gs)
+    mins = torch.empty(sum(p.shape[0] for p in parts), dtype=torch.float32, device=flat.device)
+    maxs = torch.empty_like(mins)
+    start = 0
+    for p in parts:
+        lo, hi = torch.aminmax(p, dim=1)
+        mins[start : start + p.shape[0]] = torch.where(torch.isfinite(p).all(dim=1), lo, torch.nan)
+        maxs[start : start + p.shape[0]] = hi
+        start += p.shape[0]
+    return mins, maxs
+
+
+def inverse_steps(mins: torch.Tensor, maxs: torch.Tensor, bits: int) -> torch.Tensor:
+    """levels / span per group, divided in float64 and rounded once to float32 (0 for an empty or bad span): the
+    scale every implementation multiplies by."""
+    span = maxs - mins
+    levels = torch.full_like(span, (1 << bits) - 1, dtype=torch.float64)
+    ratio = (levels / span.double()).clamp(max=_FLOAT32_MAX).float()
+    return torch.where(span > 0, ratio, torch.zeros_like(span))  # NaN span (bad group) -> 0
 
 
 def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor,

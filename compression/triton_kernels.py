@@ -2,7 +2,8 @@
 
 Three launches per quantize, one per dequantize:
 - `_group_range`: each group's min and max (a NaN min where the group holds NaN or inf), ROWS groups a program,
-  COLS columns at a time (groups of 64: 64 of them a program; rows of 4096: 4 loops of 1024), so any size runs;
+  COLS columns at a time (groups of 64: 64 of them a program; rows of 4096: 4 loops of 1024); groups wider than
+  WIDE take torch's reductions, which split a group over the GPU;
 - the scales, `levels / span` in float64 rounded to float32, in torch ops on the per-group vectors (tiny): the same
   expression as the torch twin, so the same bits;
 - `_quantize_pack`: per element (x - min) * inv + dither, clamped and truncated, then 8 codes at a time packed into
@@ -11,8 +12,9 @@ Three launches per quantize, one per dequantize:
 
 Kernels launch with `enable_fp_fusion=False`: a fused multiply-add rounds once where the CPU rounds twice, the
 one float difference the kernels would otherwise have. The dither is the C kernel's counter hash in uint32
-arithmetic. Under TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors,
-which is how CI tests them. Importing this module imports triton: kernels.py does so only when it is chosen.
+arithmetic, its key passed as int32 bit patterns. Under TRITON_INTERPRET=1 (set before this module is imported,
+and `kernels.configure(interpret=True)`) the same kernels run on CPU tensors, which is how CI tests them.
+Importing this module imports triton: kernels.py does so only when it is chosen.
 """
 from __future__ import annotations
 
@@ -20,10 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import group_ranges, inverse_steps
+
 BLOCK = 1024  # elements a program quantizes or decodes: 128 words of 8 codes
 TILE = 4096  # elements a program reduces at a time: COLS of a group (at most 1024, looping over wider groups)
 # in each of ROWS groups
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+WIDE = 1 << 16  # groups wider than this take their ranges from torch's split reductions
+
+
+def _int32(k: int) -> int:
+    """A 32-bit key word as the int32 with its bits (one argument type for every key)."""
+    return k - (1 << 32) if k >= 1 << 31 else k
 
 
 @triton.jit
@@ -63,7 +72,7 @@ def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, C
     tl.store(maxs_ptr + rows, hi, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k0", "k1"])  # a key of 1 would become a constant; any other, a new variant
 def _quantize_pack(x_ptr, mins_ptr, invs_ptr, out_ptr, n, gs, nbytes, k0, k1, levels, BITS: tl.constexpr,
                    STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     WORDS: tl.constexpr = BLOCK // 8
@@ -113,16 +122,17 @@ def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] |
     groups = -(-n // gs)
     nbytes = (n * bits + 7) // 8
     packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
-    maxs = torch.empty_like(mins)
-    cols = min(1024, triton.next_power_of_2(gs))
-    rows = TILE // cols
-    _group_range[(triton.cdiv(groups, rows),)](flat, mins, maxs, n, gs, groups, ROWS=rows, COLS=cols)
+    if gs > WIDE:  # a few wide groups: one program each would read them serially; torch's reductions split them
+        mins, maxs = group_ranges(flat, gs)
+    else:
+        mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
+        maxs = torch.empty_like(mins)
+        cols = min(1024, triton.next_power_of_2(gs))
+        _group_range[(triton.cdiv(groups, TILE // cols),)](flat, mins, maxs, n, gs, groups, ROWS=TILE // cols,
+                                                            COLS=cols)
     levels = (1 << bits) - 1
-    span = maxs - mins
-    ratio = (torch.full_like(span, levels, dtype=torch.float64) / span.double()).clamp(max=_FLOAT32_MAX).float()
-    invs = torch.where(span > 0, ratio, torch.zeros_like(span))  # kernels.py's expression: the same scales
-    k0, k1 = key if key is not None else (0, 0)
+    invs = inverse_steps(mins, maxs, bits)  # the other implementations' own expression: the same scales
+    k0, k1 = (_int32(k) for k in key) if key is not None else (0, 0)
     _quantize_pack[(triton.cdiv(n, BLOCK),)](flat, mins, invs, packed, n, gs, nbytes, k0, k1, float(levels),
                                               BITS=bits, STOCHASTIC=key is not None, BLOCK=BLOCK,
                                               enable_fp_fusion=False)

@@ -99,8 +99,9 @@ class CocktailSGD(Algorithm):
             perms = []
             for i, (s, e) in enumerate(self.bounds):  # from the seed alone: the same on every replica
                 g = torch.Generator().manual_seed((self.seed * 1_000_003 + index * 7_919 + i) % (1 << 63))
-                # drawn on the CPU (the same permutation whatever device a replica runs on), kept on the device
-                perms.append(torch.randperm(e - s, generator=g).to(self.device))
+                # drawn and kept on the CPU (the same permutation on every device; 8 bytes a parameter, which a GPU
+                # shared by several stages should not hold): a step moves only its slice
+                perms.append(torch.randperm(e - s, generator=g))
             self._perms = (index, perms)
         perm = self._perms[1][shard]
         n = perm.numel()

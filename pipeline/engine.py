@@ -82,7 +82,8 @@ class StepMetrics:
     # no aqsgd boundary, a warm-up step, or first visits only)
     bits: dict[str, int] | None = None  # with auto bits: "boundary.direction" -> the bits this step's messages used
     bits_decision: dict[str, Any] | None = None  # with auto bits, on a decision step: its inputs and outcome
-    staging: float | None = None  # of the schedule's time, the fraction spent copying GPU tensors to and from gloo
+    staging: float | None = None  # of the schedule's time, the fraction its sends and receives spent copying GPU
+    # tensors to and from gloo (a copy to the GPU counted as launched; the replicas' sync is outside the schedule)
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""

@@ -12,7 +12,7 @@ BACKENDS = ["native", "triton", "torch"]
 
 @pytest.fixture
 def backend():
-    yield lambda name: kernels.configure(backend=name)
+    yield lambda name: kernels.configure(backend=name, interpret=True)  # Triton's kernels on CPU tensors
     kernels.configure()  # the default for the tests after
 
 
@@ -42,16 +42,34 @@ def test_every_backend_gives_the_native_bits(backend, other, bits, group_size, s
     assert torch.equal(yn, yt)
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_decoding_onto_a_base_is_the_base_plus_the_decoded_tensor(backend, name):
-    """AQ-SGD's m + change, in one pass on a GPU: the same float32 sum as adding afterwards."""
-    backend(name)
+def test_triton_decodes_onto_a_base_as_the_cpu_adds_after_decoding(backend):
+    """AQ-SGD's m + change, in the dequantize kernel's pass: the same float32 sum as the C kernel's decode plus m."""
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
     base = torch.randn(6, 300, generator=torch.Generator().manual_seed(6)) * 10
+    backend("native")
     q = quantize(x, 3, group_size=64, generator=torch.Generator().manual_seed(7))
-    assert torch.equal(dequantize(q, base=base), base + dequantize(q))
+    expected = base + dequantize(q)
+    backend("triton")
+    assert torch.equal(dequantize(q, base=base), expected)
     with pytest.raises(ValueError, match=r"base: expected float32 of shape \(6, 300\)"):
         dequantize(q, base=base.T)
+
+
+def test_triton_gives_the_native_bits_for_a_group_wider_than_its_programs_reduce(backend):
+    x = torch.randn(70_001, generator=torch.Generator().manual_seed(8))  # one group wider than triton_kernels.WIDE
+    (qn, yn), (qt, yt) = both(backend, x, 2, "triton", group_size=70_001)
+    assert torch.equal(qn.to_bytes(), qt.to_bytes()) and torch.equal(yn, yt)
+
+
+def test_triton_takes_cuda_tensors_only_unless_interpreted():
+    """A CPU tensor (c_Q's, a CPU stage's) under AQPIPE_KERNELS=triton on a GPU machine keeps the C kernels."""
+    kernels.configure(backend="triton")
+    try:
+        assert kernels.backend_for(torch.zeros(4)) == "native"
+        kernels.configure(backend="triton", interpret=True)
+        assert kernels.backend_for(torch.zeros(4)) == "triton"
+    finally:
+        kernels.configure()
 
 
 def test_threaded_native_path_matches_torch_on_a_large_tensor(backend):
@@ -111,8 +129,10 @@ def test_cpu_tensors_keep_the_c_kernels_under_auto(backend):
     assert kernels.backend_for(torch.zeros(4)) == "native"
 
 
-def test_the_trainer_refuses_triton_kernels_on_a_machine_without_a_gpu(backend):
+def test_the_trainer_refuses_triton_kernels_on_a_machine_without_a_gpu(backend, monkeypatch):
     from aqpipe.environment import configure_kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine that has one
 
     with pytest.raises(ValueError, match="AQPIPE_KERNELS=triton: Triton's kernels need a CUDA GPU"):
         configure_kernels({"AQPIPE_KERNELS": "triton"})
