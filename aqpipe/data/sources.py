@@ -3,7 +3,7 @@ and its splits; a table's text column."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 TABLE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -61,7 +61,20 @@ def hub_split(splits: Any, split: str, name: str) -> tuple[Any, bool]:
     raise ValueError(f"dataset {name!r} has splits {sorted(splits)}: expected 'validation' or 'test' for eval")
 
 
-def column_texts(table: Any, column: str | None, source: str) -> list[str]:
+class ColumnTexts:
+    """The non-empty texts of a table's column, read a batch of rows at a time each time it is iterated: a hub
+    dataset's Arrow files are memory-mapped, so its texts are never all in memory at once (token_file reads them
+    three times: the cache key, the size for the progress bar, the ids)."""
+
+    def __init__(self, table: Any, column: str) -> None:
+        self.table, self.column = table, column
+
+    def __iter__(self) -> Iterator[str]:
+        for batch in self.table.select_columns([self.column]).iter(batch_size=1024):
+            yield from (text for text in batch[self.column] if isinstance(text, str) and text.strip())
+
+
+def column_texts(table: Any, column: str | None, source: str) -> ColumnTexts:
     """The non-empty texts of `column`; None: 'text', else the table's one string column."""
     columns = table.column_names
     if column is None:
@@ -74,7 +87,7 @@ def column_texts(table: Any, column: str | None, source: str) -> list[str]:
     if column not in columns:
         raise ValueError(f"{source}: no column {column!r} (columns found: {columns}); name the text column "
                          "with --text_column")
-    return [text for text in table[column] if isinstance(text, str) and text.strip()]
+    return ColumnTexts(table, column)
 
 
 def _is_string_column(table: Any, name: str) -> bool:

@@ -28,8 +28,9 @@ _BATCH_TEXTS = 1024  # chunks (or table rows) per tokenizer call
 _READ_BYTES = 1 << 24  # a text file is hashed 16 MiB at a time
 
 
-def token_file(source: Path | list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
-    """The token ids of a text file (tokenized in line-aligned chunks) or of table rows (each followed by eos), as
+def token_file(source: Path | Iterable[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
+    """The token ids of a text file (tokenized in line-aligned chunks) or of table rows (each followed by eos; any
+    iterable that can be iterated again, such as sources.ColumnTexts, which streams a table's column), as
     one read-only vector memory-mapped from a file in the cache: uint16 when the vocabulary fits, else uint32
     (nanoGPT's train.bin). Built once per machine, streaming: memory stays near one batch of text whatever the
     corpus's size; every process of the machine maps the same pages."""
@@ -58,7 +59,7 @@ def token_file(source: Path | list[str], tokenizer: PreTrainedTokenizerBase) -> 
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _source_parts(source: Path | list[str]) -> Iterator[bytes]:
+def _source_parts(source: Path | Iterable[str]) -> Iterator[bytes]:
     """What the cache key covers: a file's bytes (read in pieces) or the rows' text."""
     if isinstance(source, Path):
         yield b"text"
@@ -72,7 +73,7 @@ def _source_parts(source: Path | list[str]) -> Iterator[bytes]:
         yield from (row.encode("utf-8") for row in source)
 
 
-def _token_pieces(source: Path | list[str], tokenizer: PreTrainedTokenizerBase,
+def _token_pieces(source: Path | Iterable[str], tokenizer: PreTrainedTokenizerBase,
                   batch_texts: int = _BATCH_TEXTS) -> Iterator[np.ndarray]:
     """The ids of `batch_texts` chunks (or rows, each followed by eos where the tokenizer has one) at a time: a
     tokenizer's output for a whole 121 MB corpus at once peaked at 6.2 GB. A bar shows progress when it takes more

@@ -77,6 +77,27 @@ def test_lm_from_local_tables_joins_rows_with_eos(tok, tmp_path, suffix):
     assert every(ds)["input_ids"].flatten().tolist() == expected[: len(ds) * 16]
 
 
+def test_a_tables_texts_stream_in_batches_of_rows_and_skip_empty_ones(tok, monkeypatch):
+    """A hub dataset's column is read from its Arrow batches, never gathered whole: 2,500 rows in batches of 1024."""
+    from datasets import Dataset
+
+    from aqpipe.data import sources as table_sources
+
+    texts = [f"line {i} of the play" if i % 7 else ("" if i % 2 else None) for i in range(2500)]
+    table = Dataset.from_dict({"text": texts, "n": list(range(2500))})
+    monkeypatch.setattr(Dataset, "__getitem__", lambda *a: pytest.fail("the whole column was gathered"))
+    read = []
+    iterate = Dataset.iter
+    monkeypatch.setattr(Dataset, "iter", lambda self, batch_size, **kw: read.append(batch_size) or
+                        iterate(self, batch_size, **kw))
+    column = table_sources.column_texts(table, None, "the dataset given")
+    kept = [t for t in texts if t]
+    assert list(column) == kept and list(column) == kept  # iterable again, as the token file's three reads need
+    assert read == [1024, 1024]
+    ids = sources.token_file(column, tok)
+    assert ids.tolist() == [i for t in kept for i in tok(t)["input_ids"] + [tok.eos_token_id]]
+
+
 def test_lm_text_column_is_chosen_and_checked(tok, tmp_path):
     path = write_table(tmp_path / "b.jsonl", [{"body": "Once more unto the breach, dear friends", "n": 1}] * 50)
     assert len(data.lm_dataset(path, tok, 8)) == len(data.lm_dataset(path, tok, 8, text_column="body")) > 0
