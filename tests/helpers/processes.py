@@ -1,5 +1,5 @@
-"""Processes a test starts: spawned gloo ranks (`spawn`), and launched commands that import this checkout
-(`checkout_env`). Worker functions run in spawned processes import these helpers by module name."""
+"""Processes a test starts: gloo ranks (`spawn`, forked from a server that preloaded torch and the libraries), and
+launched commands that import this checkout (`checkout_env`). Worker functions are found by module name."""
 from __future__ import annotations
 
 import io
@@ -34,7 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
+# Workers fork from a server that imported these once (3 s a spawn becomes 0.1 s); it was started with the first
+# test's environment, so each worker takes the test's own at its start (_entry; multiprocessing sets the directory)
+PRELOAD = ["torch", "torch.distributed", "pipeline", "data_parallel", "compression", __name__]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, environ: dict[str, str]
+           ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
@@ -54,10 +62,12 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[An
 
     Raises naming the rank that failed: an error it reported (also one reported after its result, at the closing
     barrier), or a process that ended with a status other than 0 (one that `os._exit`s after returning, say)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, dict(os.environ)))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -76,9 +86,10 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[An
             if p.is_alive():
                 p.kill()
                 p.join()
+    exited = all(p.exitcode is not None for p in procs)  # an exited worker's reports are all in the pipe already
     while True:  # late reports: an error at the closing barrier comes after the rank's result
         try:
-            rank, _, error = queue.get(timeout=0.5)
+            rank, _, error = queue.get(timeout=0.05 if exited else 0.5)
         except Exception:  # noqa: BLE001 - queue.Empty: drained
             break
         if error:

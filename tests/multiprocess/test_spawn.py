@@ -41,3 +41,14 @@ def test_a_rank_that_fails_in_any_way_is_named(fn, says):
     with pytest.raises(RuntimeError) as info:
         spawn(fn, 2, timeout=60)
     assert str(info.value).startswith("rank 1 failed") and says in str(info.value)  # the cause before its echoes
+
+
+def sees_its_test(rank, world):
+    return os.environ.get("AQPIPE_SPAWN_PROBE"), os.getcwd()
+
+
+def test_workers_take_the_tests_environment_and_directory_though_their_server_started_earlier(monkeypatch, tmp_path):
+    spawn(returns_rank, 2)  # the fork server runs from here on
+    monkeypatch.setenv("AQPIPE_SPAWN_PROBE", "this test's")
+    monkeypatch.chdir(tmp_path)
+    assert spawn(sees_its_test, 2) == [("this test's", str(tmp_path))] * 2
