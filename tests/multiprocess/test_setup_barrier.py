@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from aqpipe.watchdog import Watchdog
 from aqpipe.world import World, barrier
-from tests.helpers.processes import free_port
+from tests.helpers.processes import PRELOAD, free_port
 
 COLLECTIVE_TIMEOUT = 2.0  # also the rendezvous' limit: shorter ones failed to connect on a busy machine
 SLOW = 5.0  # rank 0's set-up: more than twice the collective timeout
@@ -41,7 +41,8 @@ def _rank(rank: int, port: int, dies: bool, queue) -> None:
 
 
 def _run(dies: bool) -> tuple[dict[int, tuple], list[int], list[float]]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # the ranks fork from the server the other tests' ranks fork from
+    ctx.set_forkserver_preload(PRELOAD)
     queue, port = ctx.Queue(), free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # outlives a dead rank 0
     procs = [ctx.Process(target=_rank, args=(r, port, dies, queue)) for r in range(2)]
