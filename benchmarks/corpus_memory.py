@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.rank_memory import HOOK
+from benchmarks.rank_memory import HOOK, checkouts
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["--seq_len", "128", "--micro_batch_size", "2", "--num_micro_batches", "2", "--max_steps", "2",
@@ -90,26 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"job": JOB, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        checkouts = {"now": ROOT}
-        if args.before:
-            subprocess.run(["git", "worktree", "add", "--detach", str(work / "before"), args.before], cwd=ROOT,
-                           check=True, capture_output=True)
-            checkouts["before"] = work / "before"
-        try:
+        with checkouts(work, args.before) as found:
             for size in sizes:
                 corpus = work / f"corpus_{size:g}MB.txt"
                 nbytes = write_corpus(corpus, size)
                 seconds = tokenize_seconds(corpus, work / f"tokenize_{size:g}")
                 row = {"bytes": nbytes, "tokenize_s": seconds, "peak_mb": {}}
-                for label, checkout in checkouts.items():
+                for label, checkout in found.items():
                     row["peak_mb"][label] = run_job(checkout, corpus, work, f"{label}_{size:g}")
                     print(f"{size:g} MB corpus, {label}: peak MB by rank "
                           f"{[round(x) for x in row['peak_mb'][label]]} (tokenized in {seconds:.1f} s)", flush=True)
                 result["runs"][f"{size:g}"] = row
                 corpus.unlink()
-        finally:
-            if args.before:
-                subprocess.run(["git", "worktree", "remove", "--force", str(work / "before")], cwd=ROOT)
     tiny = {label: max(peaks) for label, peaks in result["runs"][f"{sizes[0]:g}"]["peak_mb"].items()}
     print("\n| corpus | tokenizing | " + " | ".join(f"largest rank, {label} | over the tiny corpus"
                                                   for label in tiny) + " |")

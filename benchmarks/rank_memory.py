@@ -15,13 +15,14 @@ from another revision of the checkout (a git worktree), for the figures before p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 # the models: a tied Llama in bf16 (as Llama 3.2 and Qwen2.5 ship), and GPT-2 small's shape in fp32 (as GPT2
@@ -105,6 +106,22 @@ def stage_parameters(config: dict[str, Any], stages: int) -> list[int]:
     return [sum(p.numel() for p in s.parameters()) for s in partition(model, stages, copy_modules=False)]
 
 
+@contextlib.contextmanager
+def checkouts(work: Path, before: str | None) -> Iterator[dict[str, Path]]:
+    """{"now": this checkout}, and with `before` {"before": that git revision, as a worktree under `work`} too,
+    removed on the way out."""
+    found = {"now": ROOT}
+    if before:
+        subprocess.run(["git", "worktree", "add", "--detach", str(work / "before"), before], cwd=ROOT, check=True,
+                       capture_output=True)
+        found["before"] = work / "before"
+    try:
+        yield found
+    finally:
+        if before:
+            subprocess.run(["git", "worktree", "remove", "--force", str(work / "before")], cwd=ROOT)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="llama", choices=sorted(FAMILIES))
@@ -119,20 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         params = write_model(args.family, work / "model")
         result["parameters"] = params
-        checkouts = {"now": ROOT}
-        if args.before:
-            subprocess.run(["git", "worktree", "add", "--detach", str(work / "before"), args.before], cwd=ROOT,
-                           check=True, capture_output=True)
-            checkouts["before"] = work / "before"
-        try:
-            for label, checkout in checkouts.items():
+        with checkouts(work, args.before) as found:
+            for label, checkout in found.items():
                 for stages in counts:
                     peaks = run_job(checkout, spec["task"], work / "model", stages, work / label)
                     result["runs"].setdefault(label, {})[stages] = peaks
                     print(f"{label:>6} {stages} stage(s): peak MB by rank {[round(x) for x in peaks]}", flush=True)
-        finally:
-            if args.before:
-                subprocess.run(["git", "worktree", "remove", "--force", str(work / "before")], cwd=ROOT)
     one = max(result["runs"]["now"][counts[0]])
     print(f"\n{args.family}, {params / 1e6:.1f}M parameters, {spec['dtype']} checkpoint; largest rank's peak:")
     for label, runs in result["runs"].items():

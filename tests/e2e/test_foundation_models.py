@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig
 
-from aqpipe import data
+from tests.helpers.files import tiny_llama_dir
 from tests.helpers.processes import ROOT, checkout_env, free_port
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
@@ -15,14 +15,7 @@ QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "
 
 
 def test_a_bf16_tied_llama_fine_tunes_on_two_stages_without_bf16_flags_and_exports_as_it_came(tmp_path):
-    tokenizer = data.load_tokenizer(None)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    source = tmp_path / "llama"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(source, max_shard_size="200KB")
-    tokenizer.save_pretrained(source)
+    source = tiny_llama_dir(tmp_path / "llama")
     out = tmp_path / "out"
     cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "aqpipe", "causal-lm",
            "--model", str(source), *QUICK, "--output_dir", str(out)]
@@ -39,7 +32,7 @@ def test_a_bf16_tied_llama_fine_tunes_on_two_stages_without_bf16_flags_and_expor
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     tok = AutoTokenizer.from_pretrained(out / "model")
     ids = torch.tensor([tok("To be, or not to be").input_ids])
-    assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+    assert model(ids).logits.shape == (1, ids.shape[1], len(tok))
 
 
 def test_an_architecture_it_cannot_split_stops_before_any_data_is_read(tmp_path):

@@ -14,6 +14,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 import aqpipe
 from aqpipe import data
+from tests.helpers.files import tiny_llama_dir
 from tests.helpers.processes import checkout_env, free_port
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
@@ -25,14 +26,7 @@ def digests(directory):
 
 
 def test_a_bf16_tied_llama_trains_adapters_on_two_stages_and_exports_adapter_and_merged_model(tmp_path):
-    tokenizer = data.load_tokenizer(None)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    source = tmp_path / "llama"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(source, max_shard_size="200KB")
-    tokenizer.save_pretrained(source)
+    source = tiny_llama_dir(tmp_path / "llama")
     before = digests(source)
     out = tmp_path / "out"
     cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "aqpipe", "causal-lm",
@@ -61,8 +55,8 @@ def test_a_bf16_tied_llama_trains_adapters_on_two_stages_and_exports_adapter_and
         expected = base[name] if module not in folded else \
             (base[name].float() + folded[module].get_delta_weight("default").float()).to(torch.bfloat16)
         assert torch.equal(value, expected), name  # W + B A alpha / r, rounded once to the checkpoint's dtype
-    assert len(folded) == 2 * config.num_hidden_layers
-    ids = torch.tensor([tokenizer("To be, or not to be").input_ids])
+    assert len(folded) == 2 * merged.config.num_hidden_layers
+    ids = torch.tensor([data.load_tokenizer(None)("To be, or not to be").input_ids])
     torch.testing.assert_close(merged.float()(ids).logits, tuned.float()(ids).logits, atol=0.05, rtol=0.05)
 
 

@@ -33,3 +33,21 @@ def tiny_gpt2_config(tmp_path: Path) -> str:
     GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                attn_pdrop=0.0).to_json_file(path)
     return str(path)
+
+
+def tiny_llama_dir(path: Path) -> Path:
+    """A tiny tied Llama as one is downloaded: bf16 safetensors in several shards, with the built-in tokenizer
+    (width 64, 2 blocks, grouped-query attention), seeded random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aqpipe import data
+
+    tokenizer = data.load_tokenizer(None)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB")
+    tokenizer.save_pretrained(path)
+    return path

@@ -76,3 +76,26 @@ def train_reference(model: torch.nn.Module, steps: list[list[dict[str, torch.Ten
             losses.append(total / len(micro_batches))
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"loss": losses, "grad_norm": norms, "weights": weights}
+
+
+def random_batches(steps: int, micro: int, size: int, seq: int, vocab: int, *, classes: int | None = None,
+                   pad_id: int | None = None) -> list[list[dict[str, torch.Tensor]]]:
+    """`steps` steps of `micro` seeded micro-batches of `size` x `seq` random ids (from 3 up), with labels the ids
+    (causal LM) or random classes (`classes`), distinct sample ids; with `pad_id`, the second row's last 3 tokens
+    are padding (masked, and -100 as causal labels)."""
+    g = torch.Generator().manual_seed(5)
+    out: list[list[dict[str, torch.Tensor]]] = []
+    for _ in range(steps):
+        mbs = []
+        for k in range(micro):
+            ids = torch.randint(3, vocab, (size, seq), generator=g)
+            mask = torch.ones_like(ids)
+            if pad_id is not None:
+                mask[1, seq - 3:] = 0
+                ids[mask == 0] = pad_id
+            labels = ids.masked_fill(mask == 0, -100) if classes is None else \
+                torch.randint(0, classes, (size,), generator=g)
+            mbs.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
+                        "sample_id": torch.arange(size) + size * (k + micro * len(out))})
+        out.append(mbs)
+    return out

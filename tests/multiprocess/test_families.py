@@ -8,7 +8,7 @@ import transformers
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.loading import build_stage
 from tests.helpers.processes import spawn
-from tests.helpers.reference import train_reference
+from tests.helpers.reference import random_batches, train_reference
 
 VOCAB, SEQ, MBS, MICRO, STEPS, LAYERS = 96, 12, 2, 2, 2, 4
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS,
@@ -45,20 +45,8 @@ def dropout_parts(name: str) -> str:
 
 
 def batches(name: str, config) -> list[list[dict[str, torch.Tensor]]]:
-    g = torch.Generator().manual_seed(5)
-    steps = []
-    for _ in range(STEPS):
-        mbs = []
-        for k in range(MICRO):
-            ids = torch.randint(3, VOCAB, (MBS, SEQ), generator=g)
-            mask = torch.ones_like(ids)
-            mask[1, SEQ - 3:] = 0  # some padding
-            ids[mask == 0] = config.pad_token_id
-            labels = ids.masked_fill(mask == 0, -100) if "Causal" in name else torch.randint(0, 3, (MBS,), generator=g)
-            mbs.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
-                        "sample_id": torch.arange(MBS) + MBS * (k + MICRO * len(steps))})
-        steps.append(mbs)
-    return steps
+    return random_batches(STEPS, MICRO, MBS, SEQ, VOCAB, classes=None if "Causal" in name else 3,
+                          pad_id=config.pad_token_id)
 
 
 def optimizer_and_schedule(params):

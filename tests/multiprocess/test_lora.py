@@ -10,7 +10,7 @@ from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owne
 from pipeline.loading import build_stage
 from pipeline.lora import LoraSettings, adapter_state_dict, add_lora, lora_config, seed_adapters
 from tests.helpers.processes import spawn
-from tests.helpers.reference import train_reference
+from tests.helpers.reference import random_batches, train_reference
 
 VOCAB, SEQ, MBS, MICRO, STEPS, LAYERS = 96, 12, 2, 2, 3, 4
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS,
@@ -29,17 +29,7 @@ DROPOUT_PARTS = {"llama_bf16": "decoder", "gpt2": "gpt2", "qwen3_classifier": "d
 
 
 def batches(classify: bool) -> list[list[dict[str, torch.Tensor]]]:
-    g = torch.Generator().manual_seed(5)
-    steps = []
-    for _ in range(STEPS):
-        mbs = []
-        for k in range(MICRO):
-            ids = torch.randint(3, VOCAB, (MBS, SEQ), generator=g)
-            labels = torch.randint(0, 3, (MBS,), generator=g) if classify else ids
-            mbs.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-                        "sample_id": torch.arange(MBS) + MBS * (k + MICRO * len(steps))})
-        steps.append(mbs)
-    return steps
+    return random_batches(STEPS, MICRO, MBS, SEQ, VOCAB, classes=3 if classify else None)
 
 
 def optimizer(params):
