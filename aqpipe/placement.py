@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .environment import launch
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -39,3 +41,10 @@ def place(backend: str, local_rank: int, local_world_size: int, gpus: int) -> Pl
     device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
     transport = device if backend == "nccl" else torch.device("cpu")
     return Placement(backend, device, transport)
+
+
+def place_here(backend: str) -> Placement:
+    """This process's placement, from its launcher's variables and this machine's GPUs."""
+    here = launch()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return place(backend, here.local_rank, here.local_world_size, gpus)

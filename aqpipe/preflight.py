@@ -11,8 +11,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import checkpoint, faults, reporters
-from .environment import configure_kernels, launch, link_latency_s
-from .placement import place
+from .environment import configure_kernels, link_latency_s
+from .placement import place_here
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -41,11 +41,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
 def _check_gpus(backend: str) -> None:
     """The backend can run on this machine's GPUs (NCCL: one per process), said in one line, not as a CUDA error
     on some ranks while the others wait."""
-    import torch
-
-    here = launch()
-    place(backend, here.local_rank, here.local_world_size,
-          torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    place_here(backend)
 
 
 # what a run writes into its output_dir

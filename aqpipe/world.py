@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .config import RunConfig
 from .environment import launch, link_latency_s, show_tracebacks
 from .host_memory import keep_freed_memory
-from .placement import place
+from .placement import place_here
 from .watchdog import Watchdog
 
 
@@ -44,8 +44,7 @@ def init_world(cfg: RunConfig) -> World:
     (placement.py), or run alone."""
     here = launch()  # config.resolve checked its world size is stages x replicas
     size, rank, local_rank = here.world_size, here.rank, here.local_rank
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    placed = place(cfg.backend, local_rank, here.local_world_size, gpus)  # preflight checked it can run here
+    placed = place_here(cfg.backend)  # preflight checked it can run here
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here.local_world_size))
     keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch

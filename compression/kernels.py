@@ -254,17 +254,18 @@ def quantize_flat(
     """
     n = flat.numel()
     groups = -(-n // gs) if n else 0
-    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
-    mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
-    maxs = torch.empty_like(mins)
     if groups == 0:
-        return packed, mins, maxs
+        nothing = torch.empty(0, dtype=torch.float32, device=flat.device)
+        return torch.empty(0, dtype=torch.uint8, device=flat.device), nothing, nothing.clone()
     chosen = backend_for(flat)
     if chosen == "triton":
         from . import triton_kernels
 
         return triton_kernels.quantize_flat(flat, gs, bits, key)
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
     if chosen == "native":
+        mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
+        maxs = torch.empty_like(mins)
         lib = native_library()
         k0, k1 = key if key is not None else (0, 0)
         align = 8 // math.gcd(gs, 8)  # chunks start on whole bytes of the stream

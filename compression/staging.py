@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 
 class HostStaging:
@@ -47,6 +48,14 @@ class HostStaging:
         out = buf.to(device, non_blocking=self._pinned(device))
         self.seconds += time.perf_counter() - start
         return out
+
+    def all_reduce_(self, t: torch.Tensor, group: object | None = None) -> torch.Tensor:
+        """Sum `t` in place over `group`, through the transport's device."""
+        moved = self.outgoing(t)
+        dist.all_reduce(moved, group=group)
+        if moved is not t:
+            t.copy_(moved)
+        return t
 
     def take_seconds(self) -> float:
         """Seconds spent copying since the last call."""

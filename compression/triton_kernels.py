@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import group_ranges, inverse_steps
+from .kernels import group_ranges, inverse_steps, packed_nbytes
 
 BLOCK = 1024  # elements a program quantizes or decodes: 128 words of 8 codes
 TILE = 4096  # elements a program reduces at a time: COLS of a group (at most 1024, looping over wider groups)
@@ -120,7 +120,7 @@ def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] |
     """kernels.quantize_flat on Triton: (packed codes, mins, maxs)."""
     n = flat.numel()
     groups = -(-n // gs)
-    nbytes = (n * bits + 7) // 8
+    nbytes = packed_nbytes(n, bits)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     if gs > WIDE:  # a few wide groups: one program each would read them serially; torch's reductions split them
         mins, maxs = group_ranges(flat, gs)

@@ -165,10 +165,10 @@ class Comm:
         """In-place mean over the group (float); counted as a ring allreduce."""
         if self.size == 1:
             return tensor
-        moved = self._out(tensor)
-        dist.all_reduce(moved, group=self.group)
-        if moved is not tensor:
-            tensor.copy_(moved)
+        if self.staging is not None:
+            self.staging.all_reduce_(tensor, self.group)
+        else:
+            dist.all_reduce(tensor, group=self.group)
         tensor.div_(self.size)
         self.sent_bytes += 2 * (self.size - 1) * self._nbytes(tensor) // self.size
         return tensor

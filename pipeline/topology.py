@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from compression.staging import HostStaging
+
 BOUNDARY, TIE = "boundary", "tie"  # the kinds of channel between two stages of a pipeline
 
 
@@ -75,10 +77,7 @@ class Groups:
 
     def collective(self, t: torch.Tensor, group: object) -> None:
         """All-reduce (sum) `t` in place over `group`, staged through the transport's device."""
-        moved = t.to(self.transport)
-        dist.all_reduce(moved, group=group)
-        if moved is not t:
-            t.copy_(moved)
+        HostStaging(self.transport).all_reduce_(t, group)
 
     def pipeline_rank_of(self, stage: int) -> int:
         return self.grid.rank(stage, self.replica)

@@ -6,6 +6,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 
 def cache_root() -> Path:
@@ -14,13 +15,15 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "aqpipe"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers see all or nothing."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write `path` through: written beside it, synced, then renamed, so readers see all or
+    nothing; an error inside leaves no file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -28,6 +31,12 @@ def atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` all at once or not at all (atomic_file)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def sha256_hex(*parts: bytes) -> str:

@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
@@ -18,7 +17,7 @@ import torch
 if TYPE_CHECKING:  # transformers takes seconds to import: only where used
     from transformers import PreTrainedTokenizerBase
 
-from .cache import atomic_write, cache_root, sha256_hex
+from .cache import atomic_file, atomic_write, cache_root, sha256_hex
 
 
 _CHUNK_CHARS = 2000  # plain text is tokenized in line-aligned chunks, in parallel
@@ -41,19 +40,9 @@ def token_file(source: Path | Iterable[str], tokenizer: PreTrainedTokenizerBase)
     key = sha256_hex(fingerprint.encode(), *_source_parts(source))[:32]
     path = cache_root() / "tokens" / f"{key}.{np.dtype(dtype).name}.bin"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for ids in _token_pieces(source, tokenizer):
-                    ids.astype(dtype).tofile(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_file(path) as f:
+            for ids in _token_pieces(source, tokenizer):
+                ids.astype(dtype).tofile(f)
     if path.stat().st_size == 0:
         return np.zeros(0, dtype)
     return np.memmap(path, dtype=dtype, mode="r")
