@@ -181,3 +181,33 @@ def test_a_large_text_is_tokenized_in_bounded_batches_with_the_same_ids(tok, tex
     eos = tok.eos_token_id
     assert np.concatenate(list(sources._token_pieces(rows, tok, batch_texts=2))).tolist() == \
         [i for row in rows for i in [*tok(row, add_special_tokens=False)["input_ids"], eos]]
+
+
+class _WideTokenizer:
+    """A tokenizer stub of `size` tokens whose texts are ids written out ("65535 0 7"): the token file's width
+    depends only on the vocabulary's length, and a fingerprint (a `backend_tokenizer`) sends it through the cache."""
+
+    eos_token_id = pad_token_id = None
+    model_input_names = ["input_ids"]
+    padding_side = truncation_side = "right"
+
+    def __init__(self, size: int):
+        self.size = size
+        self.backend_tokenizer = type("Backend", (), {"to_str": lambda _: '{"vocab": %d}' % size})()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __call__(self, texts, **_):
+        return {"input_ids": [[int(word) for word in text.split()] for text in texts]}
+
+
+@pytest.mark.parametrize(("size", "width"), [(65536, np.uint16), (65537, np.uint32)])
+def test_token_file_width_at_the_uint16_boundary_keeps_the_largest_id(tmp_path, size, width):
+    """A vocabulary of exactly 2**16 tokens fits uint16; one more needs uint32, or its largest id wraps to 0."""
+    rows = [f"{size - 1} 0 7", f"{size - 2} {size - 1}"]
+    ids = sources.token_file(rows, _WideTokenizer(size))
+    assert isinstance(ids, np.memmap) and ids.dtype == width  # written to the cache and mapped back
+    assert ids.tolist() == [size - 1, 0, 7, size - 2, size - 1]
+    again = sources.token_file(rows, _WideTokenizer(size))  # read back from the file alone
+    assert again.filename == ids.filename and again.tolist() == ids.tolist()
