@@ -14,7 +14,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 import aqpipe
 from aqpipe import data
-from tests.helpers.files import tiny_llama_dir
+from tests.helpers.files import stored_dtypes, tiny_llama_dir
 from tests.helpers.processes import checkout_env, free_port
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
@@ -45,6 +45,8 @@ def test_a_bf16_tied_llama_trains_adapters_on_two_stages_and_exports_adapter_and
     assert any(float(v.abs().max()) > 0 for k, v in load_file(out / "adapter" / "adapter_model.safetensors").items()
                if "lora_B" in k)  # trained: B starts at zero
 
+    assert set(stored_dtypes(out / "model").values()) == {"BF16"}  # the checkpoint's dtype on disk, each tensor once
+    assert "lm_head.weight" not in stored_dtypes(out / "model")  # the tied head stored once, as the embedding
     merged = AutoModelForCausalLM.from_pretrained(out / "model")
     assert merged.dtype == torch.bfloat16 and merged.lm_head.weight is merged.model.embed_tokens.weight
     base = AutoModelForCausalLM.from_pretrained(source).state_dict()

@@ -51,3 +51,21 @@ def tiny_llama_dir(path: Path) -> Path:
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB")
     tokenizer.save_pretrained(path)
     return path
+
+
+def stored_dtypes(directory: Path) -> dict[str, str]:
+    """Each tensor of a sharded safetensors model by name, with the dtype its file stores ("BF16", "F32"), read from
+    the files' headers (`from_pretrained` casts on load, so loading cannot tell); checks that the index names every
+    stored tensor once and that no tensor is stored twice."""
+    from safetensors import safe_open
+
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    stored: dict[str, str] = {}
+    for file in sorted(p.name for p in directory.glob("*.safetensors")):
+        with safe_open(str(directory / file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                assert name not in stored, f"{name} stored twice"
+                assert weight_map.get(name) == file, f"{name} is in {file}, the index says {weight_map.get(name)}"
+                stored[name] = f.get_slice(name).get_dtype()
+    assert set(stored) == set(weight_map), set(stored) ^ set(weight_map)
+    return stored

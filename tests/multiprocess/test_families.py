@@ -7,6 +7,7 @@ import transformers
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.loading import build_stage
+from tests.helpers.files import stored_dtypes
 from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches, train_reference
 
@@ -165,6 +166,10 @@ def test_the_export_is_the_trained_model_in_the_checkpoints_layout_dtype_and_tie
 
     exported, original = stored(exports / name / "model"), stored(checkpoints[name])
     assert set(exported) == set(original)  # the same names: a tied head stored once, as the input stored it
+    # stored as the checkpoint stores them, bf16 (from_pretrained would cast float32 back on load), each tensor once
+    assert set(stored_dtypes(exports / name / "model").values()) == {"BF16"}
+    if name == "LlamaForCausalLM":
+        assert "lm_head.weight" not in exported
     assert len(list((exports / name / "model").glob("model-0000?-of-00003.safetensors"))) == 3
     trained = {k: v for run in pipelines for k, v in run[name]["weights"].items()}
     loaded = getattr(transformers, name).from_pretrained(exports / name / "model")
