@@ -16,6 +16,7 @@ from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig, owned_parameters
 from pipeline.lora import adapter_state_dict, lora_config
 from tests.helpers.files import tiny_llama_dir
+from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches
 
 SEQ, MBS, MICRO, STEPS = 12, 2, 2, 3
@@ -53,10 +54,9 @@ def train(rank: int, world: int, directory: str, stages: int, dp: DataParallelCo
     return {"log": log, "adapters": adapters, "adapter_numel": sum(v.numel() for v in adapters.values()),
             "trained_numel": sum(p.numel() for p in owned_parameters(engine.stage, engine.ties))}
 
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from tests.helpers.processes import spawn
-
     directory = str(tiny_llama_dir(tmp_path_factory.mktemp("lora_replicas") / "llama"))
     out = {name: spawn(train, 4, directory, 2, dp) for name, dp in ALGORITHMS.items()}
     out["alone"] = spawn(train, 1, directory, 1, dataclasses.replace(ALGORITHMS["allreduce"], replicas=1))
