@@ -9,12 +9,13 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
 from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, SampleIds
-from .codecs import BACKWARD_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
+from .codecs import BACKWARD_MODES, FIRST_VISIT_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
 from .quantizer import QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
-    "BACKWARD_MODES", "BUFFER_BITS", "FORWARD_MODES", "BackwardCodec", "BufferRangeError", "ForwardCodec", "Message",
+    "BACKWARD_MODES", "BUFFER_BITS", "FIRST_VISIT_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError",
+    "ForwardCodec", "Message",
     "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "check_bits", "check_finite", "dequantize",
     "quantize", "randk", "topk",
 ]

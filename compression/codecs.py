@@ -9,11 +9,13 @@ Forward modes:
   hadamard  Q(R a), decoded as R^T deQ(...): a seeded randomized Hadamard rotation R first spreads
           outliers across each block (hadamard.py), so min-max groups lose less; no buffer, no
           state between steps (for buffers that do not fit, or samples seen once);
-  aqsgd   AQ-SGD: a sample's first visit sends a in full precision (its own dtype), the
-          receiver computes with it and both sides store m[ξ] = a (in the buffer dtype, or quantized
-          with buffer_bits);
+  aqsgd   AQ-SGD: a sample's first visit (and a refresh) sends a whole, through the `first_visit`
+          codec: in full precision (its own dtype; `none`, the paper's), or cache-free as `direct` or
+          `hadamard` at `first_visit_bits`; the receiver computes with what it decoded and both sides
+          store that decoded value as m[ξ] (in the buffer dtype, or quantized with buffer_bits), so
+          later deltas are taken against exactly what the receiver holds;
           later visits send Q(a - m[ξ]), both sides set m[ξ] += deQ(Q(a - m[ξ])) and the
-          receiver computes with m[ξ].
+          receiver computes with m[ξ]. In a one-epoch fine-tune every visit is a first visit.
 Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation), hadamard (the same
 after the rotation).
 """
@@ -34,6 +36,9 @@ from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, d
 
 FORWARD_MODES = ("none", "direct", "hadamard", "aqsgd")
 BACKWARD_MODES = ("none", "direct", "hadamard")
+FIRST_VISIT_MODES = ("none", "direct", "hadamard")  # cache-free codecs for AQ-SGD's whole rows
+_FIRST_VISIT_SEED = 1 << 20  # offsets the first-visit codec's dither from the delta quantizer's
+_EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None}
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,8 @@ class _Codec:
         return config
 
     def _check_config(self, state: dict[str, Any]) -> None:
-        mine, theirs = self._config(), {"adaptive": False, **state.get("config", {})}  # saved before adaptive codecs
+        # keys saved before adaptive codecs and first-visit codecs take the values those versions had
+        mine, theirs = self._config(), {**_EARLIER_DEFAULTS, **state.get("config", {})}
         diff = [f"{k}: checkpoint {theirs.get(k)!r} vs codec {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"{type(self).__name__} state does not match this codec: " + "; ".join(diff))
@@ -164,6 +170,26 @@ class _Codec:
         self.generator.set_state(state["generator"])
         if self.adaptive:
             self.set_bits(state["bits"], state["group_size"])
+
+
+class RowCodec(_Codec):
+    """A cache-free codec for the rows AQ-SGD sends whole (first visits, refreshes): `none`, `direct` or
+    `hadamard`; its decoded rows become both sides' buffer rows."""
+
+    modes = FIRST_VISIT_MODES
+
+    def nbytes(self, n: int, sample_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return self._dense_nbytes(torch.Size((n, *sample_shape)), dtype) if n else 0
+
+    def encode(self, rows: torch.Tensor) -> Message:
+        if not rows.shape[0]:
+            return Message(rows.new_empty(0, dtype=torch.uint8), rows.shape, rows.dtype, decoded=rows)
+        return self._encode_dense(rows)
+
+    def decode(self, payload: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if not shape[0]:
+            return torch.empty(shape, dtype=dtype, device=payload.device)
+        return self._decode_dense(Message(payload, shape, dtype))
 
 
 class BackwardCodec(_Codec):
@@ -194,8 +220,9 @@ class ForwardCodec(_Codec):
     e.g. (seq_len, hidden)) size the buffer; `buffer_path` puts it in a file instead of RAM
     (each side needs its own file); `buffer_bits` (4 or 8) holds its rows quantized (buffers.py).
     `refresh=True` in encode/decode (both sides alike)
-    sends every sample of the micro-batch in full precision and resets its row: the
-    full-precision warm-up epochs.
+    sends every sample of the micro-batch whole and resets its row: the warm-up epochs.
+    `first_visit` (none, direct, hadamard; `first_visit_bits`, `first_visit_group_size`) is how rows
+    sent whole travel: `none` in full precision, else cache-free, the decoded rows stored on both sides.
     """
 
     modes = FORWARD_MODES
@@ -205,16 +232,20 @@ class ForwardCodec(_Codec):
         sample_shape: tuple[int, ...] | None = None, buffer_dtype: torch.dtype = torch.float16,
         buffer_path: str | os.PathLike | None = None, stochastic: bool = True, seed: int = 0,
         group_size: int | None = None, buffer_bits: int | None = None, rotation_seed: int = 0,
-        adaptive: bool = False,
+        adaptive: bool = False, first_visit: str = "none", first_visit_bits: int | None = None,
+        first_visit_group_size: int | None = None,
     ) -> None:
         super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive)
         self.buffer: SampleBuffer | None = None
+        self.first: RowCodec | None = None
         self._squares: tuple[Any, Any] = (0.0, 0.0)  # sum ||a - m||^2, sum ||a||^2 over changes sent (take_change)
         if mode == "aqsgd":
             if num_samples is None or sample_shape is None:
                 raise ValueError("mode='aqsgd' needs num_samples (dataset size) "
                                  "and sample_shape (one sample's activation)")
             self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits)
+            self.first = RowCodec(first_visit, first_visit_bits, stochastic, int(seed) + _FIRST_VISIT_SEED,
+                                  first_visit_group_size, rotation_seed)
             if self.bits == 1:
                 warnings.warn(
                     "aqsgd at 1 bit: min-max quantization then errs by more than the change it sends "
@@ -241,7 +272,7 @@ class ForwardCodec(_Codec):
         return torch.Size((n, *self.buffer.sample_shape))
 
     def _row_nbytes(self, n: int, dtype: torch.dtype) -> int:
-        return n * math.prod(self.buffer.sample_shape) * dtype.itemsize
+        return self.first.nbytes(n, self.buffer.sample_shape, dtype)
 
     def _aqsgd_nbytes(self, n_whole: int, n_delta: int, dtype: torch.dtype) -> int:
         whole = self._row_nbytes(n_whole, dtype)
@@ -285,8 +316,9 @@ class ForwardCodec(_Codec):
         self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
                          self._squares[1] + torch.linalg.vector_norm(moved).square())
         q = self._quantize(change)
-        decoded = self._apply(ids, whole, delta, rows, dequantize(q, base=m), x.dtype)
-        payload = torch.cat([_raw_bytes(rows), q.to_bytes().to(x.device)])
+        sent = self.first.encode(rows)  # its decoded rows: what the receiver will compute with and store
+        decoded = self._apply(ids, whole, delta, sent.decoded, dequantize(q, base=m), x.dtype)
+        payload = torch.cat([sent.payload, q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
@@ -311,7 +343,7 @@ class ForwardCodec(_Codec):
             "(a different sample order, a lost message, or refresh on one side only)",
         )
         payload, row_bytes = message.payload, self._row_nbytes(n_whole, message.dtype)
-        rows = _from_raw(payload[:row_bytes], self._delta_shape(n_whole), message.dtype)
+        rows = self.first.decode(payload[:row_bytes], self._delta_shape(n_whole), message.dtype)
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta], payload.device).float()
@@ -338,16 +370,20 @@ class ForwardCodec(_Codec):
         if self.buffer is not None:
             config.update(num_samples=self.buffer.num_samples, sample_shape=self.buffer.sample_shape,
                           buffer_dtype=str(self.buffer.dtype), buffer_bits=self.buffer.bits)
+            config.update(first_visit=self.first.mode, first_visit_bits=self.first.bits)
         return config
 
     def state_dict(self) -> dict[str, Any]:
-        """Config (checked on load), the dither generator, and for aqsgd the buffer rows and seen bits."""
+        """Config (checked on load), the dither generators, and for aqsgd the buffer rows and seen bits."""
         state = super().state_dict()
         if self.buffer is not None:
             state["buffer"] = self.buffer.state_dict()
+            state["first_visit"] = self.first.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.buffer is not None:
             self.buffer.load_state_dict(state["buffer"])
+            if "first_visit" in state:  # saved before first-visit codecs: full precision, no dither to restore
+                self.first.load_state_dict(state["first_visit"])

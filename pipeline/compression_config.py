@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compression import BACKWARD_MODES, BUFFER_BITS, FORWARD_MODES, check_bits
+from compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, check_bits
 
 from .ties import TIE_MODES
 
@@ -52,7 +52,11 @@ class CompressionConfig:
                                            "its link and the stages' compute make cheap")
     backward: str = _flag("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
     backward_bits: int | str | None = _flag(None, "bits of backward compression (1-8), or auto")
-    warmup_epochs: int = _flag(0, "epochs at full precision before compression starts")
+    first_visit: str = _flag("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none (whole, "
+                                     "at full precision: the paper's), or cache-free as direct or hadamard at "
+                                     "first_visit_bits (both sides keep what was decoded)", "first_visit_compress")
+    first_visit_bits: int | None = _flag(None, "bits of a compressed first visit (1-8)")
+    warmup_epochs: int = _flag(0, "epochs that send every sample whole (as first visits are sent) before deltas start")
     buffer_dtype: torch.dtype = _flag(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
     buffer_bits: int | None = _flag(None, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of "
                                           "float16's memory; default: rows in buffer_dtype)")
@@ -83,6 +87,11 @@ class CompressionConfig:
             raise ValueError(f"backward_compress={self.backward!r}: expected one of {', '.join(BACKWARD_MODES)}")
         if self.tie != "auto" and self.tie not in TIE_MODES:
             raise ValueError(f"tie_compress={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
+        if self.first_visit not in FIRST_VISIT_MODES:
+            raise ValueError(f"first_visit_compress={self.first_visit!r}: expected one of "
+                             f"{', '.join(FIRST_VISIT_MODES)}")
+        if self.first_visit_bits is not None or self.first_visits_compressed():
+            check_bits(self.first_visit_bits, "first_visit_bits")
         _bits("forward_bits", self.forward_bits, self.forward != "none")
         _bits("backward_bits", self.backward_bits, self.backward != "none")
         _bits("tie_bits", self.tie_bits, self.tie_mode() != "none")
@@ -116,6 +125,10 @@ class CompressionConfig:
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic={self.stochastic!r}: expected true or false")
         return self
+
+    def first_visits_compressed(self) -> bool:
+        """Whether AQ-SGD's whole rows travel through a cache-free codec (only AQ-SGD has first visits)."""
+        return self.forward == "aqsgd" and self.first_visit != "none"
 
     def auto(self, direction: str | None = None) -> bool:
         """Whether `direction`'s bits (either's, for None) are chosen per link."""

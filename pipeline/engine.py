@@ -164,7 +164,10 @@ class PipelineEngine:
             path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
         shape = (seq_len, self.stage.hidden_size)
         kw = {"num_samples": self.num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
-              "buffer_path": path, "buffer_bits": c.buffer_bits} if c.forward == "aqsgd" else {}
+              "buffer_path": path, "buffer_bits": c.buffer_bits, "first_visit": c.first_visit,
+              "first_visit_bits": c.first_visit_bits,
+              "first_visit_group_size": c.group_size("forward", shape[-1], c.first_visit_bits),
+              } if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
         rotation_seed = seed * 1000 + index * 10  # hadamard's signs: the same on both sides and in every replica
         bits = {d: self.auto_bits.bits(index, d) if c.auto(d) else getattr(c, f"{d}_bits") for d in DIRECTIONS}

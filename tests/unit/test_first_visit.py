@@ -1,0 +1,118 @@
+"""AQ-SGD's first visits through a cache-free codec (direct or hadamard): fewer bytes from the first step, both sides
+storing what was decoded so later deltas are taken against what the receiver holds, bit-identical over shuffled
+epochs (buffers in memory, on disk, at 8 and 4 bits), and a resumed codec continuing as the uninterrupted one."""
+
+import pytest
+import torch
+
+from compression import ForwardCodec, QuantizedTensor
+from tests.unit.test_codecs import N, SHAPE, activation, run_epochs, wire
+
+FIRST = [("direct", 4), ("hadamard", 4), ("hadamard", 3)]
+
+
+def pair(first="hadamard", first_bits=4, buffer_bits=None, paths=(None, None)):
+    kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": first, "first_visit_bits": first_bits,
+          "buffer_bits": buffer_bits}
+    return tuple(ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, buffer_path=path, **kw) for path in paths)
+
+
+@pytest.mark.parametrize(("first", "bits"), FIRST)
+def test_a_first_visit_is_compressed_and_both_sides_keep_what_was_decoded(first, bits):
+    sender, receiver = pair(first, bits)
+    ids = torch.tensor([3, 7])
+    x = activation(ids, 0, 0.0)
+    msg = sender.encode(x, ids)
+    assert msg.nbytes == QuantizedTensor.wire_nbytes((2, *SHAPE), bits)  # not 2 x 4 x 64 float32s
+    assert receiver.payload_nbytes((2, *SHAPE), torch.float32, ids) == msg.nbytes
+    y = receiver.decode(wire(msg), ids)
+    assert torch.equal(y, msg.decoded) and not torch.equal(y, x)  # computed with what was decoded, not x
+    for side in (sender, receiver):  # stored as decoded, never the sender's exact activation
+        assert torch.equal(side.buffer.rows(ids), y.half())
+    # the next visit's delta is against that row: a small change costs the delta's bytes alone
+    again = sender.encode(x + 0.01, ids)
+    assert again.nbytes == QuantizedTensor.wire_nbytes((2, *SHAPE), 2)
+    assert torch.equal(receiver.decode(wire(again), ids), again.decoded)
+    # a batch of one seen and one new sample: one compressed row and one delta row
+    mixed = torch.tensor([3, 11])
+    msg = sender.encode(activation(mixed, 0, 0.0), mixed)
+    assert msg.nbytes == QuantizedTensor.wire_nbytes((1, *SHAPE), bits) + QuantizedTensor.wire_nbytes((1, *SHAPE), 2)
+    assert torch.equal(receiver.decode(wire(msg), mixed), msg.decoded)
+
+
+def test_hadamard_first_visits_err_less_than_direct_on_an_outlier_channel():
+    ids = torch.arange(8)
+    x = activation(ids, 0, 0.0)
+    x[..., 5] *= 40  # one channel tens of times the others, as GPT-2's hidden states have
+    errors = {}
+    for first in ("direct", "hadamard"):
+        sender, receiver = pair(first, 4)
+        errors[first] = float((receiver.decode(wire(sender.encode(x, ids)), ids) - x).norm() / x.norm())
+    assert errors["hadamard"] < 0.5 * errors["direct"], errors
+
+
+@pytest.mark.parametrize(("first", "bits"), FIRST)
+@pytest.mark.parametrize("buffer_bits", [None, 8, 4])
+def test_buffers_stay_bit_identical_over_shuffled_epochs(first, bits, buffer_bits):
+    sender, receiver = pair(first, bits, buffer_bits)
+    stats = run_epochs(sender, receiver, epochs=3, batch=5)  # asserts decode == the sender's copy, every batch
+    assert torch.equal(sender.buffer.values, receiver.buffer.values)
+    assert torch.equal(sender.buffer.seen, receiver.buffer.seen) and bool(sender.buffer.seen.all())
+    whole = run_epochs(*pair("none", None, buffer_bits), epochs=3, batch=5)
+    assert stats[0][0] == N * QuantizedTensor.wire_nbytes((1, *SHAPE), bits) < whole[0][0] / 6  # epoch 1
+    assert stats[1][0] == stats[2][0] == whole[1][0] == whole[2][0]  # later epochs: the same deltas' bytes
+
+
+def test_buffers_in_files_match_buffers_in_memory(tmp_path):
+    in_memory = run_epochs(*pair(), epochs=2)
+    in_files = pair(paths=(tmp_path / "send.buf", tmp_path / "recv.buf"))
+    assert run_epochs(*in_files, epochs=2) == in_memory
+    assert torch.equal(in_files[0].buffer.values, in_files[1].buffer.values)
+
+
+def test_a_resumed_codec_continues_mid_epoch_as_the_uninterrupted_one(tmp_path):
+    """Saved after two of five micro-batches: the remaining first visits draw the first-visit codec's dither."""
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    batches = [order[i:i + 5] for i in range(0, N, 5)]
+
+    def visit(codecs, ids_list, epoch=0):
+        out = []
+        for ids in ids_list:
+            msg = codecs[0].encode(activation(ids, epoch, 0.1), ids)
+            out.append(codecs[1].decode(wire(msg), ids))
+        return out
+
+    sender, receiver = pair()
+    visit((sender, receiver), batches[:2])
+    torch.save({"s": sender.state_dict(), "r": receiver.state_dict()}, tmp_path / "codec.pt")
+    expected = visit((sender, receiver), batches[2:]) + visit((sender, receiver), batches, epoch=1)
+    resumed = pair()
+    state = torch.load(tmp_path / "codec.pt", weights_only=True)
+    resumed[0].load_state_dict(state["s"])
+    resumed[1].load_state_dict(state["r"])
+    got = visit(resumed, batches[2:]) + visit(resumed, batches, epoch=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(resumed[1].buffer.values, receiver.buffer.values)
+
+
+def test_a_checkpoint_of_another_first_visit_codec_is_refused():
+    hadamard, direct, whole = pair("hadamard", 4)[0], pair("direct", 4)[0], pair("none", None)[0]
+    with pytest.raises(ValueError, match="first_visit: checkpoint 'hadamard' vs codec 'direct'"):
+        direct.load_state_dict(hadamard.state_dict())
+    with pytest.raises(ValueError, match="first_visit: checkpoint 'hadamard' vs codec 'none'"):
+        whole.load_state_dict(hadamard.state_dict())
+    with pytest.raises(ValueError, match="first_visit_bits: checkpoint 4 vs codec 3"):
+        pair("hadamard", 3)[0].load_state_dict(hadamard.state_dict())
+    older = whole.state_dict()  # a checkpoint saved before first-visit codecs existed loads as full precision
+    del older["first_visit"]
+    older["config"] = {k: v for k, v in older["config"].items() if not k.startswith("first_visit")}
+    pair("none", None)[0].load_state_dict(older)
+    with pytest.raises(ValueError, match="first_visit: checkpoint 'none' vs codec 'hadamard'"):
+        hadamard.load_state_dict(older)
+
+
+def test_bad_first_visit_settings_are_named():
+    with pytest.raises(ValueError, match=r"mode='hadamard' needs bits"):
+        pair("hadamard", None)
+    with pytest.raises(ValueError, match=r"mode='aqsgd': expected one of none, direct, hadamard"):
+        pair("aqsgd", 4)
