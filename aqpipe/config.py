@@ -47,9 +47,11 @@ def _warmup_decay() -> dict[str, Any]:
 
 
 def _aqsgd() -> CompressionConfig:
-    """The trainer's boundaries: AQ-SGD at 2 bits forward, DirectQ at 4 backward (the library's own default is
-    none: an engine built without a section sends full precision)."""
-    return CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+    """The trainer's boundaries: AQ-SGD at 2 bits forward, its first visits as 3-bit Hadamard in a one-epoch run (all
+    first visits) and whole in longer ones (benchmarks/RESULTS.md, "Compressed from the first step"), DirectQ at 4
+    backward (the library's own default is none: an engine built without a section sends full precision)."""
+    return CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
+                             first_visit="auto", first_visit_bits=3)
 
 
 @dataclass(frozen=True)
@@ -143,13 +145,16 @@ class RunConfig:
         targets = tuple(self.lora_target_modules) if self.lora_target_modules else None
         return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, targets)
 
-    def for_run(self, total_steps: int) -> "RunConfig":
-        """The settings a run of `total_steps` records: with replicas, an "auto" data-parallel warm-up resolved to
-        its number (a checkpoint keeps it, so a resume with more epochs keeps the warm-up)."""
+    def for_run(self, total_steps: int, steps_per_epoch: int | None = None) -> "RunConfig":
+        """The settings a run of `total_steps` records: an "auto" first-visit codec resolved by how often the run
+        visits each sample (`steps_per_epoch`; None: once), and with replicas an "auto" data-parallel warm-up
+        resolved to its number (a checkpoint keeps both, so a resume with more epochs keeps them)."""
+        visits = 1.0 if not steps_per_epoch else total_steps / steps_per_epoch
+        cfg = replace(self, compression=self.compression.for_visits(visits))
         if self.replicas < 2:
-            return self
+            return cfg
         steps = self.data_parallel.warmup_for(total_steps)
-        return replace(self, data_parallel=replace(self.data_parallel, warmup_steps=steps))
+        return replace(cfg, data_parallel=replace(self.data_parallel, warmup_steps=steps))
 
 
 def _merge(*layers: dict[str, Any]) -> dict[str, Any]:

@@ -204,7 +204,7 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
     replicas = world.size // cfg.pipeline_stages
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
-    cfg = cfg.for_run(total_steps)
+    cfg = cfg.for_run(total_steps, per_epoch)
     adapters = None if cfg.lora() is None else lora_config(
         spec.model_class, spec.config, cfg.lora(), task.kind == "classification", cfg.pipeline_stages, cfg.partition)
     engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters)

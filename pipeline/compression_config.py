@@ -1,7 +1,7 @@
 """What every stage boundary and tied weight sends, as one section of settings the engine takes whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -53,8 +53,9 @@ class CompressionConfig:
     backward: str = _flag("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
     backward_bits: int | str | None = _flag(None, "bits of backward compression (1-8), or auto")
     first_visit: str = _flag("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none (whole, "
-                                     "at full precision: the paper's), or cache-free as direct or hadamard at "
-                                     "first_visit_bits (both sides keep what was decoded)", "first_visit_compress")
+                                     "at full precision: the paper's), cache-free as direct or hadamard at "
+                                     "first_visit_bits (both sides keep what was decoded), or auto: hadamard when the "
+                                     "run visits each sample once (one epoch), else none", "first_visit_compress")
     first_visit_bits: int | None = _flag(None, "bits of a compressed first visit (1-8)")
     warmup_epochs: int = _flag(0, "epochs that send every sample whole (as first visits are sent) before deltas start")
     buffer_dtype: torch.dtype = _flag(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
@@ -87,8 +88,8 @@ class CompressionConfig:
             raise ValueError(f"backward_compress={self.backward!r}: expected one of {', '.join(BACKWARD_MODES)}")
         if self.tie != "auto" and self.tie not in TIE_MODES:
             raise ValueError(f"tie_compress={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
-        if self.first_visit not in FIRST_VISIT_MODES:
-            raise ValueError(f"first_visit_compress={self.first_visit!r}: expected one of "
+        if self.first_visit != "auto" and self.first_visit not in FIRST_VISIT_MODES:
+            raise ValueError(f"first_visit_compress={self.first_visit!r}: expected auto or one of "
                              f"{', '.join(FIRST_VISIT_MODES)}")
         if self.first_visit_bits is not None or self.first_visits_compressed():
             check_bits(self.first_visit_bits, "first_visit_bits")
@@ -125,6 +126,15 @@ class CompressionConfig:
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic={self.stochastic!r}: expected true or false")
         return self
+
+    def for_visits(self, visits: float) -> "CompressionConfig":
+        """`first_visit` auto resolved for a run that visits each sample `visits` times (steps x samples per step /
+        samples): hadamard at most once, where every visit is a first visit and a whole row would buy no later
+        delta; none beyond, where a full-precision first visit is the base of every later delta (benchmarks/
+        RESULTS.md, "Compressed from the first step")."""
+        if self.first_visit != "auto":
+            return self
+        return replace(self, first_visit="hadamard" if visits <= 1 else "none")
 
     def first_visits_compressed(self) -> bool:
         """Whether AQ-SGD's whole rows travel through a cache-free codec (only AQ-SGD has first visits)."""

@@ -130,6 +130,9 @@ class PipelineEngine:
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
         self.gradient_clipping, self.schedule, self.skip_nonfinite = gradient_clipping, schedule, skip_nonfinite
         self.compression = (compression or CompressionConfig()).validate()
+        if self.compression.first_visits_compressed() and self.compression.first_visit == "auto":
+            raise ValueError("first_visit_compress=auto: expected it resolved for the run first "
+                             "(CompressionConfig.for_visits)")
         self.device, self.seed = torch.device(device), seed
         self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
         # bf16 weights beside float32 ones (a frozen bf16 base under float32 LoRA adapters, or float32 under bf16

@@ -72,6 +72,28 @@ def test_group_size_sets_the_bytes_on_both_boundary_wires(tmp_path):
     assert step["bwd_bytes"] == 2 * (elements * 4 // 8 + scales)
 
 
+def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
+    """The preset's first-visit codec is auto: a one-epoch run (every visit a first visit) sends 3-bit Hadamard rows
+    from step 1; a two-epoch run sends its first visits whole, the base of its later deltas."""
+    from compression import QuantizedTensor
+
+    runs = {}
+    for epochs in ("1", "2"):
+        rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
+                      tmp_path / epochs, "--model", tiny_gpt2_config(tmp_path / epochs), "--epochs", epochs)
+        summary = json.loads((tmp_path / epochs / "summary.json").read_text())
+        runs[epochs] = ([r["fwd_bytes"] for r in rows if "loss" in r], summary["config"]["compression"])
+    one, first_visits = runs["1"]
+    assert first_visits["first_visit"] == "hadamard" and first_visits["first_visit_bits"] == 3
+    # two micro-batches a step, each 2 samples x 32 tokens x width 64: 3-bit codes, a min and step per token, ids
+    compressed = 2 * (QuantizedTensor.wire_nbytes((2, 32, 64), 3) + 2 * 8)
+    assert one == [compressed] * 8  # 32 samples, 4 a step: every step of the epoch, step 1 included
+    whole = 2 * (2 * 32 * 64 * 4 + 2 * 8)  # float32 rows
+    assert compressed * 7 < whole  # a token of 64 values: 24 bytes of codes and 8 of scales vs 256: 7.9x fewer
+    two, whole_visits = runs["2"]
+    assert whole_visits["first_visit"] == "none" and two[:8] == [whole] * 8 and max(two[8:]) < compressed
+
+
 def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
     rows = launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], "finetune_deberta.py",
                   tmp_path / "ds", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2",

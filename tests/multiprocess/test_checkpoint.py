@@ -20,6 +20,8 @@ from tests.helpers.toy import ToyStage, toy_dataset, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+FIRST_VISITS = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
+                                 first_visit="hadamard", first_visit_bits=3)
 OPTIONS = {
     "allreduce": {},
     "decentralized": {"peer_selection": "shift_one"},
@@ -46,35 +48,35 @@ class DrawingStage(ToyStage):
         return torch.nn.functional.dropout(out, 0.1) * jitter
 
 
-def _engine(groups, grid, name):
+def _engine(groups, grid, name, compression=AQSGD):
     stage = DrawingStage(toy_stages(2)[groups.stage])
     comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
     algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
     optimizer = algo.wrap_optimizer(torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02))
-    return PipelineEngine(stage, groups, optimizer, compression=AQSGD,
+    return PipelineEngine(stage, groups, optimizer, compression=compression,
                           num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ, ties=toy_ties(2),
                           data_parallel=algo, seed=3,
                           lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
 
 
-def resume_every_algorithm(rank, world, tmp):
-    """Per algorithm: STEPS steps straight, and the same with a save at RESUME_AT, a fresh engine and a load."""
+def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=AQSGD, resume_at=RESUME_AT):
+    """Per algorithm: STEPS steps straight, and the same with a save at `resume_at`, a fresh engine and a load."""
     grid = Grid.for_world(world, 2)
     groups = build_groups(grid, rank)
     plan = [(epoch, mbs) for epoch in range(STEPS)  # each replica its own shard (2 steps an epoch)
             for mbs in data.micro_batches(toy_dataset(SAMPLES, SEQ), MBS, MICRO, epoch, seed=3,
                                           shard=(groups.replica, grid.replicas))][:STEPS]
     out = {}
-    for name in OPTIONS:
+    for name in names:
         runs = []
         for resume in (False, True):
-            engine, log = _engine(groups, grid, name), []
+            engine, log = _engine(groups, grid, name, compression), []
             torch.manual_seed(rank), np.random.seed(rank), random.seed(rank)  # each run draws alike from here
             for step, (epoch, mbs) in enumerate(plan):
-                if resume and step == RESUME_AT:
+                if resume and step == resume_at:
                     path = Path(tmp) / f"{name}_rank{rank}.pt"
                     checkpoint.write_state(path, {"engine": engine.state_dict(), "rng": checkpoint.rng_state()})
-                    engine = _engine(groups, grid, name)  # a new process would start from scratch
+                    engine = _engine(groups, grid, name, compression)  # a new process would start from scratch
                     torch.manual_seed(1234), np.random.seed(1234), random.seed(1234)
                     record = checkpoint.read_state(path)  # weights_only=True
                     engine.load_state_dict(record["engine"])
@@ -108,6 +110,22 @@ def test_engine_resume_equals_uninterrupted_under_every_algorithm(resumed, name)
     log = resumed[0][name][1]["log"]
     assert log[0]["fwd_bytes"] == 2 * MICRO * MBS * (SEQ * 16 * 4 + 8)  # the first visits, in full
     assert log[RESUME_AT]["fwd_bytes"] == 2 * MICRO * MBS * (SEQ * (16 * 2 // 8 + 8) + 8) == 1664
+
+
+def test_a_resume_inside_the_first_epoch_of_compressed_first_visits_equals_uninterrupted(tmp_path):
+    """Saved after step 1 of 2 of the first epoch: step 2's first visits draw the first-visit codec's dither as the
+    uninterrupted run's did, and the rows both sides stored before the save carry on."""
+    from compression import QuantizedTensor
+
+    ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), FIRST_VISITS, 1)
+    for rank in ranks:
+        straight, resumed_run = rank["allreduce"]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        assert [s["fwd_bytes"] for s in resumed_run["log"]] == [s["fwd_bytes"] for s in straight["log"]]
+        assert torch.equal(resumed_run["buffer"], straight["buffer"])
+    rows = MICRO * (QuantizedTensor.wire_nbytes((MBS, SEQ, 16), 3) + MBS * 8)  # a replica's step of first visits
+    log = ranks[0]["allreduce"][1]["log"]
+    assert [s["fwd_bytes"] for s in log[:2]] == [2 * rows] * 2 and log[2]["fwd_bytes"] == 1664
 
 
 # ---------------------------------------------------------------------- checkpoint files, in one process

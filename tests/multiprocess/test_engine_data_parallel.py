@@ -153,8 +153,9 @@ def test_tied_copies_read_their_owners_rows_under_every_algorithm(runs, name):
         assert torch.equal(runs[first][name]["tied"][rows], runs[last][name]["tied"][rows])
 
 
-def aqsgd_on_shards(rank, world, epochs=3):
-    """AQ-SGD 2/4 on 2 stages x world/2 replicas, each replica on its own shard of the trainer's data layer."""
+def aqsgd_on_shards(rank, world, epochs=3, first_visit="none", first_visit_bits=None):
+    """AQ-SGD 2/4 on 2 stages x world/2 replicas, each replica on its own shard of the trainer's data layer; first
+    visits whole, or through a cache-free codec."""
     grid = Grid.for_world(world, 2)
     groups = build_groups(grid, rank)
     stage = toy_stages(2)[groups.stage]
@@ -162,7 +163,8 @@ def aqsgd_on_shards(rank, world, epochs=3):
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
         algo = data_parallel.create("allreduce", owned_parameters(stage, toy_ties(2)), comm)
-    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
+                            first_visit=first_visit, first_visit_bits=first_visit_bits)
     engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
                             compression=cfg, num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ,
                             ties=toy_ties(2), data_parallel=algo)
@@ -178,7 +180,8 @@ def aqsgd_on_shards(rank, world, epochs=3):
 
 @pytest.fixture(scope="module")
 def sharded():
-    return {1: spawn(aqsgd_on_shards, 2), 2: spawn(aqsgd_on_shards, 4)}
+    return {1: spawn(aqsgd_on_shards, 2), 2: spawn(aqsgd_on_shards, 4),
+            "hadamard": spawn(aqsgd_on_shards, 4, 2, "hadamard", 3)}
 
 
 def test_aqsgd_with_replicas_over_epochs_keeps_each_boundarys_buffers_identical_and_learns(sharded):
@@ -202,3 +205,20 @@ def test_aqsgd_with_replicas_resends_nothing_whole_after_the_first_epoch(sharded
         assert [s["fwd_bytes"] for s in log if s["epoch"] == 0] == [replicas * whole] * (SAMPLES // replicas // 8)
         later = [s["fwd_bytes"] for s in log if s["epoch"] >= 1]
         assert later == [replicas * change] * len(later) and len(later) == 2 * SAMPLES // replicas // 8
+
+
+def test_compressed_first_visits_with_replicas_keep_buffers_identical_and_resend_nothing(sharded):
+    """Hadamard 3-bit first visits on 2 stages x 2 replicas: the first epoch's rows compressed, later epochs all
+    deltas, each boundary's two sides holding the same decoded rows."""
+    from compression import QuantizedTensor
+
+    ranks = sharded["hadamard"]
+    for replica in (0, 1):
+        sender, receiver = ranks[2 * replica]["buffer"], ranks[2 * replica + 1]["buffer"]
+        assert bool(sender["seen"].all()) and torch.equal(sender["values"], receiver["values"])
+    first = MICRO * (QuantizedTensor.wire_nbytes((MBS, SEQ, 16), 3) + MBS * 8)  # one replica's step: rows + ids
+    change = MICRO * MBS * (SEQ * (16 * 2 // 8 + 8) + 8)
+    log = ranks[0]["log"]
+    assert [s["fwd_bytes"] for s in log if s["epoch"] == 0] == [2 * first] * (SAMPLES // 2 // 8)
+    assert first < MICRO * MBS * (SEQ * 16 * 4 + 8) / 3  # whole float32 rows: 3.4x more at width 16
+    assert [s["fwd_bytes"] for s in log if s["epoch"] == 1] == [2 * change] * (SAMPLES // 2 // 8)
