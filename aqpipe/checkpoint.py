@@ -101,10 +101,16 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     """cfg with the values its run resolved when it started, after refusing a checkpoint whose settings differ
     from cfg's (saying which)."""
     mine, theirs = fingerprint(cfg), read_manifest(directory)["fingerprint"]
-    auto = "data_parallel.warmup_steps"  # resolved when the run started: a resume keeps that number
-    if mine.get(auto) == "auto" and isinstance(theirs.get(auto), int):
-        mine[auto] = theirs[auto]
-        cfg = replace(cfg, data_parallel=replace(cfg.data_parallel, warmup_steps=theirs[auto]))
+    if "compression.first_visit" not in theirs:  # checkpoints from before first-visit codecs: whole first visits
+        theirs.update({"compression.first_visit": "none", "compression.first_visit_bits": mine.get(
+            "compression.first_visit_bits"), "compression.first_visit_base": mine.get("compression.first_visit_base")})
+    # resolved when the run started: a resume keeps what its run resolved (a QAdam warm-up's steps, the first-visit
+    # codec its epochs chose), whatever its own epochs would resolve now
+    for auto, section, name in (("data_parallel.warmup_steps", "data_parallel", "warmup_steps"),
+                                ("compression.first_visit", "compression", "first_visit")):
+        if mine.get(auto) == "auto" and theirs.get(auto) not in (None, "auto"):
+            mine[auto] = theirs[auto]
+            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: theirs[auto]})})
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("param_dtype", "float32")
     for key, value in (("lora_rank", 0), ("lora_alpha", None), ("lora_dropout", None), ("lora_target_modules", None)):

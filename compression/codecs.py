@@ -33,12 +33,13 @@ import torch
 from .buffers import SampleBuffer
 from .hadamard import block_size, random_signs, rotate, unrotate
 from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
+from .running_base import BASES, RunningBase
 
 FORWARD_MODES = ("none", "direct", "hadamard", "aqsgd")
 BACKWARD_MODES = ("none", "direct", "hadamard")
 FIRST_VISIT_MODES = ("none", "direct", "hadamard")  # cache-free codecs for AQ-SGD's whole rows
 _FIRST_VISIT_SEED = 1 << 20  # offsets the first-visit codec's dither from the delta quantizer's
-_EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None}
+_EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None, "first_visit_base": "none"}
 
 
 @dataclass(frozen=True)
@@ -233,11 +234,12 @@ class ForwardCodec(_Codec):
         buffer_path: str | os.PathLike | None = None, stochastic: bool = True, seed: int = 0,
         group_size: int | None = None, buffer_bits: int | None = None, rotation_seed: int = 0,
         adaptive: bool = False, first_visit: str = "none", first_visit_bits: int | None = None,
-        first_visit_group_size: int | None = None,
+        first_visit_group_size: int | None = None, first_visit_base: str = "none",
     ) -> None:
         super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive)
         self.buffer: SampleBuffer | None = None
         self.first: RowCodec | None = None
+        self.base: RunningBase | None = None  # first visits as changes against the boundary's running mean
         self._squares: tuple[Any, Any] = (0.0, 0.0)  # sum ||a - m||^2, sum ||a||^2 over changes sent (take_change)
         if mode == "aqsgd":
             if num_samples is None or sample_shape is None:
@@ -246,6 +248,13 @@ class ForwardCodec(_Codec):
             self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits)
             self.first = RowCodec(first_visit, first_visit_bits, stochastic, int(seed) + _FIRST_VISIT_SEED,
                                   first_visit_group_size, rotation_seed)
+            if first_visit_base not in BASES:
+                raise ValueError(f"first_visit_base={first_visit_base!r}: expected one of {', '.join(BASES)}")
+            if first_visit_base != "none":
+                if first_visit == "none":
+                    raise ValueError(f"first_visit_base={first_visit_base!r}: expected a compressed first visit "
+                                     "(first_visit direct or hadamard), not none")
+                self.base = RunningBase(tuple(sample_shape))
             if self.bits == 1:
                 warnings.warn(
                     "aqsgd at 1 bit: min-max quantization then errs by more than the change it sends "
@@ -277,6 +286,14 @@ class ForwardCodec(_Codec):
     def _aqsgd_nbytes(self, n_whole: int, n_delta: int, dtype: torch.dtype) -> int:
         whole = self._row_nbytes(n_whole, dtype)
         return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
+
+    def _from_base(self, decoded: torch.Tensor) -> torch.Tensor:
+        """Whole rows as decoded, or base + decoded with a running base, which then takes them in (both sides)."""
+        if self.base is None:
+            return decoded
+        rows = self.base.restore(decoded)
+        self.base.update(rows)
+        return rows
 
     def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
                moved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -316,8 +333,9 @@ class ForwardCodec(_Codec):
         self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
                          self._squares[1] + torch.linalg.vector_norm(moved).square())
         q = self._quantize(change)
-        sent = self.first.encode(rows)  # its decoded rows: what the receiver will compute with and store
-        decoded = self._apply(ids, whole, delta, sent.decoded, dequantize(q, base=m), x.dtype)
+        sent = self.first.encode(rows if self.base is None else self.base.center(rows))
+        whole_rows = self._from_base(sent.decoded)  # what the receiver will compute with and store
+        decoded = self._apply(ids, whole, delta, whole_rows, dequantize(q, base=m), x.dtype)
         payload = torch.cat([sent.payload, q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
@@ -343,7 +361,7 @@ class ForwardCodec(_Codec):
             "(a different sample order, a lost message, or refresh on one side only)",
         )
         payload, row_bytes = message.payload, self._row_nbytes(n_whole, message.dtype)
-        rows = self.first.decode(payload[:row_bytes], self._delta_shape(n_whole), message.dtype)
+        rows = self._from_base(self.first.decode(payload[:row_bytes], self._delta_shape(n_whole), message.dtype))
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta], payload.device).float()
@@ -370,7 +388,8 @@ class ForwardCodec(_Codec):
         if self.buffer is not None:
             config.update(num_samples=self.buffer.num_samples, sample_shape=self.buffer.sample_shape,
                           buffer_dtype=str(self.buffer.dtype), buffer_bits=self.buffer.bits)
-            config.update(first_visit=self.first.mode, first_visit_bits=self.first.bits)
+            config.update(first_visit=self.first.mode, first_visit_bits=self.first.bits,
+                          first_visit_base="none" if self.base is None else "position")
         return config
 
     def state_dict(self) -> dict[str, Any]:
@@ -379,6 +398,8 @@ class ForwardCodec(_Codec):
         if self.buffer is not None:
             state["buffer"] = self.buffer.state_dict()
             state["first_visit"] = self.first.state_dict()
+            if self.base is not None:
+                state["first_visit_base"] = self.base.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -387,3 +408,5 @@ class ForwardCodec(_Codec):
             self.buffer.load_state_dict(state["buffer"])
             if "first_visit" in state:  # saved before first-visit codecs: full precision, no dither to restore
                 self.first.load_state_dict(state["first_visit"])
+            if self.base is not None:
+                self.base.load_state_dict(state["first_visit_base"])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, check_bits
+from compression.running_base import BASES
 
 from .ties import TIE_MODES
 
@@ -57,6 +58,8 @@ class CompressionConfig:
                                      "first_visit_bits (both sides keep what was decoded), or auto: hadamard when the "
                                      "run visits each sample once (one epoch), else none", "first_visit_compress")
     first_visit_bits: int | None = _flag(None, "bits of a compressed first visit (1-8)")
+    first_visit_base: str = _flag("none", "a compressed first visit sent as the change from the boundary's running "
+                                          "mean per position (position), or whole (none)")
     warmup_epochs: int = _flag(0, "epochs that send every sample whole (as first visits are sent) before deltas start")
     buffer_dtype: torch.dtype = _flag(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
     buffer_bits: int | None = _flag(None, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of "
@@ -91,6 +94,8 @@ class CompressionConfig:
         if self.first_visit != "auto" and self.first_visit not in FIRST_VISIT_MODES:
             raise ValueError(f"first_visit_compress={self.first_visit!r}: expected auto or one of "
                              f"{', '.join(FIRST_VISIT_MODES)}")
+        if self.first_visit_base not in BASES:
+            raise ValueError(f"first_visit_base={self.first_visit_base!r}: expected one of {', '.join(BASES)}")
         if self.first_visit_bits is not None or self.first_visits_compressed():
             check_bits(self.first_visit_bits, "first_visit_bits")
         _bits("forward_bits", self.forward_bits, self.forward != "none")

@@ -170,6 +170,7 @@ class PipelineEngine:
               "buffer_path": path, "buffer_bits": c.buffer_bits, "first_visit": c.first_visit,
               "first_visit_bits": c.first_visit_bits,
               "first_visit_group_size": c.group_size("forward", shape[-1], c.first_visit_bits),
+              "first_visit_base": c.first_visit_base if c.first_visit != "none" else "none",
               } if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
         rotation_seed = seed * 1000 + index * 10  # hadamard's signs: the same on both sides and in every replica

@@ -371,6 +371,34 @@ def test_an_auto_warm_up_keeps_the_number_it_resolved_to_across_a_resume(tmp_pat
         run([*argv, "--epochs", "6", "--resume", "--dp_warmup_steps", "20"], monkeypatch, world=2)
 
 
+def test_auto_first_visits_keep_what_the_run_resolved_across_a_resume(tmp_path, monkeypatch):
+    """A one-epoch run resolved auto to hadamard; resumed with more epochs it keeps hadamard (its buffers hold
+    decoded rows), and a checkpoint from before first-visit codecs resumes with whole first visits."""
+    from aqpipe import checkpoint
+
+    def checkpoint_of(cfg, name):
+        out = tmp_path / name
+        step = out / "checkpoints" / "step_00000008"
+        step.mkdir(parents=True)
+        (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT,
+                                                        "fingerprint": checkpoint.fingerprint(cfg)}))
+        (out / "checkpoints" / "latest").write_text(step.name)
+        return ["--output_dir", str(out)]
+
+    one_epoch = run(["--output_dir", str(tmp_path / "x"), "--epochs", "1"], monkeypatch).for_run(8, 8)
+    assert one_epoch.compression.first_visit == "hadamard"
+    resumed = run([*checkpoint_of(one_epoch, "one"), "--epochs", "3", "--resume"], monkeypatch)
+    assert resumed.compression.first_visit == "hadamard"
+    assert resumed.for_run(24, 8).compression.first_visit == "hadamard"  # not re-resolved by the new epochs
+    older = checkpoint.fingerprint(run(["--output_dir", str(tmp_path / "y")], monkeypatch).for_run(24, 8))
+    older = {k: v for k, v in older.items() if not k.startswith("compression.first_visit")}
+    cfg = run(["--output_dir", str(tmp_path / "y")], monkeypatch).for_run(24, 8)
+    argv = checkpoint_of(cfg, "old")
+    manifest = tmp_path / "old" / "checkpoints" / "step_00000008" / "manifest.json"
+    manifest.write_text(json.dumps({"format": checkpoint.FORMAT, "fingerprint": older}))
+    assert run([*argv, "--epochs", "1", "--resume"], monkeypatch).compression.first_visit == "none"
+
+
 def test_fp16_compute_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     err = refusal({"fp16": {"enabled": True}}, tmp_path, monkeypatch, capsys)
     assert err.count("\n") == 1 and "fp16 enabled; expected bf16 (float16 compute needs a loss scaler" in err

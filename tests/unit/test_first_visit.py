@@ -140,3 +140,52 @@ def test_the_trainer_resolves_auto_by_the_runs_epochs():
     assert preset.for_run(8, 8).compression.first_visit == "hadamard"  # one epoch of 8 steps
     assert preset.for_run(6, 8).compression.first_visit == "hadamard"  # --max_steps inside the first epoch
     assert preset.for_run(24, 8).compression.first_visit == "none"
+
+
+def based_pair(first="hadamard", bits=3, buffer_bits=None):
+    kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": first, "first_visit_bits": bits,
+          "buffer_bits": buffer_bits, "first_visit_base": "position"}
+    return tuple(ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **kw) for _ in range(2))
+
+
+def with_offset(ids: torch.Tensor, epoch: int = 0) -> torch.Tensor:
+    """Activations sharing a large per-position part (as position embeddings and large channels give)."""
+    offset = 6 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(99))
+    return activation(ids, epoch, 0.1) + offset
+
+
+@pytest.mark.parametrize("buffer_bits", [None, 4])
+def test_a_running_base_keeps_both_sides_bit_identical_and_sends_the_same_bytes(buffer_bits):
+    sender, receiver = based_pair(buffer_bits=buffer_bits)
+    stats = run_epochs(sender, receiver, epochs=2, batch=5)
+    assert torch.equal(sender.base.mean, receiver.base.mean) and sender.base.count == N
+    assert torch.equal(sender.buffer.values, receiver.buffer.values)
+    assert [s for s, _ in stats] == [s for s, _ in run_epochs(*pair("hadamard", 3, buffer_bits), epochs=2, batch=5)]
+
+
+def test_a_running_base_errs_less_where_samples_share_a_part():
+    errors = {}
+    for name, codecs in (("plain", pair("hadamard", 3)), ("base", based_pair())):
+        sent = 0.0
+        for start in range(0, N, 4):
+            ids = torch.arange(start, start + 4)
+            x = with_offset(ids)
+            y = codecs[1].decode(wire(codecs[0].encode(x, ids)), ids)
+            if start >= 8:  # after two micro-batches the base has seen 8 samples
+                sent += float((y - x).norm() / x.norm())
+        errors[name] = sent
+    assert errors["base"] < 0.5 * errors["plain"], errors
+
+
+def test_a_running_base_resumes_and_is_refused_by_a_codec_without_one(tmp_path):
+    sender, receiver = based_pair()
+    ids = torch.arange(8)
+    receiver.decode(wire(sender.encode(with_offset(ids), ids)), ids)
+    saved = receiver.state_dict()
+    again = based_pair()[1]
+    again.load_state_dict(saved)
+    assert torch.equal(again.base.mean, receiver.base.mean) and again.base.count == 8
+    with pytest.raises(ValueError, match="first_visit_base: checkpoint 'position' vs codec 'none'"):
+        pair("hadamard", 3)[1].load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"first_visit_base='position': expected a compressed first visit"):
+        based_pair("none", None)
