@@ -47,11 +47,12 @@ def _warmup_decay() -> dict[str, Any]:
 
 
 def _aqsgd() -> CompressionConfig:
-    """The trainer's boundaries: AQ-SGD at 2 bits forward, its first visits as 3-bit Hadamard in a one-epoch run (all
-    first visits) and whole in longer ones (benchmarks/RESULTS.md, "Compressed from the first step"), DirectQ at 4
-    backward (the library's own default is none: an engine built without a section sends full precision)."""
+    """The trainer's boundaries: AQ-SGD at 2 bits forward, its first visits in a one-epoch run (all first visits) as
+    3-bit Hadamard changes from the boundary's running mean per position, whole in longer ones (benchmarks/
+    RESULTS.md, "Compressed from the first step"), DirectQ at 4 backward (the library's own default is none: an
+    engine built without a section sends full precision)."""
     return CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
-                             first_visit="auto", first_visit_bits=3)
+                             first_visit="auto", first_visit_bits=3, first_visit_base="position")
 
 
 @dataclass(frozen=True)

@@ -288,12 +288,13 @@ class ForwardCodec(_Codec):
         return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
 
     def _from_base(self, decoded: torch.Tensor) -> torch.Tensor:
-        """Whole rows as decoded, or base + decoded with a running base, which then takes them in (both sides)."""
-        if self.base is None:
-            return decoded
-        rows = self.base.restore(decoded)
-        self.base.update(rows)
-        return rows
+        """Whole rows as decoded, or base + decoded with a running base."""
+        return decoded if self.base is None else self.base.restore(decoded)
+
+    def _fold(self, rows: torch.Tensor) -> None:
+        """The running base takes in the whole rows of a message once they are stored (both sides, in order)."""
+        if self.base is not None:
+            self.base.update(rows)
 
     def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
                moved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -336,6 +337,7 @@ class ForwardCodec(_Codec):
         sent = self.first.encode(rows if self.base is None else self.base.center(rows))
         whole_rows = self._from_base(sent.decoded)  # what the receiver will compute with and store
         decoded = self._apply(ids, whole, delta, whole_rows, dequantize(q, base=m), x.dtype)
+        self._fold(whole_rows)
         payload = torch.cat([sent.payload, q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
@@ -365,7 +367,9 @@ class ForwardCodec(_Codec):
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size)
         m = self.buffer.rows(ids[delta], payload.device).float()
-        return self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
+        out = self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
+        self._fold(rows)
+        return out
 
     def take_change(self) -> tuple[float, float]:
         """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: the root of their ratio

@@ -169,7 +169,8 @@ class PipelineEngine:
         kw = {"num_samples": self.num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
               "buffer_path": path, "buffer_bits": c.buffer_bits, "first_visit": c.first_visit,
               "first_visit_bits": c.first_visit_bits,
-              "first_visit_group_size": c.group_size("forward", shape[-1], c.first_visit_bits),
+              "first_visit_group_size": None if c.first_visit_bits is None else
+              c.group_size("forward", shape[-1], c.first_visit_bits),
               "first_visit_base": c.first_visit_base if c.first_visit != "none" else "none",
               } if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter

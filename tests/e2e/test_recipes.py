@@ -84,7 +84,8 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
         summary = json.loads((tmp_path / epochs / "summary.json").read_text())
         runs[epochs] = ([r["fwd_bytes"] for r in rows if "loss" in r], summary["config"]["compression"])
     one, first_visits = runs["1"]
-    assert first_visits["first_visit"] == "hadamard" and first_visits["first_visit_bits"] == 3
+    assert (first_visits["first_visit"], first_visits["first_visit_bits"], first_visits["first_visit_base"]) == (
+        "hadamard", 3, "position")
     # two micro-batches a step, each 2 samples x 32 tokens x width 64: 3-bit codes, a min and step per token, ids
     compressed = 2 * (QuantizedTensor.wire_nbytes((2, 32, 64), 3) + 2 * 8)
     assert one == [compressed] * 8  # 32 samples, 4 a step: every step of the epoch, step 1 included

@@ -137,6 +137,7 @@ def test_the_trainer_resolves_auto_by_the_runs_epochs():
 
     preset = RunConfig(task="causal_lm")
     assert preset.compression.first_visit == "auto" and preset.compression.first_visit_bits == 3
+    assert preset.compression.first_visit_base == "position"
     assert preset.for_run(8, 8).compression.first_visit == "hadamard"  # one epoch of 8 steps
     assert preset.for_run(6, 8).compression.first_visit == "hadamard"  # --max_steps inside the first epoch
     assert preset.for_run(24, 8).compression.first_visit == "none"
