@@ -50,6 +50,8 @@ ROWS: dict[str, list[str]] = {
 }
 WIRES = ("fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes")
 H100_FLOPS = 400e12  # an H100's bf16 rate at about 40% of its dense peak: what a tuned fine-tune reaches
+PEER_MBIT, PEER_LATENCY_MS = 200.0, 50.0  # ProtocolNanoGPT's link: every link 200 Mb/s with 50 ms latency
+SLACK = 0.01  # a second target: within 1% of the bf16 row's final eval loss
 
 
 def run(cmd: list[str], log: Path, timeout: float) -> None:
@@ -135,8 +137,17 @@ def latency_cover(bytes_per_step: float, micro_batches: int, rate_bits_s: float,
     return max(1, math.ceil(2 * latency_ms / 1000 / message_s)) if message_s > 0 else micro_batches
 
 
-def score(job: dict[str, Any], rate: float, latency_ms: float, micro_batches: int) -> None:
-    """Fill each row of a job with its steps and time to the bf16 row's final eval loss, and the ratios."""
+def projected_step_s(row: dict[str, Any], compute_s: float, later: bool) -> float:
+    """A step beside an H100 on ProtocolNanoGPT's link (a model, not a measurement): its compute, a round trip of
+    the link's latency (the pipeline's fill and drain cross it once each way), and every byte at the link's rate."""
+    wires = row["bytes_later"] if later and row["bytes_later"] else row["bytes_first_epoch"]
+    return compute_s + 2 * PEER_LATENCY_MS / 1000 + sum(wires.values()) * 8 / (PEER_MBIT * 1e6)
+
+
+def score(job: dict[str, Any], rate: float, latency_ms: float, micro_batches: int,
+          h100_compute_s: float | None = None) -> None:
+    """Fill each row of a job with its steps and time to the bf16 row's final eval loss (and to within SLACK of it),
+    measured on the link and projected beside an H100 on ProtocolNanoGPT's link, and the ratios."""
     rows = job["rows"]
     target = rows["bf16"]["final_eval_loss"] if "bf16" in rows else None
     job["target_eval_loss"] = target
@@ -144,20 +155,31 @@ def score(job: dict[str, Any], rate: float, latency_ms: float, micro_batches: in
         steps, seconds = (None, None) if target is None else time_to_target(
             row["evals"], target, row["steps_per_epoch"], row["first_epoch_s"], row["later_s"])
         row["steps_to_target"], row["time_to_target_s"] = steps, seconds
+        near, near_s = (None, None) if target is None else time_to_target(
+            row["evals"], target * (1 + SLACK), row["steps_per_epoch"], row["first_epoch_s"], row["later_s"])
+        row["steps_to_near_target"], row["time_to_near_target_s"] = near, near_s
+        row["projected_h100_s"] = None
+        if h100_compute_s is not None and steps is not None:
+            row["projected_h100_s"] = time_to_target(row["evals"], target, row["steps_per_epoch"],
+                                                     projected_step_s(row, h100_compute_s, False),
+                                                     projected_step_s(row, h100_compute_s, True))[1]
         row["vs_bf16_eval"] = row["final_eval_loss"] / target - 1 if target else None
         wire = row["bytes_first_epoch"]
         row["latency_cover_micro_batches"] = latency_cover(wire["fwd_bytes"] + wire["bwd_bytes"], micro_batches,
                                                            rate, latency_ms)
     for name, row in rows.items():
         for base in ("bf16", "hadamard_4"):
-            other = rows.get(base, {}).get("time_to_target_s")
-            row[f"speedup_vs_{base}"] = other / row["time_to_target_s"] if other and row["time_to_target_s"] else None
+            for key, label in (("time_to_target_s", ""), ("time_to_near_target_s", "near_"),
+                               ("projected_h100_s", "projected_")):
+                other, mine = rows.get(base, {}).get(key), row[key]
+                row[f"{label}speedup_vs_{base}"] = other / mine if other and mine else None
 
 
 def table(job: dict[str, Any]) -> str:
     out = [f"| {job['epochs']} epoch(s) | fwd MB/step | bwd | tie | all | vs bf16 all | s/step first epoch | "
            "s/step later | bubble | final eval | vs bf16 | steps to target | time to target s | vs bf16 | "
-           "vs hadamard_4 |", "|" + "---|" * 15]
+           "vs hadamard_4 | time to 1% above it | vs bf16 | vs hadamard_4 | projected H100 + 200 Mb/s, s | vs bf16 |",
+           "|" + "---|" * 20]
     bf16 = job["rows"].get("bf16")
     for name, row in job["rows"].items():
         later = row["bytes_later"] or row["bytes_first_epoch"]
@@ -180,7 +202,10 @@ def table(job: dict[str, Any]) -> str:
                    f"{fmt(row['later_s'])} | {fmt(row['first_epoch_bubble'], '.2f')} | {row['final_eval_loss']:.4f} | "
                    f"{fmt(row['vs_bf16_eval'] * 100 if row['vs_bf16_eval'] is not None else None, '+.2f')}% | "
                    f"{fmt(row['steps_to_target'], 'd')} | {fmt(row['time_to_target_s'], '.1f')} | "
-                   f"{fmt(row['speedup_vs_bf16'], '.2f')}x | {fmt(row['speedup_vs_hadamard_4'], '.2f')}x |")
+                   f"{fmt(row['speedup_vs_bf16'], '.2f')}x | {fmt(row['speedup_vs_hadamard_4'], '.2f')}x | "
+                   f"{fmt(row['time_to_near_target_s'], '.1f')} | {fmt(row['near_speedup_vs_bf16'], '.2f')}x | "
+                   f"{fmt(row['near_speedup_vs_hadamard_4'], '.2f')}x | {fmt(row['projected_h100_s'], '.2f')} | "
+                   f"{fmt(row['projected_speedup_vs_bf16'], '.2f')}x |")
     return "\n".join(out)
 
 
@@ -258,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         h100_s = params_flops / H100_FLOPS
         result["scaled"] = {"compute_here_s": fp32["compute_s"], "compute_h100_s": h100_s,
                             "rate_beside_h100_mbit": rate / 1e6 * fp32["compute_s"] / h100_s}
+    h100_s = result.get("scaled", {}).get("compute_h100_s")
     for job in result["jobs"]:
         for name, row in job["rows"].items():
             row.update(timed[name])
-        score(job, rate, args.latency_ms, shape.num_micro_batches)
+        score(job, rate, args.latency_ms, shape.num_micro_batches, h100_s)
         print(f"\n{table(job)}\n")
     if "scaled" in result:
         s = result["scaled"]

@@ -25,8 +25,13 @@ def test_score_sets_the_target_from_the_bf16_row_and_compares_times():
                                  "hadamard_4": row([(2, 4.9), (4, 4.5)], 2.0),
                                  "aqsgd_first_visit": row([(2, 4.5), (4, 4.4)], 1.0),
                                  "direct_4": row([(2, 5.0), (4, 4.6)], 1.0)}}
-    wan.score(job, rate=8000.0, latency_ms=50, micro_batches=4)
+    wan.score(job, rate=8000.0, latency_ms=50, micro_batches=4, h100_compute_s=0.01)
     rows = job["rows"]
+    assert rows["hadamard_4"]["time_to_near_target_s"] == 8.0 and rows["direct_4"]["steps_to_near_target"] is None
+    # beside an H100 on 200 Mb/s with 50 ms: compute, a round trip, and 2000 bytes a step at the rate
+    step = 0.01 + 0.1 + 2000 * 8 / 200e6
+    assert rows["bf16"]["projected_h100_s"] == pytest.approx(4 * step)
+    assert rows["aqsgd_first_visit"]["projected_speedup_vs_bf16"] == pytest.approx(2.0)
     assert job["target_eval_loss"] == 4.5
     assert rows["bf16"]["time_to_target_s"] == 16.0 and rows["hadamard_4"]["time_to_target_s"] == 8.0
     assert rows["aqsgd_first_visit"]["steps_to_target"] == 2 and rows["aqsgd_first_visit"]["time_to_target_s"] == 2.0
