@@ -25,7 +25,6 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -246,8 +245,9 @@ class ForwardCodec(_Codec):
                 raise ValueError("mode='aqsgd' needs num_samples (dataset size) "
                                  "and sample_shape (one sample's activation)")
             self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits)
-            self.first = RowCodec(first_visit, first_visit_bits, stochastic, int(seed) + _FIRST_VISIT_SEED,
-                                  first_visit_group_size, rotation_seed)
+            # whole first visits take no bits (a preset's bits for another mode are not this codec's setting)
+            self.first = RowCodec(first_visit, None if first_visit == "none" else first_visit_bits, stochastic,
+                                  int(seed) + _FIRST_VISIT_SEED, first_visit_group_size, rotation_seed)
             if first_visit_base not in BASES:
                 raise ValueError(f"first_visit_base={first_visit_base!r}: expected one of {', '.join(BASES)}")
             if first_visit_base != "none":
@@ -380,11 +380,22 @@ class ForwardCodec(_Codec):
         return float(change), float(activation)
 
     def undo_point(self, sample_ids: Any) -> Callable[[], None]:
-        """A function that puts back the buffer rows and seen bits of `sample_ids` as they are now: how a step
-        that must leave no trace (a NaN, an overflow) is undone. Nothing to put back without a buffer."""
+        """A function that puts back the buffer rows and seen bits of `sample_ids`, the first-visit codec's dither
+        and the running base as they are now: how a step that must leave no trace (a NaN, an overflow) is undone.
+        Nothing to put back without a buffer."""
         if self.buffer is None:
             return lambda: None
-        return partial(self.buffer.restore, self.buffer.snapshot(self.buffer.check_ids(sample_ids)))
+        rows = self.buffer.snapshot(self.buffer.check_ids(sample_ids))
+        dither = self.first.generator.get_state()  # the first visits' rounding, as the rows' own
+        base = None if self.base is None else self.base.snapshot()
+
+        def restore() -> None:
+            self.buffer.restore(rows)
+            self.first.generator.set_state(dither)
+            if base is not None:
+                self.base.put_back(base)
+
+        return restore
 
     # ------------------------------------------------------------------ checkpoints
     def _config(self) -> dict[str, Any]:

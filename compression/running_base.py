@@ -6,7 +6,8 @@ token's large hidden state and channels that are large everywhere all sit in tha
 spends its levels on them. So the first visit sends Q(a - b) and both sides decode b + deQ(...), where b is the
 running mean of the rows decoded so far (a cumulative mean over the first `window` samples, then an exponential one
 with weight 1/window a sample, so it follows the model as it trains). Both sides update b from the decoded rows
-alone, with the same float32 arithmetic in the same order, so their bases stay bit-identical.
+alone, with the same float32 arithmetic in the same order (no reduction whose order a device chooses), so their
+bases stay bit-identical, on a CPU and a GPU alike.
 """
 from __future__ import annotations
 
@@ -48,8 +49,21 @@ class RunningBase:
             return
         weight = n / min(self.count + n, self.window)
         mean = self._on(rows.device)
-        mean += (rows.float().mean(dim=0) - mean) * weight
+        # the rows summed one by one and divided by a tensor: IEEE adds and a division in a fixed order, the same
+        # bits on a CPU and a GPU (a reduction's order, and CUDA's reciprocal for a Python divisor, are not)
+        total = rows[0].float().clone()
+        for row in rows[1:]:
+            total += row.float()
+        total /= torch.full_like(total, n)
+        mean += (total - mean) * weight
         self.count += n
+
+    def snapshot(self) -> tuple[torch.Tensor, int]:
+        """The base as it is now, on its device (no host copy): for undoing a rejected step."""
+        return self.mean.clone(), self.count
+
+    def put_back(self, snapshot: tuple[torch.Tensor, int]) -> None:
+        self.mean, self.count = snapshot[0].clone(), snapshot[1]
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean.cpu().clone(), "count": self.count, "window": self.window}

@@ -190,3 +190,28 @@ def test_a_running_base_resumes_and_is_refused_by_a_codec_without_one(tmp_path):
         pair("hadamard", 3)[1].load_state_dict(saved)
     with pytest.raises(ValueError, match=r"first_visit_base='position': expected a compressed first visit"):
         based_pair("none", None)
+
+
+def test_an_undone_step_leaves_no_trace_in_the_base_or_the_first_visit_dither():
+    """A step rejected for a NaN is undone: the same micro-batch encoded again sends the same bytes."""
+    sender, _ = based_pair()
+    ids = torch.arange(4)
+    sender.encode(with_offset(ids), ids)  # the base has seen 4 samples
+    later = torch.arange(4, 8)
+    restore = sender.undo_point(later)
+    first = sender.encode(with_offset(later), later)
+    mean, count = sender.base.mean.clone(), sender.base.count
+    restore()
+    assert sender.base.count == 4 and not torch.equal(sender.base.mean, mean)
+    again = sender.encode(with_offset(later), later)
+    assert torch.equal(again.payload, first.payload) and torch.equal(sender.base.mean, mean) and count == 8
+
+
+def test_whole_first_visits_ignore_a_presets_bits_so_older_checkpoints_resume():
+    """The trainer's preset carries first-visit bits that `none` does not use; a codec state saved before first-visit
+    codecs (no such keys) loads into a codec built from it."""
+    older = ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE).state_dict()
+    del older["first_visit"]
+    older["config"] = {k: v for k, v in older["config"].items() if not k.startswith("first_visit")}
+    ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE, first_visit="none",
+                 first_visit_bits=3).load_state_dict(older)
