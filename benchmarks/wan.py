@@ -175,37 +175,38 @@ def score(job: dict[str, Any], rate: float, latency_ms: float, micro_batches: in
                 row[f"{label}speedup_vs_{base}"] = other / mine if other and mine else None
 
 
+def run_mean_bytes(row: dict[str, Any]) -> dict[str, float]:
+    """Each wire's bytes a step over the whole run: first-epoch steps and later ones in their proportions."""
+    later = row["bytes_later"] or row["bytes_first_epoch"]
+    first_steps, later_steps = row["steps_per_epoch"], row["steps"] - row["steps_per_epoch"]
+    return {w: (row["bytes_first_epoch"][w] * first_steps + later[w] * later_steps) / row["steps"] for w in WIRES}
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def table(job: dict[str, Any]) -> str:
     out = [f"| {job['epochs']} epoch(s) | fwd MB/step | bwd | tie | all | vs bf16 all | s/step first epoch | "
            "s/step later | bubble | final eval | vs bf16 | steps to target | time to target s | vs bf16 | "
            "vs hadamard_4 | time to 1% above it | vs bf16 | vs hadamard_4 | projected H100 + 200 Mb/s, s | vs bf16 |",
            "|" + "---|" * 20]
     bf16 = job["rows"].get("bf16")
+    bf16_total = sum(run_mean_bytes(bf16).values()) if bf16 else None
     for name, row in job["rows"].items():
-        later = row["bytes_later"] or row["bytes_first_epoch"]
-        steps = row["steps"] - row["steps_per_epoch"]
-        mean = {w: (row["bytes_first_epoch"][w] * row["steps_per_epoch"] + later[w] * steps) / row["steps"]
-                for w in WIRES}
+        mean = run_mean_bytes(row)
         total = sum(mean.values())
-        bf16_total = None
-        if bf16:
-            b_later = bf16["bytes_later"] or bf16["bytes_first_epoch"]
-            bf16_total = sum(bf16["bytes_first_epoch"][w] * bf16["steps_per_epoch"] + b_later[w] * (
-                bf16["steps"] - bf16["steps_per_epoch"]) for w in WIRES) / bf16["steps"]
-
-        def fmt(v: Any, spec: str = ".3f") -> str:
-            return "-" if v is None else format(v, spec)
-
         out.append(f"| {name} | {mean['fwd_bytes'] / 1e6:.3f} | {mean['bwd_bytes'] / 1e6:.3f} | "
                    f"{mean['tie_bytes'] / 1e6:.3f} | {total / 1e6:.3f} | "
-                   f"{fmt(bf16_total / total if bf16_total else None, '.2f')}x | {fmt(row['first_epoch_s'])} | "
-                   f"{fmt(row['later_s'])} | {fmt(row['first_epoch_bubble'], '.2f')} | {row['final_eval_loss']:.4f} | "
-                   f"{fmt(row['vs_bf16_eval'] * 100 if row['vs_bf16_eval'] is not None else None, '+.2f')}% | "
-                   f"{fmt(row['steps_to_target'], 'd')} | {fmt(row['time_to_target_s'], '.1f')} | "
-                   f"{fmt(row['speedup_vs_bf16'], '.2f')}x | {fmt(row['speedup_vs_hadamard_4'], '.2f')}x | "
-                   f"{fmt(row['time_to_near_target_s'], '.1f')} | {fmt(row['near_speedup_vs_bf16'], '.2f')}x | "
-                   f"{fmt(row['near_speedup_vs_hadamard_4'], '.2f')}x | {fmt(row['projected_h100_s'], '.2f')} | "
-                   f"{fmt(row['projected_speedup_vs_bf16'], '.2f')}x |")
+                   f"{_fmt(bf16_total / total if bf16_total else None, '.2f')}x | {_fmt(row['first_epoch_s'])} | "
+                   f"{_fmt(row['later_s'])} | {_fmt(row['first_epoch_bubble'], '.2f')} | "
+                   f"{row['final_eval_loss']:.4f} | "
+                   f"{_fmt(row['vs_bf16_eval'] * 100 if row['vs_bf16_eval'] is not None else None, '+.2f')}% | "
+                   f"{_fmt(row['steps_to_target'], 'd')} | {_fmt(row['time_to_target_s'], '.1f')} | "
+                   f"{_fmt(row['speedup_vs_bf16'], '.2f')}x | {_fmt(row['speedup_vs_hadamard_4'], '.2f')}x | "
+                   f"{_fmt(row['time_to_near_target_s'], '.1f')} | {_fmt(row['near_speedup_vs_bf16'], '.2f')}x | "
+                   f"{_fmt(row['near_speedup_vs_hadamard_4'], '.2f')}x | {_fmt(row['projected_h100_s'], '.2f')} | "
+                   f"{_fmt(row['projected_speedup_vs_bf16'], '.2f')}x |")
     return "\n".join(out)
 
 
