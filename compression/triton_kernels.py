@@ -1,6 +1,9 @@
 """The quantizer's GPU kernels in Triton: bit-identical to the C kernels and the torch twins (kernels.py).
 
-Three launches per quantize, one per dequantize:
+One launch per quantize where a group fits a program (a multiple of 8 elements, at most FUSED_MAX: rows of a hidden
+size, groups of 64 or 128): `_quantize_groups` reads ROWS whole groups once, reduces each to its range, computes its
+scale in float64 as the torch twin does, and quantizes and packs from the same registers. The read of x is the
+kernel's only large traffic, so it runs near copy bandwidth. Other group sizes take three launches:
 - `_group_range`: each group's min and max (a NaN min where the group holds NaN or inf), ROWS groups a program,
   COLS columns at a time (groups of 64: 64 of them a program; rows of 4096: 4 loops of 1024); groups wider than
   WIDE take torch's reductions, which split a group over the GPU;
@@ -28,6 +31,9 @@ BLOCK = 1024  # elements a program quantizes or decodes: 128 words of 8 codes
 TILE = 4096  # elements a program reduces at a time: COLS of a group (at most 1024, looping over wider groups)
 # in each of ROWS groups
 WIDE = 1 << 16  # groups wider than this take their ranges from torch's split reductions
+FUSED_MAX = 4096  # widest group `_quantize_groups` holds in one program's registers
+FUSED_TILE = 4096  # elements a fused program holds: ROWS groups of COLS (a power of two >= the group size)
+_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # inverse_steps()' clamp
 
 
 def _int32(k: int) -> int:
@@ -53,14 +59,15 @@ def _dither(idx, k0, k1):
 
 
 @triton.jit
-def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 LOOPS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < groups
     lo = tl.full([ROWS], float("inf"), tl.float32)
     hi = tl.full([ROWS], float("-inf"), tl.float32)
     bad = tl.zeros([ROWS], tl.int32)
-    for start in range(0, gs, COLS):
-        cols = start + tl.arange(0, COLS)
+    for loop in range(LOOPS):  # a constexpr trip count: Triton 3.6's interpreter cannot loop to a runtime bound
+        cols = loop * COLS + tl.arange(0, COLS)
         idx = rows[:, None] * gs + cols[None, :]
         m = live[:, None] & (cols[None, :] < gs) & (idx < n)
         v = tl.load(x_ptr + idx, mask=m, other=0.0)
@@ -70,6 +77,43 @@ def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, C
         hi = tl.maximum(hi, tl.max(tl.where(m, v, float("-inf")), axis=1))
     tl.store(mins_ptr + rows, tl.where(bad > 0, float("nan"), lo), mask=live)
     tl.store(maxs_ptr + rows, hi, mask=live)
+
+
+@triton.jit(do_not_specialize=["k0", "k1"])
+def _quantize_groups(x_ptr, mins_ptr, maxs_ptr, out_ptr, n, gs, groups, nbytes, k0, k1, levels,
+                     BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """ROWS whole groups of gs (a multiple of 8) in one read: range, scale, codes and packing from registers."""
+    WORDS: tl.constexpr = COLS // 8
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    idx = rows[:, None] * gs + cols[None, :]
+    m = (rows[:, None] < groups) & (cols[None, :] < gs) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=m, other=0.0)
+    finite = tl.abs(x) < float("inf")  # false for NaN and inf
+    bad = tl.max((m & ~finite).to(tl.int32), axis=1)
+    lo = tl.where(bad > 0, float("nan"), tl.min(tl.where(m, x, float("inf")), axis=1))
+    hi = tl.max(tl.where(m, x, float("-inf")), axis=1)
+    live = rows < groups
+    tl.store(mins_ptr + rows, lo, mask=live)
+    tl.store(maxs_ptr + rows, hi, mask=live)
+    span = hi - lo  # inverse_steps(): levels / span in float64, rounded once; 0 for an empty or bad span
+    ratio = tl.minimum(((1 << BITS) - 1) / span.to(tl.float64), _FLOAT32_MAX).to(tl.float32)
+    inv = tl.where(span > 0, ratio, 0.0)
+    v = (x - lo[:, None]) * inv[:, None]
+    if STOCHASTIC:
+        v = v + _dither(idx, k0, k1)
+    else:
+        v = v + 0.5
+    v = tl.minimum(tl.maximum(v, 0.0), levels)
+    codes = tl.where(m, v.to(tl.int32), 0)  # v >= 0: truncation is the floor, as the C cast
+    lane = tl.arange(0, 8)
+    codes = tl.reshape(codes, [ROWS, WORDS, 8]).to(tl.int64)
+    packed = tl.sum(codes << (lane[None, None, :] * BITS), axis=2)  # disjoint bits: the sum is an or
+    word = rows[:, None] * (gs // 8) + tl.arange(0, WORDS)[None, :]  # gs % 8 == 0: a row starts on a word
+    pos = word[:, :, None] * BITS + lane[None, None, :]
+    out = (packed[:, :, None] >> (lane[None, None, :] * 8)) & 0xFF
+    keep = (lane[None, None, :] < BITS) & (tl.arange(0, WORDS)[None, :, None] * 8 < gs) & live[:, None, None]
+    tl.store(out_ptr + pos, out.to(tl.uint8), mask=keep & (pos < nbytes))
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])  # a key of 1 would become a constant; any other, a new variant
@@ -122,6 +166,17 @@ def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] |
     groups = -(-n // gs)
     nbytes = packed_nbytes(n, bits)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    levels = (1 << bits) - 1
+    k0, k1 = (_int32(k) for k in key) if key is not None else (0, 0)
+    if gs % 8 == 0 and gs <= FUSED_MAX:
+        mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
+        maxs = torch.empty_like(mins)
+        cols = triton.next_power_of_2(gs)
+        rows = max(1, FUSED_TILE // cols)
+        _quantize_groups[(triton.cdiv(groups, rows),)](flat, mins, maxs, packed, n, gs, groups, nbytes, k0, k1,
+                                                        float(levels), BITS=bits, STOCHASTIC=key is not None,
+                                                        ROWS=rows, COLS=cols, enable_fp_fusion=False, num_warps=8)
+        return packed, mins, maxs
     if gs > WIDE:  # a few wide groups: one program each would read them serially; torch's reductions split them
         mins, maxs = group_ranges(flat, gs)
     else:
@@ -129,10 +184,8 @@ def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] |
         maxs = torch.empty_like(mins)
         cols = min(1024, triton.next_power_of_2(gs))
         _group_range[(triton.cdiv(groups, TILE // cols),)](flat, mins, maxs, n, gs, groups, ROWS=TILE // cols,
-                                                            COLS=cols)
-    levels = (1 << bits) - 1
+                                                            COLS=cols, LOOPS=triton.cdiv(gs, cols))
     invs = inverse_steps(mins, maxs, bits)  # the other implementations' own expression: the same scales
-    k0, k1 = (_int32(k) for k in key) if key is not None else (0, 0)
     _quantize_pack[(triton.cdiv(n, BLOCK),)](flat, mins, invs, packed, n, gs, nbytes, k0, k1, float(levels),
                                               BITS=bits, STOCHASTIC=key is not None, BLOCK=BLOCK,
                                               enable_fp_fusion=False)

@@ -20,6 +20,7 @@ receives a message of the size it expects and the schedule runs to its end).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -292,34 +293,34 @@ class PipelineEngine:
         PARAM_GRAD when a gradient it holds is not finite (a followed tied copy's: found in the rows it sent,
         without a scan of the whole copy, which for GPT2's embedding is vocabulary x width)."""
         squares = self._owned_squares()  # inf or NaN where a gradient is not finite
-        if not guard.findings.bad and (self.tied.nonfinite_gradient or not bool(torch.isfinite(squares))):
+        flags = [f.to(torch.float64) for f in self.tied.finite_flags]
+        squares, *finite = torch.stack([squares, *flags]).tolist()  # one read for all of them
+        if not guard.findings.bad and (not all(finite) or not math.isfinite(squares)):
             guard.findings.bad |= PARAM_GRAD
-        return float(squares)
+        return squares
 
     def _owned_squares(self) -> torch.Tensor:
-        """The sum of squares of the gradients this stage steps, accumulated in float64 (one fused reduction a
-        gradient), brought to the CPU once."""
+        """The sum of squares of the gradients this stage steps, accumulated in float64 (the norms in one fused
+        foreach reduction), on the stage's device."""
         grads = [p.grad.detach() for p in owned_parameters(self.stage, self.ties) if p.grad is not None]
         if not grads:  # a tied weight counts once, at its owner
-            return torch.zeros((), dtype=torch.float64)
-        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum().cpu()
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
 
     def _clip(self, norm: float | None) -> float:
         """Clips to the global gradient norm if configured; `norm` None: taken here over the pipeline (each tied
         weight counted once), as after a data-parallel algorithm that changed the gradients."""
         if norm is None:
-            sq = self._owned_squares()
+            sq = self._owned_squares().cpu()
             if self.groups.pipeline is not None and self.groups.grid.stages > 1:
                 self.groups.collective(sq, self.groups.pipeline)
             norm = float(sq.sqrt())
-        if not torch.isfinite(torch.tensor(norm)):
+        if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step + 1} after the data-parallel "
                                      f"step (stage {self.groups.stage}, replica {self.groups.replica})")
         if self.gradient_clipping and norm > self.gradient_clipping:
-            scale = self.gradient_clipping / (norm + 1e-6)
-            for p in owned_parameters(self.stage, self.ties):  # a followed copy's gradient is not stepped
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            scale = self.gradient_clipping / (norm + 1e-6)  # a followed copy's gradient is not stepped
+            torch._foreach_mul_([p.grad for p in owned_parameters(self.stage, self.ties) if p.grad is not None], scale)
         return norm
 
     @torch.no_grad()

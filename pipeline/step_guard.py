@@ -25,12 +25,17 @@ class StepGuard:
     def note(self, kind: int, mb: int) -> None:
         self.findings.note(kind, mb)
 
-    def finite(self, x: torch.Tensor, kind: int, mb: int) -> bool:
-        """Whether x is all finite; if not, note what and where."""
-        if bool(torch.isfinite(x).all()):
-            return True
-        self.note(kind, mb)
-        return False
+    def finite(self, x: torch.Tensor, kind: int, mb: int) -> torch.Tensor:
+        """Whether x is all finite, as a 0-dim bool on x's device (no host sync inside the schedule); noted with
+        what and where once the step's device values are read (`Findings.settle`)."""
+        ok = torch.isfinite(x).all()
+        self.findings.check(kind, mb, ok)
+        return ok
+
+    def zeros_unless(self, x: torch.Tensor, kind: int, mb: int) -> torch.Tensor:
+        """x, or zeros of its shape where it holds a NaN/inf (never sent: the peer waits for a message of a known
+        size, and the step is rejected after the schedule), chosen on the device."""
+        return torch.where(self.finite(x, kind, mb), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def remember(self, codec: Any, sample_ids: Any) -> None:
         """Before an AQ-SGD update of `codec`'s buffer, keep the rows it will change."""

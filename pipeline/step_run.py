@@ -5,6 +5,9 @@ weight gradients still to run, the loss), the bytes it sent and its guard, and r
 (schedule.py) as a method of the same name. Receives are all posted before the first action, in schedule order:
 gloo starts a transfer once its receive is posted, so each message's flight overlaps this stage's compute. A
 NaN/inf about to be sent goes as zeros (the peer waits for a message of a known size) and is noted on the guard.
+
+Nothing in the schedule reads a device value on the host: losses, accuracy counts and finiteness flags stay on
+the device, so a GPU runs ahead of the Python that queues its work; `settle` reads them all at once at the end.
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ class StepRun:
         self.outputs: dict[int, Any] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.weights: dict[int, split_backward.WeightGradients | None] = {}  # zb1's weight gradients still to run
-        self.losses: dict[int, float] = {}
-        self.correct = self.counted = 0
+        self.losses: dict[int, torch.Tensor] = {}  # on the device until `settle`
+        self.correct: torch.Tensor | int = 0  # likewise
+        self.counted = 0
+        self.loss_sum = 0.0
         self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
         buffered = phase != "eval" and engine.compression.forward == "aqsgd" and \
             (engine.prev is not None or engine.next is not None)  # ids checked once, where AQ-SGD buffers read them
@@ -61,12 +66,26 @@ class StepRun:
         e.wire.flush()
         self.schedule_seconds = time.perf_counter() - began
         self.staging_seconds = e.wire.staging.take_seconds()
+        self.settle()
         return self
+
+    def settle(self) -> None:
+        """The step's device values (loss sum, accuracy count, finiteness flags) read in one transfer."""
+        counts = [self.correct] if self.counted else []
+        values = [*self.losses.values(), *counts, *(ok for _, _, ok in self.guard.findings.pending)]
+        if not values:
+            return
+        host = torch.stack([v.to(torch.float64) for v in values]).tolist()
+        n = len(self.losses)
+        self.loss_sum = sum(host[:n])
+        if self.counted:
+            self.correct, n = int(host[n]), n + 1
+        self.guard.findings.settle([bool(v) for v in host[n:]])
 
     def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
                ) -> StepTotals:
         """This rank's share of the step's totals (`change`: its AQ-SGD sender's squares; `link`: its probe)."""
-        return StepTotals(**vars(self.counters), loss_sum=sum(self.losses.values()), correct=self.correct,
+        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, correct=int(self.correct),
                           counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
                           schedule_seconds=self.schedule_seconds, compute_seconds=self.compute_seconds,
                           staging_seconds=self.staging_seconds,
@@ -92,18 +111,16 @@ class StepRun:
             out = e.stage(self.inputs.get(mb), self.micro_batches[mb], seed=seed)
         if e.stage.is_last:
             loss = out.loss.float()
-            self.losses[mb] = loss.item()
+            self.losses[mb] = loss.detach()
             self._score(out.logits, self.micro_batches[mb])
-            m = len(self.micro_batches)
-            out = loss / m if self.guard.finite(loss, LOSS, mb) else None  # None: no backward through it
+            self.guard.finite(loss, LOSS, mb)  # a NaN loss backwards NaN gradients: the step is rejected after
+            out = loss / len(self.micro_batches)
         self.outputs[mb] = out
 
     def send_act(self, mb: int) -> None:
         e = self.engine
         out = self.outputs[mb] if self.training else self.outputs.pop(mb)
-        x = out.detach().to(e.wire_dtype)
-        if not self.guard.finite(x, ACTIVATION, mb):
-            x = torch.zeros_like(x)  # never send NaN/inf; the step is rejected after the schedule
+        x = self.guard.zeros_unless(out.detach().to(e.wire_dtype), ACTIVATION, mb)  # never send NaN/inf
         self._remember(e.next, mb)
         try:
             self.counters.fwd_bytes += e.next.send_activation(x, self.ids[mb], self.phase)
@@ -117,9 +134,9 @@ class StepRun:
 
     def backward(self, mb: int) -> None:
         out = self.outputs.pop(mb)
-        if out is not None and self.engine.stage.is_last:
+        if self.engine.stage.is_last:
             out.backward()
-        elif out is not None:
+        else:
             out.backward(self.grads.pop(mb).to(out.dtype))
         self.counters.tie_bytes += self.engine.tied.after_backward(mb, self.phase)
 
@@ -127,9 +144,6 @@ class StepRun:
         """zb1: the input's gradient now (send_grad sends it), the weights' when backward_weight runs."""
         stage = self.engine.stage
         out, x = self.outputs.pop(mb), self.inputs.get(mb)
-        if out is None:  # a non-finite loss: nothing to backward
-            self.weights[mb] = None
-            return
         grad = None if stage.is_last else self.grads.pop(mb).to(out.dtype)
         if getattr(stage, "activation_checkpointing", False):  # split, it would recompute per weight node
             out.backward(grad)
@@ -148,9 +162,7 @@ class StepRun:
     def send_grad(self, mb: int) -> None:
         x = self.inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        grad = grad.to(self.engine.wire_dtype)
-        if not self.guard.finite(grad, GRADIENT, mb):
-            grad = torch.zeros_like(grad)
+        grad = self.guard.zeros_unless(grad.to(self.engine.wire_dtype), GRADIENT, mb)
         self.counters.bwd_bytes += self.engine.prev.send_grad(grad, self.phase)
 
     # ------------------------------------------------------------------ around them
@@ -170,5 +182,5 @@ class StepRun:
         """Accuracy for sequence classification (logits (B, C) against labels (B,))."""
         labels = batch.get("labels")
         if logits is not None and labels is not None and logits.dim() == 2 and labels.dim() == 1:
-            self.correct += int((logits.argmax(dim=-1) == labels.to(logits.device)).sum())
+            self.correct = self.correct + (logits.argmax(dim=-1) == labels.to(logits.device)).sum()
             self.counted += labels.numel()

@@ -78,15 +78,30 @@ _FLOATS = {f.name for f in fields(StepTotals) if f.type in (float, "float")}
 @dataclass
 class Findings:
     """What a rank found in a step that stops it: non-finite kinds (a bit mask), the first micro-batch where, and
-    an activation its AQ-SGD buffer could not hold."""
+    an activation its AQ-SGD buffer could not hold. A check made inside the schedule stays on the device as a
+    pending flag (`check`), read with the step's other device values once the schedule is done (`settle`)."""
 
     bad: int = 0
     first_mb: int = -1
     overflow: BufferRangeError | None = None
+    pending: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (kind, mb, all finite?)
 
     def note(self, kind: int, mb: int) -> None:
         self.bad |= kind
         self.first_mb = mb if self.first_mb < 0 else self.first_mb
+
+    def check(self, kind: int, mb: int, finite: torch.Tensor) -> None:
+        """Note `kind` at `mb` once the flag `finite` (a 0-dim bool on the device) is read, if it is false."""
+        self.pending.append((kind, mb, finite))
+
+    def settle(self, finite: list[bool]) -> None:
+        """The pending flags' values, in the order they were checked. A boundary gradient backwarded from a
+        non-finite loss of the same micro-batch is that loss's consequence, not a finding of its own."""
+        lost = {mb for (kind, mb, _), ok in zip(self.pending, finite) if kind == LOSS and not ok}
+        for (kind, mb, _), ok in zip(self.pending, finite):
+            if not ok and not (kind == GRADIENT and mb in lost):
+                self.note(kind, mb)
+        self.pending = []
 
 
 @dataclass

@@ -138,9 +138,10 @@ class TiedWeights:
         if mode not in TIE_MODES:
             raise ValueError(f"tie mode {mode!r}: expected one of {', '.join(TIE_MODES)}")
         self.links: list[_Link] = []
-        # a follower found a non-finite gradient in the rows it read this step (and sent zeros instead): the rows
-        # it sends are every row its copy's gradient can hold, so the engine need not scan the whole copy
-        self.nonfinite_gradient = False
+        # a follower's flags, one a message, whether the rows it sent were finite (zeros went instead where not):
+        # the rows it sends are every row its copy's gradient can hold, so the engine need not scan the whole copy.
+        # 0-dim bools on the device, read by the engine with the step's gradient norm (no sync in the schedule)
+        self.finite_flags: list[torch.Tensor] = []
         for index, key in enumerate(sorted(k for k, t in ties.items() if stage in t.holders)):
             tie, param = ties[key], params[key]
             peers = tie.followers if stage == tie.owner else (stage,)
@@ -175,7 +176,7 @@ class TiedWeights:
         """Before the schedule. Owner: send each follower a header and, per micro-batch, the rows first read there,
         and post the receives of the follower's gradients. Follower: check the header, post the rows' receives.
         `undo` (a step that may be rejected) collects how to put back what this changes. Returns bytes sent."""
-        sent, self.nonfinite_gradient = 0, False
+        sent, self.finite_flags = 0, []
         for link in self.links:
             link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
             matrix, boundary = as_matrix(link.param.detach()), link.boundary
@@ -239,16 +240,16 @@ class TiedWeights:
             g = (as_matrix(grad).index_select(0, rows.to(grad.device)) if grad is not None
                  else torch.zeros(rows.numel(), as_matrix(link.param).shape[1], dtype=link.param.dtype,
                                   device=link.param.device))
-            if not bool(torch.isfinite(g).all()):
-                g = torch.zeros_like(g)  # never sent; the engine rejects the step on the parameter gradient
-                self.nonfinite_gradient = True
+            ok = torch.isfinite(g).all()  # where not, zeros go; the engine rejects the step on the parameter gradient
+            self.finite_flags.append(ok)
+            g = torch.where(ok, g, torch.zeros((), dtype=g.dtype, device=g.device))
             sent += link.boundary.send_grad(g, phase)
         return sent
 
     def finish(self) -> None:
         """After the schedule. Owner: wait for every follower's gradient and add it to its own (a step the engine
         rejects clears every gradient). Follower: drop its gradient (the owner steps the weight; what the rows it
-        sent held is in `nonfinite_gradient`)."""
+        sent held is in `finite_flags`)."""
         for link in self.links:
             if link.owner:
                 for rows, posted in zip(link.step.last, link.incoming):

@@ -32,7 +32,8 @@ def both(backend, x, bits, other="torch", **kw):
 
 @pytest.mark.parametrize("other", ["torch", "triton"])
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("group_size", [None, 1, 5, 8, 13, 300, 1100])  # 1100: wider than a Triton program's read
+# 8, 64, 1024: Triton's one-pass kernel (whole groups in a program); 1100: wider than a Triton program's read
+@pytest.mark.parametrize("group_size", [None, 1, 5, 8, 13, 64, 300, 1024, 1100])
 @pytest.mark.parametrize("stochastic", [True, False])
 def test_every_backend_gives_the_native_bits(backend, other, bits, group_size, stochastic):
     x = torch.randn(4, 9, 61, generator=torch.Generator().manual_seed(bits)) * 4
@@ -40,6 +41,30 @@ def test_every_backend_gives_the_native_bits(backend, other, bits, group_size, s
     assert torch.equal(qn.codes, qt.codes)
     assert torch.equal(qn.mins, qt.mins) and torch.equal(qn.steps, qt.steps)
     assert torch.equal(yn, yt)
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_triton_one_pass_gives_the_native_bits_for_rows_of_a_hidden_size(backend, stochastic):
+    """Rows of 1600 (GPT2-XL's width) and 2048 (Llama-3.2-1B's), a ragged last group, a NaN group and a flat one."""
+    for width in (1600, 2048):
+        x = torch.randn(3, 5, width, generator=torch.Generator().manual_seed(width))
+        x[1, 2, 7] = float("nan")
+        x[2, 0] = 0.25  # a span of 0: scale 0, every code 0
+        for bits in (2, 4, 8):
+            for kw in ({}, {"group_size": 64}, {"group_size": 2 * width - 64}):
+                qs = {}
+                for name in ("native", "triton"):
+                    backend(name)
+                    clean = x.clone()
+                    clean[1, 2, 7] = 0.0
+                    qs[name] = quantize(clean, bits, generator=torch.Generator().manual_seed(3),
+                                        stochastic=stochastic, **kw)
+                assert torch.equal(qs["native"].codes, qs["triton"].codes), (width, bits, kw)
+                assert torch.equal(qs["native"].mins, qs["triton"].mins) and torch.equal(qs["native"].steps,
+                                                                                         qs["triton"].steps)
+    with pytest.raises(Exception, match="NaN|non-finite|finite"):
+        backend("triton")
+        quantize(x, 4, group_size=64)
 
 
 def test_triton_decodes_onto_a_base_as_the_cpu_adds_after_decoding(backend):
