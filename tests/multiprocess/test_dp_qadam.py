@@ -353,6 +353,6 @@ def test_a_two_step_warm_up_trains_like_adam_where_rows_first_move_after_it():
         return out
 
     adamw = losses(lambda ps: torch.optim.AdamW(ps, lr=3e-2, weight_decay=0.0))
-    qadam = losses(lambda ps: QAdamOptimizer(ps, lr=3e-2, warmup_steps=2))
-    assert max(qadam[2:]) <= qadam[2] * 1.05, qadam  # no step after warm-up climbs above where it began
-    assert qadam[-1] <= adamw[-1] * 1.15, (qadam, adamw)
+    frozen = losses(lambda ps: QAdamOptimizer(ps, lr=3e-2, warmup_steps=2))
+    assert max(frozen[2:]) <= frozen[2] * 1.05, frozen  # no step after warm-up climbs above where it began
+    assert frozen[-1] <= adamw[-1] * 1.15, (frozen, adamw)
