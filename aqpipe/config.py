@@ -76,6 +76,7 @@ class RunConfig:
     schedule: str = _flag("1f1b", f"one of {', '.join(SCHEDULES)}")
     partition: list[int] | str = _flag("parameters", "parameters, uniform, or comma-separated block counts per stage")
     activation_checkpointing: bool = _flag(False, "recompute blocks in backward")
+    compile: bool = _flag(False, "torch.compile each stage's forward (the first steps pay the compilation)")
     dropout: float | None = _flag(None, "every dropout probability of the model (embeddings, attention, residual, "
                                         "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa")
     micro_batch_size: int = _flag(4, "samples per micro-batch")

@@ -69,7 +69,12 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
     return result
 
 
+FUSED = ("Adam", "AdamW", "SGD")  # torch's optimizers with a fused CUDA kernel
+
+
 def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
+    """The run's optimizer over `params`: torch's by name (fused on a GPU unless the config says fused/foreach),
+    or bf16 weights' own."""
     kind = cfg.optimizer["type"]
     kwargs = {k: v for k, v in cfg.optimizer.get("params", {}).items() if k != "lr"}
     if "betas" in kwargs:
@@ -77,6 +82,10 @@ def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
     if cfg.param_dtype == "bfloat16":  # bf16 weights: float32 moments, stochastic rounding (optim.py)
         kwargs.setdefault("weight_decay", 1e-2 if kind == "AdamW" else 0.0)
         return LowPrecisionAdamW(params, lr=cfg.lr, decoupled=kind == "AdamW", seed=cfg.seed, **kwargs)
+    params = list(params)
+    if kind in FUSED and not {"fused", "foreach"} & set(kwargs) and params and \
+            all(p.device.type == "cuda" for p in params):
+        kwargs["fused"] = True  # one kernel for every parameter's update: torch's fastest, on a GPU
     return getattr(torch.optim, kind)(params, lr=cfg.lr, **kwargs)
 
 
@@ -175,6 +184,8 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
         set_dropout(stage, None, float(cfg.dropout))
     if adapters is not None:  # after the dropout: the adapters' own is --lora_dropout
         add_lora(stage, adapters, cfg.seed, trained)
+    if cfg.compile:
+        stage.compile()  # in place: the stage's names, state_dict and attributes stay its own
     barrier(world)  # every stage built (a model download takes what it takes) before the first message
     # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
