@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path's checks and figures (issue 41) in one call on a GPU machine, each under its own time limit; each
-# step's log is written to OUTDIR and its end printed. From the checkout's root, with aqpipe's dependencies importable:
+# step's log is written to OUTDIR and its end printed. From the checkout's root, with aqpipe's dependencies importable
+# (and the built-in corpus in AQPIPE_CACHE where the machine cannot reach PyPI); ONLY="step ..." runs some steps:
 #     bash benchmarks/gpu_checks.sh OUTDIR
 set -u
 out=${1:?usage: bash benchmarks/gpu_checks.sh OUTDIR}
@@ -11,6 +12,7 @@ work=$(mktemp -d)
 step() {  # name, seconds, command...
     local name=$1 limit=$2 start rc
     shift 2
+    [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0
     start=$(date +%s)
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     rc=$?
@@ -31,10 +33,12 @@ dp_rows() {  # the tied 114M Llama at 2 stages x 2 replicas sharing the GPU: QAd
 }
 
 python3 -c "import torch, triton, transformers, numpy; print(torch.__version__, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
-step gpu_tests 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs
+step gpu_tests 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ${GPU_TESTS:+-k "$GPU_TESTS"}
 step bench_quantize 60 python3 -m benchmarks.bench_quantize --device cuda --backends triton,torch --shape 16,1024,1600 --bits 2,4,8
 step step_overhead 240 python3 -m benchmarks.step_overhead --device cuda --shape 1b --bf16 --micro_batch_size 4 \
     --num_micro_batches 4 --seq_len 1024 --steps 10 --variants ",--param_dtype=bfloat16,--compile" --json "$out/step_overhead.json"
-step dp_rows 150 dp_rows
+export -f dp_rows
+export work
+step dp_rows 150 bash -c dp_rows
 step unit_tests 120 python3 -m pytest -q -n 12 tests/unit -p no:cacheprovider
 rm -rf "$work"

@@ -149,9 +149,32 @@ def _mark(tensor: torch.Tensor) -> None:
 
 
 def _seeded_init(model: nn.Module, path: str, module: nn.Module, seed: int) -> None:
-    with torch.no_grad():
-        torch.manual_seed(derive_seed(seed, "init", path))
-        _initializer(model, path)(module)
+    """What `module` (its subtree: an init may reach into children, as GPT2's does for c_proj) holds that no
+    checkpoint gave, by the model's `_init_weights` under a generator seeded by the module's name, always drawn on
+    the CPU: a GPU's generator draws other values from the same seed, and a job starts from the same weights on any
+    device. Tensors not yet initialized that live on another device visit the CPU for the draw."""
+    visiting: dict[int, tuple[nn.Module, str, torch.device]] = {}
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type == "cpu" or getattr(t, "_is_hf_initialized", False) or id(t) in visiting:
+                    continue
+                visiting[id(t)] = (owner, name, t.device)
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.cpu()  # the same Parameter (ties and optimizers keep it), its data on the CPU
+                else:
+                    table[name] = t.cpu()
+    try:
+        with torch.no_grad():
+            torch.manual_seed(derive_seed(seed, "init", path))
+            _initializer(model, path)(module)
+    finally:
+        for owner, name, device in visiting.values():
+            if name in owner._parameters:
+                param = owner._parameters[name]
+                param.data = param.data.to(device)
+            else:
+                owner._buffers[name] = owner._buffers[name].to(device)
 
 
 def vocabulary_weights(model: nn.Module) -> set[str]:
@@ -275,9 +298,11 @@ def build_stage(model_class: type, config: Any, stage_index: int, num_stages: in
     ties, stage = tie_groups(stages), stages[stage_index]
     del stages
     aliases, vocabulary = weight_names(model), vocabulary_weights(model)  # while the model still holds its ties
-    materialize(stage, dtype, device)
-    missing = [name for name, _ in stage.named_parameters()]
     reader = reader or (CheckpointReader(checkpoint) if checkpoint is not None else None)
+    # a seeded init is drawn on the CPU (the same weights on any device) and moved once; a checkpoint is read where
+    # the stage computes, its few missing tensors visiting the CPU for their draw (_seeded_init)
+    materialize(stage, dtype, device if reader is not None else "cpu")
+    missing = [name for name, _ in stage.named_parameters()]
     if reader is not None:
         try:
             missing = load_weights(stage, reader, model, aliases, vocabulary)
@@ -289,5 +314,6 @@ def build_stage(model_class: type, config: Any, stage_index: int, num_stages: in
                              f"its head are not in it (first: {body[0]!r}); expected a checkpoint of "
                              f"{model_class.__name__} or its base model")
     init_weights(stage, model, seed)
+    stage.to(device)
     stage.train()
     return stage, ties, missing
