@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .base import Family, PipelineStage, StageOutput
 from .heads import causal_mask, classify_last_token
+from .lm_loss import causal_lm_loss
 
 
 def layer_types(config: Any, per_layer: bool) -> list[str]:
@@ -76,12 +76,8 @@ class DecoderStage(PipelineStage):
         hidden = self.get_submodule(self.family.last[0])(hidden)
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
-            logits = self.lm_head(hidden)
-            cap = getattr(self.config, "final_logit_softcapping", None)
-            if cap is not None:
-                logits = torch.tanh(logits / cap) * cap
-            loss = None if labels is None else ForCausalLMLoss(logits, labels.to(logits.device),
-                                                               vocab_size=self.config.vocab_size)
+            loss, logits = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size,
+                                          getattr(self.config, "final_logit_softcapping", None))
             return StageOutput(loss=loss, logits=logits)
         return classify_last_token(self.score(hidden), input_ids, labels, self.config)
 

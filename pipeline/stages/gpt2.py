@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ..seeding import reseed
 from .base import Family, PipelineStage, StageOutput
 from .heads import causal_mask, classify_last_token
+from .lm_loss import causal_lm_loss
 
 
 class GPT2Stage(PipelineStage):
@@ -52,9 +52,7 @@ class GPT2Stage(PipelineStage):
         hidden = tr.ln_f(hidden)
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
-            logits = self.lm_head(hidden)
-            loss = None if labels is None else ForCausalLMLoss(logits, labels.to(logits.device),
-                                                               vocab_size=self.config.vocab_size)
+            loss, logits = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size)
             return StageOutput(loss=loss, logits=logits)
         return classify_last_token(self.score(hidden), input_ids, labels, self.config)
 

@@ -1,0 +1,53 @@
+"""A last stage's causal-LM loss in chunks over the sequence, so that a micro-batch's full float32 logits never exist
+at once: Llama 3's 128k vocabulary over 4 x 1024 tokens is 2 GB of them, and their gradient as much again.
+
+Each chunk of positions runs the head, upcasts its logits and sums its cross-entropy; under autograd the chunk is
+checkpointed, so its logits are recomputed in backward instead of kept, and only one chunk's live at a time (the
+price: the head's forward runs twice where chunked). The loss is HF's `ForCausalLMLoss`: labels shifted one left,
+-100 ignored, the mean over the rest. Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF
+computes it, and the logits come back; chunked, they don't (a causal LM's step uses only the loss).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+CHUNK_BYTES = 256 * 2**20  # the float32 logits a chunk may hold
+IGNORE = -100
+
+
+def _logits(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, cap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
+def _summed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float | None
+            ) -> torch.Tensor:
+    logits = _logits(head, hidden, cap).float()
+    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor | None,
+                   vocab_size: int, cap: float | None = None, chunk_bytes: int | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logits) of `head` over `hidden` (B, T, H) against `labels` (B, T); logits None where chunked."""
+    limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    rows, positions = hidden.shape[:2]
+    if labels is None or rows * positions * vocab_size * 4 <= limit:
+        logits = _logits(head, hidden, cap)
+        loss = None if labels is None else ForCausalLMLoss(logits, labels.to(logits.device), vocab_size=vocab_size)
+        return loss, logits
+    targets = F.pad(labels.to(hidden.device), (0, 1), value=IGNORE)[:, 1:]
+    step = max(1, limit // (rows * vocab_size * 4))
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, positions, step):
+        part = (head, hidden[:, start:start + step], targets[:, start:start + step], vocab_size, cap)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_summed, *part, use_reentrant=False, preserve_rng_state=False)
+        else:
+            total = total + _summed(*part)
+    return total / (targets != IGNORE).sum(), None

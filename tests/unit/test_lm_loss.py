@@ -1,0 +1,74 @@
+"""The last stage's causal-LM loss in chunks: HF's loss and gradients, without a micro-batch's full logits."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from pipeline.loading import build_stage
+from pipeline.stages import lm_loss
+from pipeline.stages.lm_loss import causal_lm_loss
+
+B, T, H, V = 2, 37, 16, 50
+
+
+def case(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
+    head = torch.nn.Linear(H, V, bias=False)
+    torch.nn.init.normal_(head.weight, generator=g)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, :5] = -100  # a prompt's positions, ignored
+    return hidden, head, labels
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_chunked_loss_and_gradients_equal_hfs(cap):
+    hidden, head, labels = case()
+    logits = head(hidden)
+    logits = torch.tanh(logits / cap) * cap if cap else logits
+    want = ForCausalLMLoss(logits, labels, vocab_size=V)
+    want_grads = torch.autograd.grad(want, [hidden, head.weight])
+    got, got_logits = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)  # 5 positions a chunk
+    assert got_logits is None  # chunked: 8 chunks, the last of 2 positions
+    grads = torch.autograd.grad(got, [hidden, head.weight])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)[0], want)
+
+
+def test_no_logits_are_kept_for_backward():
+    """Checkpointed chunks keep only their inputs (the hidden rows and targets); their logits are recomputed."""
+    hidden, head, labels = case(1)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        loss, _ = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)
+    loss.backward()
+    assert kept and not [shape for shape in kept if shape and shape[-1] == V], kept
+
+
+def test_small_logits_are_computed_whole_and_returned():
+    hidden, head, labels = case(2)
+    loss, logits = causal_lm_loss(head, hidden, labels, V)
+    assert logits is not None and logits.shape == (B, T, V)
+    torch.testing.assert_close(loss, ForCausalLMLoss(head(hidden), labels, vocab_size=V), rtol=0, atol=0)
+
+
+def test_a_llama_last_stage_chunked_gives_todays_loss_and_gradients(monkeypatch):
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=300, tie_word_embeddings=True, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    results = []
+    for chunk_bytes in (lm_loss.CHUNK_BYTES, 2 * 300 * 4 * 7):  # whole, then 7 positions a chunk
+        monkeypatch.setattr(lm_loss, "CHUNK_BYTES", chunk_bytes)
+        stage, _, _ = build_stage(LlamaForCausalLM, config, 0, 1, seed=4)
+        out = stage(None, {"input_ids": ids, "labels": ids})
+        out.loss.backward()
+        results.append((out.loss.detach(), out.logits, {n: p.grad.clone() for n, p in stage.named_parameters()}))
+    (whole, logits, g1), (chunked, none, g2) = results
+    assert logits is not None and none is None
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
