@@ -222,6 +222,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if cfg.compile and cfg.schedule == "zb1":
+        raise ValueError("compile=True with schedule='zb1': a compiled stage's backward is one step, which zb1's "
+                         "split would run twice; expected schedule 1f1b or gpipe with --compile")
     cfg.compression.validate()
     rates = cfg.compression.link_mbit
     if rates is not None and len(rates) != cfg.pipeline_stages - 1:

@@ -131,10 +131,10 @@ def quantize(
     flat = x.detach().reshape(-1).to(torch.float32).contiguous()
     key = _dither_key(generator, x.device) if stochastic else None
     packed, mins, maxs = kernels.quantize_flat(flat, gs, bits, key)
-    if mins.numel() and not bool(torch.isfinite(mins).all() & torch.isfinite(maxs).all()):
-        check_finite(x)
-    span = maxs - mins
-    if mins.numel() and not bool(torch.isfinite(span).all()):
+    span = maxs - mins  # not finite where a group holds NaN/inf (its min is NaN) or spans more than float32 holds
+    if mins.numel() and not bool(torch.isfinite(span).all()):  # the one host read of a quantize
+        if not bool(torch.isfinite(mins).all() & torch.isfinite(maxs).all()):
+            check_finite(x)
         g = int((~torch.isfinite(span)).nonzero()[0, 0])
         raise ValueError(f"group {g} spans [{mins[g].item()}, {maxs[g].item()}], wider than float32 can hold")
     # a tensor divisor: with a Python number CUDA multiplies by its float32 reciprocal, a last-bit difference

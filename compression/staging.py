@@ -29,6 +29,8 @@ class HostStaging:
         """`t` on the transport's device (a new tensor the caller keeps alive until the send completes)."""
         if t.device == self.transport:
             return t
+        if t.device.type == "cuda":  # the copy waits for the work that makes t: that wait is compute, not staging
+            torch.cuda.current_stream(t.device).synchronize()
         start = time.perf_counter()
         out = torch.empty(t.shape, dtype=t.dtype, device=self.transport, pin_memory=self._pinned(t.device))
         out.copy_(t)  # synchronous from a GPU: the bytes are in host memory before gloo reads them

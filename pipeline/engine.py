@@ -259,7 +259,7 @@ class PipelineEngine:
         return lr, grad_norm
 
     def _decide_bits(self, table: StepTable, accepted: bool, micro_batches: list[dict]) -> dict[str, Any] | None:
-        """Auto bits after the step: its compute observed (a rejected step's is partial: no backward), and on a
+        """Auto bits after the step: its compute observed (not a rejected step's: it may have stopped short), and on a
         decision step new bits for the next steps, the same on every rank."""
         if accepted:
             self.auto_bits.observe(table, len(micro_batches))
@@ -320,7 +320,9 @@ class PipelineEngine:
                                      f"step (stage {self.groups.stage}, replica {self.groups.replica})")
         if self.gradient_clipping and norm > self.gradient_clipping:
             scale = self.gradient_clipping / (norm + 1e-6)  # a followed copy's gradient is not stepped
-            torch._foreach_mul_([p.grad for p in owned_parameters(self.stage, self.ties) if p.grad is not None], scale)
+            grads = [p.grad for p in owned_parameters(self.stage, self.ties) if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
         return norm
 
     @torch.no_grad()

@@ -263,7 +263,7 @@ def init_weights(stage: PipelineStage, model: nn.Module, seed: int) -> None:
         if local == name or getattr(param, "_is_hf_initialized", False):
             continue
         source = copy.deepcopy(model.get_submodule(source_path))
-        materialize(source, param.dtype, param.device)
+        materialize(source, param.dtype, "cpu")  # drawn on the CPU in any case (_seeded_init)
         _seeded_init(model, source_path, source, seed)
         with torch.no_grad():
             param.copy_(source.get_parameter(name.rpartition(".")[2]))

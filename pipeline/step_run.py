@@ -50,6 +50,9 @@ class StepRun:
         self.ids = [SampleIds(mb.get("sample_id"), engine.num_samples) if buffered else mb.get("sample_id")
                     for mb in micro_batches]
         self.posted: dict[sched.Action, Any] = {}
+        # auto bits prices compute from these timers: on a GPU they then wait for the work they queued (a sync per
+        # forward and backward); otherwise a timer measures the queueing, and nothing waits
+        self.timed = engine.device.type == "cuda" and engine.auto_bits is not None
 
     def run(self, actions: list[sched.Action]) -> "StepRun":
         e = self.engine
@@ -60,6 +63,8 @@ class StepRun:
             if op in sched.COMPUTE:
                 t = time.perf_counter()
                 getattr(self, op)(mb)
+                if self.timed:
+                    torch.cuda.synchronize(e.device)
                 self.compute_seconds += time.perf_counter() - t
             else:
                 getattr(self, op)(mb)

@@ -47,7 +47,7 @@ def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
     for start in range(0, positions, step):
         part = (head, hidden[:, start:start + step], targets[:, start:start + step], vocab_size, cap)
         if torch.is_grad_enabled():
-            total = total + checkpoint(_summed, *part, use_reentrant=False, preserve_rng_state=False)
+            total = total + checkpoint(_summed, *part, use_reentrant=False)  # a head's dropout redraws alike
         else:
             total = total + _summed(*part)
     return total / (targets != IGNORE).sum(), None

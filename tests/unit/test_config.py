@@ -45,6 +45,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--forward_compress", "int4"], "forward_compress='int4': expected one of none, direct, hadamard, aqsgd"),
     (["--backward_compress", "aqsgd"], "backward_compress='aqsgd': expected one of none, direct"),
     (["--schedule", "zigzag"], "schedule='zigzag': expected one of gpipe, 1f1b"),
+    (["--compile", "--schedule", "zb1"], "compile=True with schedule='zb1': a compiled stage's backward is one step"),
     (["--num_micro_batches", "0"], "num_micro_batches=0: expected an integer >= 1"),
     (["--micro_batch_size", "-2"], "micro_batch_size=-2: expected an integer >= 1"),
     (["--seq_len", "1"], "seq_len=1: expected at least 2 tokens"),
