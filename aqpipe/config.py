@@ -17,7 +17,7 @@ from typing import Any
 
 from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig
-from pipeline.lora import LoraSettings
+from pipeline.adapters import LoraSettings
 from pipeline.schedule import SCHEDULES
 
 from . import config_file, preflight, speaks

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import PipelineEngine
+from pipeline.adapters import adapter_state_dict
 
 from .config import RunConfig
 from .models import ModelSpec
@@ -141,9 +142,7 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
 def save_adapter(engine: PipelineEngine, config: Any, cfg: RunConfig, world: World) -> str | None:
     """Write the trained LoRA adapters (and a head trained in full) as PEFT does, under `<output_dir>/adapter`,
     `config` (PEFT's LoraConfig) naming the base model; the directory on rank 0, None elsewhere."""
-    from pipeline import lora
-
-    tensors = lora.adapter_state_dict(engine.stage) if engine.groups.replica == 0 else {}
+    tensors = adapter_state_dict(engine.stage) if engine.groups.replica == 0 else {}
     entries = _gathered({k: v.to("cpu").contiguous() for k, v in tensors.items()}, world)
     if world.rank != 0:
         return None

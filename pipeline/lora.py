@@ -10,33 +10,22 @@ seeds each adapter by its module's name, so the initial values are the same on a
 `pipeline.loading` seeds weights). Everything else is frozen except the task's new head (a classifier, which a
 base checkpoint lacks: PEFT's `modules_to_save`), and the trainable weights are cast to `dtype`.
 
-The stage's `hf_state_dict()` then folds each adapter into its base weight (the merged model);
-`adapter_state_dict` gives the trained tensors under the names `PeftModel.save_pretrained` writes.
+The stage's `hf_state_dict()` then folds each adapter into its base weight (the merged model: pipeline/adapters.py,
+which also gives the trained tensors under the names `PeftModel.save_pretrained` writes).
 """
 from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .seeding import derive_seed
+from .adapters import ADAPTER, LoraSettings, adapted_paths, seed_adapters
+from .loading import meta_model
+from .partitioning import block_ranges, model_family, stage_block_counts
 
-ADAPTER = "default"  # PEFT's name for a model's one adapter
-PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the model's own names
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """The user's choices; None: PEFT's default (alpha 8, dropout 0, the architecture's target modules)."""
-
-    rank: int
-    alpha: float | None = None
-    dropout: float | None = None
-    target_modules: tuple[str, ...] | None = None  # module names, or ("all-linear",)
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -44,12 +33,6 @@ def _linear_names(model: nn.Module) -> list[str]:
     from transformers.pytorch_utils import Conv1D
 
     return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))})
-
-
-def _adapted(model: nn.Module) -> list[str]:
-    from peft.tuners.lora import LoraLayer
-
-    return [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
 def lora_config(model_class: type, hf_config: Any, settings: LoraSettings, train_head: bool = False,
@@ -62,9 +45,6 @@ def lora_config(model_class: type, hf_config: Any, settings: LoraSettings, train
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import NoMatchingPeftModuleError
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
-    from .loading import meta_model
-    from .partitioning import block_ranges, model_family, stage_block_counts
 
     model = meta_model(model_class, hf_config)
     family = model_family(model)
@@ -93,7 +73,7 @@ def lora_config(model_class: type, hf_config: Any, settings: LoraSettings, train
     except ValueError as exc:  # a module PEFT cannot adapt (a norm, say)
         raise ValueError(f"lora_target_modules={shown}: {str(exc).splitlines()[0][:200]}") from None
     resolved = model.peft_config[ADAPTER] if ADAPTER in getattr(model, "peft_config", {}) else config
-    adapted = _adapted(model)
+    adapted = adapted_paths(model)
     inside = [path for path in adapted if path.startswith(f"{family.blocks}.")]
     _check_targets(model, targets, adapted, inside, linear)
     if len(inside) < len(adapted):  # a name matching in the blocks and beside them (BERT's dense): the blocks'
@@ -153,42 +133,3 @@ def add_lora(stage: nn.Module, config: Any, seed: int, dtype: torch.dtype) -> No
             if p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     seed_adapters(stage, seed)  # drawn in the adapters' own dtype (PEFT makes them the base's first)
-
-
-def seed_adapters(model: nn.Module, seed: int) -> None:
-    """Give every adapter its initial values (PEFT's: A uniform as nn.Linear's, B zero) from a generator seeded by
-    its module's name in `model`: a stage and the unpartitioned model it mirrors draw the same values."""
-    for name in _adapted(model):
-        torch.manual_seed(derive_seed(seed, "lora", name))
-        model.get_submodule(name).reset_lora_parameters(ADAPTER, True)
-
-
-def has_adapters(model: nn.Module) -> bool:
-    return ADAPTER in getattr(model, "peft_config", {})
-
-
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model.state_dict()` with each adapter folded into its base weight (W + B A scale, in float32), under the
-    names the model had before the adapters came; the adapters' own tensors left out."""
-    layers = {path: model.get_submodule(path) for path in _adapted(model)}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        path, _, leaf = key.rpartition(".")
-        owner, _, part = path.rpartition(".")
-        if owner in layers and part == "base_layer":
-            if leaf == "weight":
-                value = value.float() + layers[owner].get_delta_weight(ADAPTER).detach().float()
-            out[f"{owner}.{leaf}"] = value
-        elif not any(key.startswith(f"{p}.") for p in layers):
-            out[key] = value
-    return out
-
-
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What trains, by the names `PeftModel.save_pretrained` writes (the adapter name dropped, `base_model.model.`
-    before each): the adapters and the head trained in full."""
-    from peft import get_peft_model_state_dict
-
-    out = dict(get_peft_model_state_dict(model, adapter_name=ADAPTER))
-    out.update({name: p for name, p in model.named_parameters() if p.requires_grad and ".lora_" not in name})
-    return {PEFT_PREFIX + name: value.detach() for name, value in out.items()}

@@ -14,6 +14,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..adapters import has_adapters, merged_state_dict
 from ..seeding import reseed
 
 
@@ -151,9 +152,7 @@ class PipelineStage(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and persistent buffers under their names in the unpartitioned HF model; with LoRA
         adapters (pipeline/lora.py), each folded into its base weight: the merged model."""
-        from .. import lora
-
-        return lora.merged_state_dict(self) if lora.has_adapters(self) else dict(self.state_dict())
+        return merged_state_dict(self) if has_adapters(self) else dict(self.state_dict())
 
     # ------------------------------------------------------------------ helpers for subclasses
     def _checkpointing(self) -> bool:

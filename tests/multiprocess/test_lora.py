@@ -8,7 +8,8 @@ import transformers
 import data_parallel
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
 from pipeline.loading import build_stage
-from pipeline.lora import LoraSettings, adapter_state_dict, add_lora, lora_config, seed_adapters
+from pipeline.adapters import adapter_state_dict, seed_adapters
+from pipeline.lora import LoraSettings, add_lora, lora_config
 from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches, train_reference
 

@@ -14,7 +14,8 @@ from aqpipe.models import resolve_model
 from aqpipe.world import World
 from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig, owned_parameters
-from pipeline.lora import adapter_state_dict, lora_config
+from pipeline.adapters import adapter_state_dict
+from pipeline.lora import lora_config
 from tests.helpers.files import tiny_llama_dir
 from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches
