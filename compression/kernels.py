@@ -37,10 +37,11 @@ from typing import Callable
 
 import torch
 
+from .group_math import group_ranges, group_views, inverse_steps, packed_nbytes
+
 _SOURCE = Path(__file__).with_name("native") / "quant.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 _MIN_CHUNK = 1 << 16  # elements per thread below which splitting costs more than it saves
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 BACKENDS = ("auto", "native", "triton", "torch")
 _settings = {"backend": "auto", "cache_dir": None, "compiler": "cc", "interpret": False}  # what configure() set
@@ -221,17 +222,8 @@ def dither(n: int, key: tuple[int, int], device: torch.device | str = "cpu") -> 
     return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
-def _groups(flat: torch.Tensor, gs: int) -> list[torch.Tensor]:
-    """The full groups as one (G, gs) view, and the partial last group as (1, r) if any."""
-    full = flat.numel() // gs
-    parts = [flat[: full * gs].view(full, gs)] if full else []
-    if flat.numel() > full * gs:
-        parts.append(flat[full * gs :].view(1, -1))
-    return parts
-
-
 def _per_group(values: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Slice a per-group vector to match `_groups`' parts, as (rows, 1) columns."""
+    """Slice a per-group vector to match `group_views`' parts, as (rows, 1) columns."""
     out, start = [], 0
     for p in parts:
         out.append(values[start : start + p.shape[0]].view(-1, 1))
@@ -240,10 +232,6 @@ def _per_group(values: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Te
 
 
 # ----------------------------------------------------------------------------- the kernels
-def packed_nbytes(n: int, bits: int) -> int:
-    return (n * bits + 7) // 8
-
-
 def quantize_flat(
     flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,7 +247,7 @@ def quantize_flat(
         return torch.empty(0, dtype=torch.uint8, device=flat.device), nothing, nothing.clone()
     chosen = backend_for(flat)
     if chosen == "triton":
-        from . import triton_kernels
+        from . import triton_kernels  # deferred: importing Triton takes seconds, and only a GPU's tensors need it
 
         return triton_kernels.quantize_flat(flat, gs, bits, key)
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
@@ -278,12 +266,12 @@ def quantize_flat(
 
         _parallel(-(-groups // align), gs * align, run)
         return packed, mins, maxs
-    parts = _groups(flat, gs)
+    parts = group_views(flat, gs)
     mins, maxs = group_ranges(flat, gs)
     levels = (1 << bits) - 1
     invs = inverse_steps(mins, maxs, bits)
     codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
-    u_parts = _groups(dither(n, key, flat.device), gs) if key is not None else [0.5] * len(parts)
+    u_parts = group_views(dither(n, key, flat.device), gs) if key is not None else [0.5] * len(parts)
     start = 0
     for p, mn, inv, u in zip(parts, _per_group(mins, parts), _per_group(invs, parts), u_parts):
         v = (p - mn) * inv
@@ -294,36 +282,13 @@ def quantize_flat(
     return packed, mins, maxs
 
 
-def group_ranges(flat: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's (min, max), with tensor ops; a group holding NaN or inf gets min = NaN."""
-    parts = _groups(flat, gs)
-    mins = torch.empty(sum(p.shape[0] for p in parts), dtype=torch.float32, device=flat.device)
-    maxs = torch.empty_like(mins)
-    start = 0
-    for p in parts:
-        lo, hi = torch.aminmax(p, dim=1)
-        mins[start : start + p.shape[0]] = torch.where(torch.isfinite(p).all(dim=1), lo, torch.nan)
-        maxs[start : start + p.shape[0]] = hi
-        start += p.shape[0]
-    return mins, maxs
-
-
-def inverse_steps(mins: torch.Tensor, maxs: torch.Tensor, bits: int) -> torch.Tensor:
-    """levels / span per group, divided in float64 and rounded once to float32 (0 for an empty or bad span): the
-    scale every implementation multiplies by."""
-    span = maxs - mins
-    levels = torch.full_like(span, (1 << bits) - 1, dtype=torch.float64)
-    ratio = (levels / span.double()).clamp(max=_FLOAT32_MAX).float()
-    return torch.where(span > 0, ratio, torch.zeros_like(span))  # NaN span (bad group) -> 0
-
-
 def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor,
                     steps: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
     """Decode n elements: code * step + min per element, as float32 (no fused multiply-add), plus `base` (flat
     float32, n elements) where given: AQ-SGD's m + change in the same pass on a GPU."""
     chosen = backend_for(packed) if n else "torch"
     if chosen == "triton":
-        from . import triton_kernels
+        from . import triton_kernels  # deferred: importing Triton takes seconds, and only a GPU's tensors need it
 
         return triton_kernels.dequantize_flat(packed, n, gs, bits, mins, steps, base)
     out = torch.empty(n, dtype=torch.float32, device=packed.device)
@@ -342,7 +307,7 @@ def _dequantize_torch(packed: torch.Tensor, n: int, gs: int, bits: int, mins: to
                       out: torch.Tensor) -> None:
     codes = unpack_codes(packed, bits, n)
     start = 0
-    parts = _groups(codes, gs)
+    parts = group_views(codes, gs)
     for p, mn, st in zip(parts, _per_group(mins, parts), _per_group(steps, parts)):
         v = p.to(torch.float32) * st
         out[start : start + p.numel()] = (v + mn).reshape(-1)

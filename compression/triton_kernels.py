@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import group_ranges, inverse_steps, packed_nbytes
+from .group_math import group_ranges, inverse_steps, packed_nbytes
 
 BLOCK = 1024  # elements a program quantizes or decodes: 128 words of 8 codes
 TILE = 4096  # elements a program reduces at a time: COLS of a group (at most 1024, looping over wider groups)

@@ -1,0 +1,44 @@
+"""What every implementation of the quantizer shares (kernels.py's C and torch paths, triton_kernels.py): groups as
+views, the packed size, each group's range with tensor ops, and the scale every implementation multiplies by. A
+leaf of the package, so the Triton kernels and the dispatcher that loads them import it and not each other."""
+from __future__ import annotations
+
+import torch
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def group_views(flat: torch.Tensor, gs: int) -> list[torch.Tensor]:
+    """The full groups as one (G, gs) view, and the partial last group as (1, r) if any."""
+    full = flat.numel() // gs
+    parts = [flat[: full * gs].view(full, gs)] if full else []
+    if flat.numel() > full * gs:
+        parts.append(flat[full * gs :].view(1, -1))
+    return parts
+
+
+def group_ranges(flat: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (min, max), with tensor ops; a group holding NaN or inf gets min = NaN."""
+    parts = group_views(flat, gs)
+    mins = torch.empty(sum(p.shape[0] for p in parts), dtype=torch.float32, device=flat.device)
+    maxs = torch.empty_like(mins)
+    start = 0
+    for p in parts:
+        lo, hi = torch.aminmax(p, dim=1)
+        mins[start : start + p.shape[0]] = torch.where(torch.isfinite(p).all(dim=1), lo, torch.nan)
+        maxs[start : start + p.shape[0]] = hi
+        start += p.shape[0]
+    return mins, maxs
+
+
+def inverse_steps(mins: torch.Tensor, maxs: torch.Tensor, bits: int) -> torch.Tensor:
+    """levels / span per group, divided in float64 and rounded once to float32 (0 for an empty or bad span): the
+    scale every implementation multiplies by."""
+    span = maxs - mins
+    levels = torch.full_like(span, (1 << bits) - 1, dtype=torch.float64)
+    ratio = (levels / span.double()).clamp(max=_FLOAT32_MAX).float()
+    return torch.where(span > 0, ratio, torch.zeros_like(span))  # NaN span (bad group) -> 0
