@@ -17,7 +17,7 @@ from .tasks import TASKS
 
 def flag_destinations() -> dict[str, str]:
     """Each flag's name -> where it lands ("field", or "section.field")."""
-    from .config import RunConfig
+    from .config import RunConfig  # deferred: the flag table answers without torch
 
     return {f.metadata.get("flag", f.name): dest for dest, f, _ in settings(RunConfig)}
 
@@ -39,9 +39,9 @@ def finetune(task: str, *, model: str | None = None, dataset: Any = None, config
     figures, bytes per wire). `dataset`: a hub name, a local file, a built-in name, or a `datasets.Dataset` /
     `DatasetDict` (its own train and validation splits). Call it on every rank under torchrun or deepspeed, or in
     one process."""
-    from . import config_file
-    from .config import settle
-    from .train import run
+    from . import config_file  # deferred: `import aqpipe` starts without torch
+    from .settings import settle  # deferred: as above
+    from .train import run  # deferred: as above
 
     if task not in TASKS:
         raise ValueError(f"task {task!r}: expected one of {', '.join(TASKS)}")

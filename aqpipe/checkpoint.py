@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import torch
 
+from .storage import Storage, broadcast, gather
+from .world import World, barrier
+
 if TYPE_CHECKING:
     from .config import RunConfig
-    from .storage import Storage
-    from .world import World
 
 FORMAT = 4  # 3: the compression and data-parallel settings are nested sections; 4: LR schedule iteration k = step k
 LATEST = "latest"
@@ -211,9 +212,6 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     files on its own storage; after a barrier (no deadline: a large stage takes what it takes to write), rank 0
     gathers every rank's checksums over the process group, and every finalizer (one per storage: storage.py)
     writes the same manifest into its copy of the directory, renames it into place and moves its `latest`."""
-    from .storage import broadcast, gather
-    from .world import barrier
-
     state = engine.state_dict()
     place = state["place"]
     partial = root / f"step_{step:08d}.partial"
@@ -268,8 +266,6 @@ def agree(found: Path | None, root: Path, world: "World") -> Path | None:
     storage (`found`, under `root`) when they agree, else the newest step every rank holds complete (a machine
     stopped while the others finalized a later one). ValueError, on every rank alike, when some rank resumes and
     they hold no step in common."""
-    from .storage import broadcast, gather
-
     here = {"name": found.name if found is not None else None, "steps": complete_steps(root, world.rank)}
     everyone = gather(here, world)
     verdict: Any = None

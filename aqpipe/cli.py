@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import let_rank_0_speak, speaks
+from .speech import let_rank_0_speak, speaks
 from .environment import show_tracebacks
 from .tasks import TASKS, Task
 
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def finetune(task: Task, argv: list[str], description: str | None = None, prog: str | None = None) -> dict[str, Any]:
     """Resolve the settings (task defaults < a --deepspeed_config file < flags) and run."""
-    from .config import resolve  # here, not at the top: `aqpipe --help` answers before torch and transformers load
-    from .train import run
+    from .settings import resolve  # deferred: `aqpipe --help` answers before torch and transformers load
+    from .train import run  # deferred: as above
 
     cfg = resolve(task.kind, argv, description or task.summary, defaults=task.defaults, prog=prog)
     try:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import let_rank_0_speak, speaks
+from .speech import let_rank_0_speak, speaks
 from .environment import launch
 
 SECTION_SHORTHANDS = {  # one flag for several settings; a one-sided flag given beside it wins

@@ -116,7 +116,7 @@ def _fetch_config(model: str) -> str | None:
 def _check_model_shape(cfg: "RunConfig") -> None:
     """From the model's config alone, before any data is tokenized or weight read: a class the pipeline can split,
     stages against its blocks, seq_len against its positions."""
-    from .models import TINY, model_class  # imports transformers: only once a run is checked
+    from .models import TINY, model_class  # deferred: imports transformers, only once a run is checked
 
     blocks, positions, name = TINY["layers"], None, "the built-in shape"  # it grows its positions to seq_len
     if cfg.model is not None:
@@ -128,7 +128,7 @@ def _check_model_shape(cfg: "RunConfig") -> None:
             return
         cls = model_class(cfg.task, config)
         if cfg.lora() is not None:  # targets resolved on the model's own modules (no weight read)
-            from pipeline.lora import lora_config
+            from pipeline.lora import lora_config  # deferred: imports transformers, as above
 
             lora_config(cls, config, cfg.lora(), cfg.task == "classification", cfg.pipeline_stages, cfg.partition)
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)

@@ -48,7 +48,8 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.ds_gpt2_layers import gpt2_layer_specs, is_tied  # noqa: E402
 from pipeline.partitioning import stage_block_counts  # noqa: E402
 from aqpipe import data as datalib  # noqa: E402
-from aqpipe.config import RunConfig, resolve  # noqa: E402
+from aqpipe.config import RunConfig  # noqa: E402
+from aqpipe.settings import resolve  # noqa: E402
 from aqpipe.tasks import TASKS  # noqa: E402
 from aqpipe.models import model_positions, resolve_model  # noqa: E402
 from aqpipe.train import build_datasets, build_optimizer, build_scheduler  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aqpipe import cli
-from aqpipe.config import resolve
+from aqpipe.settings import resolve
 from aqpipe.tasks import TASKS
 from pipeline.compression_config import AUTO_GROUP_SIZE
 
@@ -298,10 +298,10 @@ def test_a_bad_flag_is_one_line_from_rank_0_first(rank, monkeypatch, capsys):
     then says it, naming itself: what it found may be its own machine's (a file missing there)."""
     import time
 
-    import aqpipe
+    from aqpipe import speech
 
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(aqpipe, "QUIET_EXIT_DELAY", 0.5)
+    monkeypatch.setattr(speech, "QUIET_EXIT_DELAY", 0.5)
     for argv in (["--forward_bits", "2.5"], ["--forward_bits", "9"], ["--no_such_flag"]):
         started = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:

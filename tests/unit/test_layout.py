@@ -49,3 +49,105 @@ def test_imports_flow_one_way(package, never):
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in never]
     assert found == []
+
+
+def _module_name(path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    """The nodes under `if TYPE_CHECKING:` (annotations only: never imported at run time)."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for part in node.body for n in ast.walk(part)}
+
+
+def _imported(module: str, is_package: bool, node: ast.AST, modules: set[str]) -> set[str]:
+    """The project's modules an import statement loads (`from . import x` loads x, not the package's names)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+            if node.level else node.module
+        subs = [f"{base}.{a.name}" for a in node.names]
+        names = [s for s in subs if s in modules] + ([base] if any(s not in modules for s in subs) else [])
+    else:
+        return set()
+    found = set()
+    for name in names:  # the longest prefix that is a module of the project (`pipeline.lora.x` -> pipeline.lora)
+        parts = name.split(".")
+        found |= next(({".".join(parts[:k])} for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in modules),
+                      set())
+    return found - {module}
+
+
+def import_graph(*packages: str) -> dict[str, set[str]]:
+    """Each module of the packages -> the project modules it imports, at its top or inside a function."""
+    paths = {_module_name(p): p for p in sources(*packages)}
+    graph = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_only(tree)
+        graph[module] = set().union(*(_imported(module, path.name == "__init__.py", node, set(paths))
+                                      for node in ast.walk(tree) if id(node) not in skip))
+    return graph
+
+
+def loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_loops_inside_or_across_the_packages():
+    """Counting imports inside functions too: a loop closed by a deferred import is still a loop."""
+    assert loops(import_graph(*LIBRARIES)) == []
+
+
+def test_the_loop_finder_finds_a_loop():
+    assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_an_import_inside_a_function_says_why():
+    """An in-function import of the project's own modules hides a dependency; one is kept only for start-up time,
+    and its line says so (`# deferred: <why>`)."""
+    unstated = []
+    for path in sources(*LIBRARIES):
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        skip = _type_only(tree)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                own = isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] in
+                                                            LIBRARIES) or \
+                    isinstance(node, ast.Import) and any(a.name.split(".")[0] in LIBRARIES for a in node.names)
+                if own and id(node) not in skip and "# deferred:" not in lines[node.lineno - 1]:
+                    unstated.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert unstated == []

@@ -12,7 +12,8 @@ import torch
 
 from aqpipe import data
 from aqpipe import train as trainer
-from aqpipe.config import RunConfig, resolve
+from aqpipe.config import RunConfig
+from aqpipe.settings import resolve
 from aqpipe.flags import build_parser
 from aqpipe.data import classification as sources
 from aqpipe.models import resolve_model

@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from aqpipe.config import resolve
+from aqpipe.settings import resolve
 from aqpipe.tasks import TASKS
 from tests.helpers.processes import ROOT
 
