@@ -34,7 +34,7 @@ from . import schedule as sched
 from .auto_bits import DIRECTIONS, AutoBitsController
 from .compression_config import CompressionConfig
 from .step_guard import StepGuard
-from .step_run import StepRun
+from .step_run import StageRuntime, StepRun
 from .step_table import PARAM_GRAD, Row, StepCounters, StepTable, StepTotals, sum_over_job
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
@@ -195,6 +195,13 @@ class PipelineEngine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
+    def _runtime(self) -> StageRuntime:
+        """What this step's actions may touch (step_run.py)."""
+        buffered = self.compression.forward == "aqsgd" and (self.prev is not None or self.next is not None)
+        return StageRuntime(self.stage, self.prev, self.next, self.tied, self.wire, self.wire_dtype, self.device,
+                            self.autocast, self.seed, self.groups.replica, self.global_step, self.num_samples,
+                            buffered, timed=self.device.type == "cuda" and self.auto_bits is not None)
+
     def codecs(self) -> dict[str, Any]:
         """This rank's stateful codecs by name (the full-precision fallbacks keep no state)."""
         out = {}
@@ -217,7 +224,7 @@ class PipelineEngine:
         self.stage.train()
         guard = StepGuard(self.codecs())
         actions = sched.train_schedule(self.schedule, self.groups.stage, self.groups.grid.stages, m)
-        run = StepRun(self, micro_batches, phase, True, guard).run(actions)
+        run = StepRun(self._runtime(), micro_batches, phase, True, guard).run(actions)
         self.tied.finish()  # the owner's tied gradient is whole from here
         table = StepTable.exchange(self.groups, Row(guard.findings, self._grad_squares(guard),
                                                     run.totals(self._sent_change(), link)))
@@ -330,7 +337,7 @@ class PipelineEngine:
         """Forward only at full precision (AQ-SGD buffers untouched); loss and, for classification, accuracy."""
         self.stage.eval()
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
-        run = StepRun(self, micro_batches, "eval", False, None).run(actions)
+        run = StepRun(self._runtime(), micro_batches, "eval", False, None).run(actions)
         t = StepTable.exchange(self.groups, Row(run.guard.findings, 0.0, run.totals(self._sent_change()))).totals()
         loss = t.mean_loss(len(micro_batches), self.groups.grid.replicas)
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)

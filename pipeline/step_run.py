@@ -11,8 +11,10 @@ the device, so a GPU runs ahead of the Python that queues its work; `settle` rea
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -23,16 +25,36 @@ from . import split_backward
 from .seeding import derive_seed
 from .step_guard import StepGuard
 from .step_table import ACTIVATION, BUFFER_RANGE, GRADIENT, LOSS, StepCounters, StepTotals
+from .ties import TiedWeights
+from .transport import Boundary, Wire
 
-if TYPE_CHECKING:
-    from .engine import PipelineEngine
+
+@dataclass(frozen=True)
+class StageRuntime:
+    """What a step's actions may touch, and nothing else of the engine: the stage, its two boundaries (None at
+    the pipeline's ends), the tied weights, the wire and its dtype, and the step's seeds and timing."""
+
+    stage: torch.nn.Module
+    prev: Boundary | None
+    next: Boundary | None
+    tied: TiedWeights
+    wire: Wire
+    wire_dtype: torch.dtype
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    seed: int
+    replica: int
+    step: int  # optimizer steps taken before this one
+    num_samples: int  # the dataset's, which AQ-SGD's sample ids index
+    buffered: bool  # whether AQ-SGD buffers read the sample ids (training phases, a compressed boundary here)
+    timed: bool  # whether compute timers wait for the GPU (auto bits prices compute from them)
 
 
 class StepRun:
-    def __init__(self, engine: "PipelineEngine", micro_batches: list[dict[str, torch.Tensor]], phase: str,
+    def __init__(self, runtime: StageRuntime, micro_batches: list[dict[str, torch.Tensor]], phase: str,
                  training: bool, guard: StepGuard | None) -> None:
         """`guard`: a training step's (None in evaluation, which changes no buffer and is never undone)."""
-        self.engine, self.micro_batches, self.phase, self.training = engine, micro_batches, phase, training
+        self.runtime, self.micro_batches, self.phase, self.training = runtime, micro_batches, phase, training
         self.guard = guard or StepGuard({})
         self.restores = self.guard.restores if guard is not None else None  # the tie's undo points go here too
         self.counters = StepCounters()
@@ -45,17 +67,13 @@ class StepRun:
         self.counted = 0
         self.loss_sum = 0.0
         self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
-        buffered = phase != "eval" and engine.compression.forward == "aqsgd" and \
-            (engine.prev is not None or engine.next is not None)  # ids checked once, where AQ-SGD buffers read them
-        self.ids = [SampleIds(mb.get("sample_id"), engine.num_samples) if buffered else mb.get("sample_id")
+        buffered = phase != "eval" and runtime.buffered  # ids checked once, where AQ-SGD buffers read them
+        self.ids = [SampleIds(mb.get("sample_id"), runtime.num_samples) if buffered else mb.get("sample_id")
                     for mb in micro_batches]
         self.posted: dict[sched.Action, Any] = {}
-        # auto bits prices compute from these timers: on a GPU they then wait for the work they queued (a sync per
-        # forward and backward); otherwise a timer measures the queueing, and nothing waits
-        self.timed = engine.device.type == "cuda" and engine.auto_bits is not None
 
     def run(self, actions: list[sched.Action]) -> "StepRun":
-        e = self.engine
+        e = self.runtime
         self.posted = self._post_receives(actions)
         self.counters.tie_bytes += e.tied.start(self.micro_batches, self.phase, self.training, self.restores)
         began = time.perf_counter()
@@ -63,7 +81,7 @@ class StepRun:
             if op in sched.COMPUTE:
                 t = time.perf_counter()
                 getattr(self, op)(mb)
-                if self.timed:
+                if e.timed:
                     torch.cuda.synchronize(e.device)
                 self.compute_seconds += time.perf_counter() - t
             else:
@@ -103,15 +121,15 @@ class StepRun:
             self.guard.remember(boundary.forward, self.ids[mb])
 
     def recv_act(self, mb: int) -> None:
-        e = self.engine
+        e = self.runtime
         self._remember(e.prev, mb)
         x = e.prev.take_activation(self.posted.pop((sched.RECV_ACT, mb)))
         self.inputs[mb] = x.requires_grad_(self.training)
 
     def forward(self, mb: int) -> None:
-        e = self.engine
+        e = self.runtime
         e.tied.before_forward(mb, self.restores)
-        seed = derive_seed(e.seed, e.groups.replica, e.global_step, mb) if self.training else None
+        seed = derive_seed(e.seed, e.replica, e.step, mb) if self.training else None
         with e.autocast(), torch.set_grad_enabled(self.training):
             out = e.stage(self.inputs.get(mb), self.micro_batches[mb], seed=seed)
         if e.stage.is_last:
@@ -123,7 +141,7 @@ class StepRun:
         self.outputs[mb] = out
 
     def send_act(self, mb: int) -> None:
-        e = self.engine
+        e = self.runtime
         out = self.outputs[mb] if self.training else self.outputs.pop(mb)
         x = self.guard.zeros_unless(out.detach().to(e.wire_dtype), ACTIVATION, mb)  # never send NaN/inf
         self._remember(e.next, mb)
@@ -135,19 +153,19 @@ class StepRun:
             self.counters.fwd_bytes += e.next.send_activation(torch.zeros_like(x), self.ids[mb], self.phase)
 
     def recv_grad(self, mb: int) -> None:
-        self.grads[mb] = self.engine.next.take_grad(self.posted.pop((sched.RECV_GRAD, mb)))
+        self.grads[mb] = self.runtime.next.take_grad(self.posted.pop((sched.RECV_GRAD, mb)))
 
     def backward(self, mb: int) -> None:
         out = self.outputs.pop(mb)
-        if self.engine.stage.is_last:
+        if self.runtime.stage.is_last:
             out.backward()
         else:
             out.backward(self.grads.pop(mb).to(out.dtype))
-        self.counters.tie_bytes += self.engine.tied.after_backward(mb, self.phase)
+        self.counters.tie_bytes += self.runtime.tied.after_backward(mb, self.phase)
 
     def backward_input(self, mb: int) -> None:
         """zb1: the input's gradient now (send_grad sends it), the weights' when backward_weight runs."""
-        stage = self.engine.stage
+        stage = self.runtime.stage
         out, x = self.outputs.pop(mb), self.inputs.get(mb)
         grad = None if stage.is_last else self.grads.pop(mb).to(out.dtype)
         if getattr(stage, "activation_checkpointing", False):  # split, it would recompute per weight node
@@ -162,18 +180,18 @@ class StepRun:
         weights = self.weights.pop(mb)
         if weights is not None:
             weights.run()
-        self.counters.tie_bytes += self.engine.tied.after_backward(mb, self.phase)
+        self.counters.tie_bytes += self.runtime.tied.after_backward(mb, self.phase)
 
     def send_grad(self, mb: int) -> None:
         x = self.inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        grad = self.guard.zeros_unless(grad.to(self.engine.wire_dtype), GRADIENT, mb)
-        self.counters.bwd_bytes += self.engine.prev.send_grad(grad, self.phase)
+        grad = self.guard.zeros_unless(grad.to(self.runtime.wire_dtype), GRADIENT, mb)
+        self.counters.bwd_bytes += self.runtime.prev.send_grad(grad, self.phase)
 
     # ------------------------------------------------------------------ around them
     def _post_receives(self, actions: list[sched.Action]) -> dict[sched.Action, Any]:
         """Every receive of the step, posted up front in schedule order."""
-        e, posted = self.engine, {}
+        e, posted = self.runtime, {}
         for op, mb in actions:
             b, t = self.micro_batches[mb]["input_ids"].shape[:2]
             shape = torch.Size((b, t, e.stage.hidden_size))
