@@ -238,18 +238,15 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
         done = progress.done_in(epoch)
         batches = datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch=epoch,
                                         seed=cfg.seed, shard=(engine.groups.replica, replicas))
-        targets = datalib.target_tokens(train_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch, cfg.seed,
-                                        replicas) if task.kind == "causal_lm" and world.rank == 0 else None
-        targets = itertools.islice(targets, done, None) if targets is not None else itertools.repeat(None)
-        for index, (mbs, tokens) in enumerate(zip(itertools.islice(batches, done, None), targets), start=done):
+        for index, mbs in enumerate(itertools.islice(batches, done, None), start=done):
             if progress.step >= total_steps:
                 break
             injector.before_step(progress.step + 1)
             m = engine.train_batch([to_device(mb) for mb in mbs], epoch)
             progress.add(m, epoch, index + 1, time.perf_counter() - started)
             record = {**m.record(), "samples_per_s": samples_per_step / m.seconds}
-            if tokens is not None:  # what the loss fell on: padding and prompts are not trained on
-                record.update(target_tokens=tokens, target_tokens_per_s=tokens / m.seconds)
+            if m.target_tokens:  # what the loss fell on: padding and prompts are not trained on
+                record["target_tokens_per_s"] = m.target_tokens / m.seconds
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
                 progress.evals = _evaluate(engine, eval_batches, task)
                 record.update(progress.evals)

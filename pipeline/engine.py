@@ -85,11 +85,12 @@ class StepMetrics:
     bits_decision: dict[str, Any] | None = None  # with auto bits, on a decision step: its inputs and outcome
     staging: float | None = None  # of the schedule's time, the fraction its sends and receives spent copying GPU
     # tensors to and from gloo (a copy to the GPU counted as launched; the replicas' sync is outside the schedule)
+    target_tokens: int | None = None  # a causal LM's: the tokens its loss fell on, over every replica
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
         drop = (("skipped",) if self.skipped is None else ("loss", "grad_norm")) + \
-            (("staging",) if self.staging is None else ())
+            (("staging",) if self.staging is None else ()) + (("target_tokens",) if self.target_tokens is None else ())
         return {k: v for k, v in vars(self).items() if k not in drop}
 
 
@@ -287,7 +288,7 @@ class PipelineEngine:
         loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
                            t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change(), bits,
-                           decision, t.staging())
+                           decision, t.staging(), t.target_tokens or None)
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside

@@ -64,7 +64,8 @@ class StepRun:
         self.weights: dict[int, split_backward.WeightGradients | None] = {}  # zb1's weight gradients still to run
         self.losses: dict[int, torch.Tensor] = {}  # on the device until `settle`
         self.correct: torch.Tensor | int = 0  # likewise
-        self.counted = 0
+        self.targets: list[torch.Tensor] = []  # likewise: each causal-LM micro-batch's target tokens
+        self.counted = self.target_tokens = 0
         self.loss_sum = 0.0
         self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
         buffered = phase != "eval" and runtime.buffered  # ids checked once, where AQ-SGD buffers read them
@@ -95,7 +96,7 @@ class StepRun:
     def settle(self) -> None:
         """The step's device values (loss sum, accuracy count, finiteness flags) read in one transfer."""
         counts = [self.correct] if self.counted else []
-        values = [*self.losses.values(), *counts, *(ok for _, _, ok in self.guard.findings.pending)]
+        values = [*self.losses.values(), *counts, *self.targets, *(ok for _, _, ok in self.guard.findings.pending)]
         if not values:
             return
         host = torch.stack([v.to(torch.float64) for v in values]).tolist()
@@ -103,12 +104,14 @@ class StepRun:
         self.loss_sum = sum(host[:n])
         if self.counted:
             self.correct, n = int(host[n]), n + 1
+        self.target_tokens, n = int(sum(host[n:n + len(self.targets)])), n + len(self.targets)
         self.guard.findings.settle([bool(v) for v in host[n:]])
 
     def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
                ) -> StepTotals:
         """This rank's share of the step's totals (`change`: its AQ-SGD sender's squares; `link`: its probe)."""
-        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, correct=int(self.correct),
+        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, target_tokens=self.target_tokens,
+                          correct=int(self.correct),
                           counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
                           schedule_seconds=self.schedule_seconds, compute_seconds=self.compute_seconds,
                           staging_seconds=self.staging_seconds,
@@ -136,6 +139,9 @@ class StepRun:
             loss = out.loss.float()
             self.losses[mb] = loss.detach()
             self._score(out.logits, self.micro_batches[mb])
+            labels = self.micro_batches[mb].get("labels")
+            if labels is not None and labels.dim() == 2:  # a causal LM's: what its loss falls on
+                self.targets.append((labels[:, 1:] != -100).sum())
             self.guard.finite(loss, LOSS, mb)  # a NaN loss backwards NaN gradients: the step is rejected after
             out = loss / len(self.micro_batches)
         self.outputs[mb] = out

@@ -40,6 +40,7 @@ class StepTotals(StepCounters):
     them, computing (forwards and backwards)."""
 
     loss_sum: float = 0.0
+    target_tokens: int = 0  # the tokens the causal-LM loss fell on (labels other than -100 after the first position)
     correct: int = 0
     counted: int = 0
     nonfinite: int = 0

@@ -23,7 +23,7 @@ Caches live under `$AQPIPE_CACHE` (default `~/.cache/aqpipe`): `data/`, `tokeniz
 Every cache file is written to a temporary name and renamed, so processes that start together
 never read a half-written file.
 """
-from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch, target_tokens
+from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch
 from .cache import cache_root
 from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
 from .classification import BUILTIN_TASKS, GLUE_TASKS, classification_dataset
@@ -35,5 +35,5 @@ __all__ = [
     "BUILTIN_TASKS", "GLUE_TASKS", "SHAKESPEARE_FILE", "SHAKESPEARE_SPEC", "SPECIAL_TOKENS", "SPLITS",
     "TensorDictDataset", "TokenBlocks", "cache_root", "classification_dataset", "clean_play", "fetch_shakespeare",
     "limit", "lm_dataset", "load_tokenizer", "micro_batches", "plays_from_archive", "sequential_batches", "shard_size",
-    "steps_per_epoch", "target_tokens", "trained_bpe", "verse_runs", "wrap_tokenizer",
+    "steps_per_epoch", "trained_bpe", "verse_runs", "wrap_tokenizer",
 ]

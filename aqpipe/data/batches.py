@@ -132,14 +132,3 @@ def _stack(values: Iterable[Any]) -> Any:
     if all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
         return torch.as_tensor(values)
     return values
-
-
-def target_tokens(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, epoch: int, seed: int,
-                  replicas: int) -> Iterator[int]:
-    """Per optimizer step of `micro_batches`, the tokens the causal-LM loss falls on in every replica's
-    micro-batches together: labels other than -100 after the first position (padding and prompts are not
-    counted). Each process reads every replica's shard from the seed, so no message is needed."""
-    streams = [micro_batches(dataset, micro_batch_size, num_micro_batches, epoch, seed, (r, replicas))
-               for r in range(replicas)]
-    for steps in zip(*streams):
-        yield sum(int((mb["labels"][:, 1:] != -100).sum()) for step in steps for mb in step)

@@ -37,6 +37,10 @@ def test_allreduce_two_replicas_match_one_replica_at_the_same_global_batch():
     single = spawn(train, 1, 1, "allreduce", {})[0]["log"]
     grid = spawn(train, 4, 2, "allreduce", {})
     assert [s["loss"] for s in grid[0]["log"]] == pytest.approx([s["loss"] for s in single], rel=1e-5)
+    # the tokens the loss fell on, summed over the replicas through the step's table: every rank says the whole batch's
+    whole = MICRO * 2 * MBS * (SEQ - 1)
+    assert {s["target_tokens"] for r in range(4) for s in grid[r]["log"]} == {whole}
+    assert [s["target_tokens"] for s in single] == [whole] * len(single)
     # replicas of a stage hold identical weights (a follower's tied copy is current only at the rows its replica
     # read); dp bytes = ring allreduce of each stage's gradients
     for stage in (0, 1):
