@@ -20,17 +20,14 @@ from pipeline.adapters import LoraSettings
 from pipeline.schedule import SCHEDULES
 
 from .placement import BACKENDS
+from compression.fields import check_int
+from compression.fields import setting
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
 
-
-def _flag(default: Any, text: str, **meta: Any) -> Any:
-    """A setting with its help (and `flag`: another name on the command line; `const`: the value a flag given
-    without one takes)."""
-    return field(default=default, metadata={"help": text, **meta})
 
 
 def _adamw() -> dict[str, Any]:
@@ -54,74 +51,74 @@ def _aqsgd() -> CompressionConfig:
 @dataclass(frozen=True)
 class RunConfig:
     task: str  # "causal_lm" or "classification"
-    model: str | None = _flag(None, "HF hub name, local model directory, or a config.json (random init); "
+    model: str | None = setting(None, "HF hub name, local model directory, or a config.json (random init); "
                                     "default: a tiny shape")
-    dataset: str | None = _flag(None, "HF dataset name, local text/json/csv/parquet file, or a built-in name; "
+    dataset: str | None = setting(None, "HF dataset name, local text/json/csv/parquet file, or a built-in name; "
                                       "default: built-in")
-    dataset_config: str | None = _flag(None, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1")
-    text_column: str | None = _flag(None, "a local table's text column; default: GLUE's layouts (sentence, "
+    dataset_config: str | None = setting(None, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1")
+    text_column: str | None = setting(None, "a local table's text column; default: GLUE's layouts (sentence, "
                                           "sentence1+sentence2, question+sentence, ..., text), for causal LM 'text' "
                                           "or the one string column")
-    text_pair_column: str | None = _flag(None, "a local table's second text column (sentence pairs); default: "
+    text_pair_column: str | None = setting(None, "a local table's second text column (sentence pairs); default: "
                                                "from the layout")
-    label_column: str | None = _flag(None, "a local table's label column (integers 0..K-1 or strings); default: "
+    label_column: str | None = setting(None, "a local table's label column (integers 0..K-1 or strings); default: "
                                            "label, else labels")
-    seq_len: int = _flag(128, "tokens per sample")
-    pipeline_stages: int | str = _flag("auto", "stages per pipeline, or auto = world size / replicas (world = "
+    seq_len: int = setting(128, "tokens per sample")
+    pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
                                                "stages x replicas)")
-    schedule: str = _flag("1f1b", f"one of {', '.join(SCHEDULES)}")
-    partition: list[int] | str = _flag("parameters", "parameters, uniform, or comma-separated block counts per stage")
-    activation_checkpointing: bool = _flag(False, "recompute blocks in backward")
-    compile: bool = _flag(False, "torch.compile each stage's forward (the first steps pay the compilation)")
-    dropout: float | None = _flag(None, "every dropout probability of the model (embeddings, attention, residual, "
+    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}")
+    partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per stage")
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward")
+    compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)")
+    dropout: float | None = setting(None, "every dropout probability of the model (embeddings, attention, residual, "
                                         "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa")
-    micro_batch_size: int = _flag(4, "samples per micro-batch")
-    num_micro_batches: int = _flag(4, "micro-batches per optimizer step (gradient accumulation)")
-    epochs: int = _flag(3, "passes over the training samples")
-    max_steps: int | None = _flag(None, "stop after this many optimizer steps")
-    max_train_samples: int | None = _flag(1024, "use the first N training samples (0: all)")
-    max_eval_samples: int | None = _flag(128, "use the first N evaluation samples (0: all)")
-    eval_every: int = _flag(0, "evaluate every N steps (0: at the end only)")
-    lr: float = _flag(1e-3, "peak learning rate")
-    seed: int = _flag(42, "seed of model init, data order and codecs")
-    output_dir: str = _flag("runs/latest", "where metrics, summary and the fine-tuned model go")
-    report_to: str = _flag("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
+    micro_batch_size: int = setting(4, "samples per micro-batch")
+    num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)")
+    epochs: int = setting(3, "passes over the training samples")
+    max_steps: int | None = setting(None, "stop after this many optimizer steps")
+    max_train_samples: int | None = setting(1024, "use the first N training samples (0: all)")
+    max_eval_samples: int | None = setting(128, "use the first N evaluation samples (0: all)")
+    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
+    lr: float = setting(1e-3, "peak learning rate")
+    seed: int = setting(42, "seed of model init, data order and codecs")
+    output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
+    report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
                                    "(<output_dir>/tensorboard)")
     optimizer: dict[str, Any] = field(default_factory=_adamw)  # DeepSpeed's block; its lr is `lr`
     scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay)  # DeepSpeed's; None: a constant lr
-    gradient_clipping: float = _flag(1.0, "clip the global gradient norm to this (0: off)")
-    bf16: bool = _flag(False, "bfloat16 autocast and bf16 boundary activations")
-    param_dtype: str = _flag("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
+    gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)")
+    bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations")
+    param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")
-    lora_rank: int = _flag(0, "train LoRA adapters of this rank (PEFT's layers, in every stage's blocks) instead of "
+    lora_rank: int = setting(0, "train LoRA adapters of this rank (PEFT's layers, in every stage's blocks) instead of "
                               "every weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes "
                               "under bf16 autocast; a float16 one is held in float32), only the adapters (and a new "
                               "classification head) get gradients, optimizer state and data-parallel traffic; "
                               "exports <output_dir>/adapter beside the merged model (0: off)")
-    lora_alpha: float | None = _flag(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
+    lora_alpha: float | None = setting(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
                                            "default: PEFT's, 8")
-    lora_dropout: float | None = _flag(None, "dropout on the adapters' input; default: PEFT's, 0")
-    lora_target_modules: list[str] | None = _flag(None, "the modules to adapt, inside the blocks: comma-separated "
+    lora_dropout: float | None = setting(None, "dropout on the adapters' input; default: PEFT's, 0")
+    lora_target_modules: list[str] | None = setting(None, "the modules to adapt, inside the blocks: comma-separated "
                                                         "names, or all-linear; "
                                                         "default: PEFT's for the architecture (q_proj,v_proj for the "
                                                         "Llama lineage, c_attn for GPT2, query_proj,value_proj for "
                                                         "DeBERTa, query,value for BERT)")
-    backend: str = _flag("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
+    backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
                                  "shared by several stages with tensors staged through host memory; TCP, the robust "
                                  "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)")
-    dist_timeout: float = _flag(45.0, "seconds a collective or receive may wait for a peer before the run stops "
+    dist_timeout: float = setting(45.0, "seconds a collective or receive may wait for a peer before the run stops "
                                       "(then ~6 s to exit)")
-    peer_timeout: float = _flag(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
+    peer_timeout: float = setting(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
                                       "stops")
-    save_every: int = _flag(0, "write a resumable checkpoint every N steps and at the end (0: never)")
-    save_total_limit: int = _flag(2, "keep only the N newest checkpoints (0: all)")
-    overwrite_output_dir: bool = _flag(False, "replace another run's results (summary, metrics, model, "
+    save_every: int = setting(0, "write a resumable checkpoint every N steps and at the end (0: never)")
+    save_total_limit: int = setting(2, "keep only the N newest checkpoints (0: all)")
+    overwrite_output_dir: bool = setting(False, "replace another run's results (summary, metrics, model, "
                                               "checkpoints) in --output_dir")
-    resume: str | None = _flag(None, "continue from a checkpoint: latest (under --output_dir; the default with no "
+    resume: str | None = setting(None, "continue from a checkpoint: latest (under --output_dir; the default with no "
                                      "value), auto (latest if there is one, else start fresh), or a checkpoint "
                                      "directory", const="latest")
-    skip_nonfinite: bool = _flag(False, "skip a step whose loss, activations or gradients hold NaN/inf (on every "
+    skip_nonfinite: bool = setting(False, "skip a step whose loss, activations or gradients hold NaN/inf (on every "
                                         "rank) instead of stopping")
     compression: CompressionConfig = field(default_factory=_aqsgd)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
@@ -179,8 +176,7 @@ def build(task: str, values: dict[str, Any]) -> RunConfig:
 def _positive(cfg: RunConfig, name: str, allow_zero: bool = False) -> None:
     value = getattr(cfg, name)
     low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
+    check_int(name, value, low)
 
 
 def _stages(cfg: RunConfig, world_size: int) -> int:

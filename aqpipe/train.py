@@ -212,7 +212,7 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
     cfg = dataclasses.replace(cfg, resume=str(resumed) if resumed is not None else None)
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
-    replicas = world.size // cfg.pipeline_stages
+    replicas = Grid.for_world(world.size, cfg.pipeline_stages).replicas  # the engine's grid, as build_engine makes it
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps, per_epoch)

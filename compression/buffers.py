@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .quantizer import QuantizedTensor, dequantize, quantize
+from .fields import check_int, is_int
 
 BUFFER_BITS = (4, 8)  # quantized rows: byte-aligned codes, and at 8 bits half of float16
 
@@ -99,10 +100,9 @@ class SampleBuffer:
         self, num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dtype = torch.float16,
         path: str | os.PathLike | None = None, bits: int | None = None,
     ) -> None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples={num_samples!r}: expected a positive integer (the dataset size)")
+        check_int("num_samples", num_samples, 1, what="a positive integer (the dataset size)")
         shape = tuple(sample_shape)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+        if not all(is_int(d) and d >= 1 for d in shape):
             raise ValueError(f"sample_shape={sample_shape!r}: expected a tuple of positive integers")
         if not dtype.is_floating_point:
             raise ValueError(f"buffer_dtype={dtype}: expected a floating dtype (float16, bfloat16, float32)")

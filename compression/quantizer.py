@@ -14,15 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from .fields import check_int
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_bits(bits: int, name: str = "bits") -> int:
     """`bits` if it is an integer from 1 to 8; else ValueError naming it as `name` (a flag, a field)."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"{name}={bits!r}: expected an integer from 1 to 8")
-    return bits
+    return check_int(name, bits, 1, 8)
 
 
 def check_float(x: torch.Tensor, what: str = "x") -> None:
@@ -48,9 +47,7 @@ def check_finite(x: torch.Tensor, what: str = "x") -> None:
 def _group_size(shape: torch.Size, group_size: int | None) -> int:
     if group_size is None:
         return shape[-1] if len(shape) else 1
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r}: expected a positive integer "
-                         "or None (a row of the last dimension)")
+    check_int("group_size", group_size, 1, what="a positive integer or None (a row of the last dimension)")
     return group_size
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from .fields import check_int
 
 BASES = ("none", "position")
 DEFAULT_WINDOW = 256  # samples: the mean's memory once it has seen that many
@@ -23,8 +24,7 @@ class RunningBase:
     """The per-position running mean of the rows sent whole, shape `sample_shape`, float32."""
 
     def __init__(self, sample_shape: tuple[int, ...], window: int = DEFAULT_WINDOW) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r}: expected a positive number of samples")
+        check_int("window", window, 1, what="a positive number of samples")
         self.sample_shape, self.window = tuple(sample_shape), window
         self.mean = torch.zeros(self.sample_shape, dtype=torch.float32)
         self.count = 0  # rows folded in so far (the weight stops falling at `window`)

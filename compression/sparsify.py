@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .quantizer import QuantizedTensor, check_finite, check_float, dequantize, quantize
+from .fields import is_int
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class SparseTensor:
 
 def _check(x: torch.Tensor, k: int) -> torch.Tensor:
     check_float(x)
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= x.numel():
+    if not is_int(k) or not 0 <= k <= x.numel():
         raise ValueError(f"k={k!r}: expected an integer from 0 to x.numel()={x.numel()}")
     check_finite(x)
     return x.detach().reshape(-1)

@@ -21,14 +21,6 @@ from .comm import Comm
 REGISTRY: dict[str, type["Algorithm"]] = {}
 
 
-def check_int(label: str, value: Any, low: int, high: int | None = None, what: str = "") -> int:
-    """`value` if it is an integer in [low, high]; else ValueError naming it as `label` (an option, a flag)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        expected = what or (f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}")
-        raise ValueError(f"{label}={value!r}: expected {expected}")
-    return value
-
-
 def register(cls: type["Algorithm"]) -> type["Algorithm"]:
     REGISTRY[cls.name] = cls
     return cls

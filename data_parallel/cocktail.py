@@ -37,8 +37,9 @@ import torch
 
 from compression import QuantizedTensor, dequantize, quantize
 from compression.kernels import pack_codes, unpack_codes
+from compression.fields import check_int
 
-from .base import Algorithm, check_int, register
+from .base import Algorithm, register
 from .comm import Comm
 from .flat import assign, flatten, worker_seed
 

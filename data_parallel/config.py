@@ -5,38 +5,36 @@ each algorithm the options it takes (`Algorithm.OPTIONS`), so a trainer forwards
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from compression.fields import check_int
+from compression.fields import setting
 
-from .base import REGISTRY, Algorithm, check_int
+from .base import REGISTRY, Algorithm
 from .comm import Comm
 from .decentralized import PEER_SELECTIONS, TOPOLOGIES
 
 
-def _flag(default: object, text: str, flag: str) -> object:
-    """A setting with its help and command-line flag: the trainer builds its parser from these."""
-    return field(default=default, metadata={"help": text, "flag": flag})
-
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    replicas: int = _flag(1, "data-parallel replicas of the pipeline (world size = stages x replicas)", "replicas")
-    algorithm: str = _flag("allreduce", "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
+    replicas: int = setting(1, "data-parallel replicas of the pipeline (world size = stages x replicas)", "replicas")
+    algorithm: str = setting("allreduce", "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
                                         "qsparse_local_sgd, cocktail_sgd", "dp_algorithm")
-    bits: int = _flag(8, "bits of compressed data-parallel traffic (1-8)", "dp_bits")
-    warmup_steps: int | str = _flag("auto", "qadam: full-precision Adam steps before compressed momentum (auto: a "
+    bits: int = setting(8, "bits of compressed data-parallel traffic (1-8)", "dp_bits")
+    warmup_steps: int | str = setting("auto", "qadam: full-precision Adam steps before compressed momentum (auto: a "
                                             "tenth of the run's steps)", "dp_warmup_steps")
-    local_steps: int = _flag(4, "qsparse_local_sgd: local steps between synchronizations", "dp_local_steps")
-    topk_ratio: float = _flag(0.01, "qsparse_local_sgd, cocktail_sgd: fraction of entries sent (0, 1]",
+    local_steps: int = setting(4, "qsparse_local_sgd: local steps between synchronizations", "dp_local_steps")
+    topk_ratio: float = setting(0.01, "qsparse_local_sgd, cocktail_sgd: fraction of entries sent (0, 1]",
                               "dp_topk_ratio")
-    random_ratio: float = _flag(0.1, "cocktail_sgd: fraction of entries considered a step, top-k among them (0, 1]",
+    random_ratio: float = setting(0.1, "cocktail_sgd: fraction of entries considered a step, top-k among them (0, 1]",
                                 "dp_random_ratio")
-    topology: str = _flag("directed_ring", "low_precision_decentralized: directed_ring (one neighbour) or ring (two)",
+    topology: str = setting("directed_ring", "low_precision_decentralized: directed_ring (one neighbour) or ring (two)",
                           "dp_topology")
-    peer_selection: str = _flag("shift_one", "decentralized: shift_one or all", "dp_peer_selection")
-    interval: int = _flag(1, "decentralized: communicate every N steps", "dp_interval")
+    peer_selection: str = setting("shift_one", "decentralized: shift_one or all", "dp_peer_selection")
+    interval: int = setting(1, "decentralized: communicate every N steps", "dp_interval")
 
     def validate(self) -> "DataParallelConfig":
         """Every value against its range (one line naming it); no I/O."""

@@ -48,8 +48,9 @@ from typing import Any
 import torch
 
 from compression import QuantizedTensor, check_bits, dequantize, quantize
+from compression.fields import check_int
 
-from .base import Algorithm, check_int, register
+from .base import Algorithm, register
 from .comm import Comm
 from .flat import assign, flat_dtype, flatten, worker_seed
 

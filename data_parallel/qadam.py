@@ -52,8 +52,9 @@ import warnings
 from typing import Any, Callable, Iterable
 
 import torch
+from compression.fields import check_int
 
-from .base import Algorithm, check_int, register
+from .base import Algorithm, register
 from .comm import Comm
 from .flat import flat_grads, set_flat_grads, worker_seed
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from compression import QuantizedTensor, SparseTensor, randk, topk
+from compression.fields import check_int
 
 from .base import Algorithm, register
 from .comm import Comm
@@ -66,17 +67,15 @@ class QsparseLocalSGD(Algorithm):
                  topk_ratio: float = 0.01, sparsifier: str = "topk", bits: int | None = 8, seed: int = 0,
                  **options: Any) -> None:
         super().__init__(params, comm, **options)
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"{self.name}: local_steps={local_steps!r}: expected an integer >= 1")
+        check_int(f"{self.name}: local_steps", local_steps, 1)
         if (isinstance(topk_ratio, bool) or not isinstance(topk_ratio, (int, float))
                 or not 0 < topk_ratio <= 1):
             raise ValueError(f"{self.name}: topk_ratio={topk_ratio!r}: expected a number in (0, 1]")
         if sparsifier not in SPARSIFIERS:
             raise ValueError(f"{self.name}: sparsifier={sparsifier!r}: expected one of {', '.join(SPARSIFIERS)}")
-        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8):
-            raise ValueError(f"{self.name}: bits={bits!r}: expected an integer from 1 to 8, or None (no quantization)")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"{self.name}: seed={seed!r}: expected an integer from 0 to 2**32 - 1")
+        if bits is not None:
+            check_int(f"{self.name}: bits", bits, 1, 8, what="an integer from 1 to 8, or None (no quantization)")
+        check_int(f"{self.name}: seed", seed, 0, 2**32 - 1, what="an integer from 0 to 2**32 - 1")
         self.local_steps, self.topk_ratio, self.sparsifier, self.bits, self.seed = (
             local_steps, float(topk_ratio), sparsifier, bits, seed)
         self.numel = sum(p.numel() for p in self.params)

@@ -1,7 +1,7 @@
 """What every stage boundary and tied weight sends, as one section of settings the engine takes whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -9,6 +9,8 @@ from compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_
 from compression.running_base import BASES
 
 from .ties import TIE_MODES
+from compression.fields import check_int, is_int
+from compression.fields import setting
 
 BUFFER_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # "auto" groups: a quantizer at 2 bits or fewer takes groups of this many elements (where rows are wider),
@@ -23,11 +25,6 @@ def _bits(name: str, value: object, needed: bool) -> None:
     if value is not None or needed:
         check_bits(value, name)
 
-
-def _flag(default: object, text: str, flag: str | None = None) -> object:
-    """A setting with its help and (where it differs from the field's name) its command-line flag: the trainer builds
-    its parser from these, so each setting is declared once."""
-    return field(default=default, metadata={"help": text, **({"flag": flag} if flag else {})})
 
 
 @dataclass(frozen=True)
@@ -48,39 +45,40 @@ class CompressionConfig:
     `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement.
     """
 
-    forward: str = _flag("none", f"activations: one of {', '.join(FORWARD_MODES)}", "forward_compress")
-    forward_bits: int | str | None = _flag(None, "bits of forward compression (1-8), or auto: per boundary, the most "
+    forward: str = setting("none", f"activations: one of {', '.join(FORWARD_MODES)}", "forward_compress")
+    forward_bits: int | str | None = setting(None, "bits of forward compression (1-8), or auto: per boundary, the most "
                                            "its link and the stages' compute make cheap")
-    backward: str = _flag("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
-    backward_bits: int | str | None = _flag(None, "bits of backward compression (1-8), or auto")
-    first_visit: str = _flag("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none (whole, "
-                                     "at full precision: the paper's), cache-free as direct or hadamard at "
+    backward: str = setting("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
+    backward_bits: int | str | None = setting(None, "bits of backward compression (1-8), or auto")
+    first_visit: str = setting("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none "
+                                     "(whole, at full precision: the paper's), cache-free as direct or hadamard at "
                                      "first_visit_bits (both sides keep what was decoded), or auto: hadamard when the "
                                      "run visits each sample once (one epoch), else none", "first_visit_compress")
-    first_visit_bits: int | None = _flag(None, "bits of a compressed first visit (1-8)")
-    first_visit_base: str = _flag("none", "a compressed first visit sent as the change from the boundary's running "
+    first_visit_bits: int | None = setting(None, "bits of a compressed first visit (1-8)")
+    first_visit_base: str = setting("none", "a compressed first visit sent as the change from the boundary's running "
                                           "mean per position (position), or whole (none)")
-    warmup_epochs: int = _flag(0, "epochs that send every sample whole (as first visits are sent) before deltas start")
-    buffer_dtype: torch.dtype = _flag(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
-    buffer_bits: int | None = _flag(None, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of "
+    warmup_epochs: int = setting(0, "epochs that send every sample whole (as first visits are sent) before deltas "
+                                    "start")
+    buffer_dtype: torch.dtype = setting(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
+    buffer_bits: int | None = setting(None, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of "
                                           "float16's memory; default: rows in buffer_dtype)")
-    buffer_dir: str | None = _flag(None, "keep AQ-SGD buffers in files under this directory instead of RAM (one "
+    buffer_dir: str | None = setting(None, "keep AQ-SGD buffers in files under this directory instead of RAM (one "
                                          "file per boundary side)")
-    forward_group_size: int | str | None = _flag("auto", "the forward quantizer's group: N elements (each group's "
+    forward_group_size: int | str | None = setting("auto", "the forward quantizer's group: N elements (each group's "
                                                  "min and step: 8 bytes), auto (64 at 2 bits or fewer, else rows) "
                                                  "or none (whole rows)")
-    backward_group_size: int | str | None = _flag("auto", "the backward quantizer's group: N, auto or none")
-    stochastic: bool = _flag(True, "stochastic rounding in every quantizer (unbiased; the default); "
+    backward_group_size: int | str | None = setting("auto", "the backward quantizer's group: N, auto or none")
+    stochastic: bool = setting(True, "stochastic rounding in every quantizer (unbiased; the default); "
                                    "--no_stochastic rounds to nearest (biased; outside AQ-SGD's theorem)")
-    tie: str = _flag("auto", f"tied weights (an embedding and its LM head): auto, {', '.join(TIE_MODES)} (auto: "
+    tie: str = setting("auto", f"tied weights (an embedding and its LM head): auto, {', '.join(TIE_MODES)} (auto: "
                              "none when both boundary codecs are none, else aqsgd)", "tie_compress")
-    tie_bits: int = _flag(8, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd")
-    auto_bits_min: int = _flag(2, "the fewest bits auto may choose")
-    auto_bits_max: int = _flag(8, "the most bits auto may choose")
-    auto_bits_every: int = _flag(20, "steps between auto's decisions, each after probing the links")
-    auto_bits_slack: float = _flag(0.02, "how much longer than at the fewest bits auto may make a step to send "
+    tie_bits: int = setting(8, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd")
+    auto_bits_min: int = setting(2, "the fewest bits auto may choose")
+    auto_bits_max: int = setting(8, "the most bits auto may choose")
+    auto_bits_every: int = setting(20, "steps between auto's decisions, each after probing the links")
+    auto_bits_slack: float = setting(0.02, "how much longer than at the fewest bits auto may make a step to send "
                                          "more bits, a fraction")
-    link_mbit: list[float] | None = _flag(None, "known link rates, Mbit/s, one per boundary (comma-separated): "
+    link_mbit: list[float] | None = setting(None, "known link rates, Mbit/s, one per boundary (comma-separated): "
                                                 "auto decides from them instead of probing")
 
     def validate(self) -> "CompressionConfig":
@@ -103,10 +101,9 @@ class CompressionConfig:
         _bits("tie_bits", self.tie_bits, self.tie_mode() != "none")
         for name in ("forward_group_size", "backward_group_size"):
             value = getattr(self, name)
-            if value not in (None, "auto") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value not in (None, "auto") and (not is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r}: expected a positive integer, auto, or none for whole rows")
-        if isinstance(self.warmup_epochs, bool) or not isinstance(self.warmup_epochs, int) or self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs={self.warmup_epochs!r}: expected an integer >= 0")
+        check_int("warmup_epochs", self.warmup_epochs, 0)
         if self.buffer_dtype not in BUFFER_DTYPES.values():
             name = str(self.buffer_dtype).removeprefix("torch.")
             raise ValueError(f"buffer_dtype={name!r}: expected one of {', '.join(BUFFER_DTYPES)}")
@@ -120,8 +117,7 @@ class CompressionConfig:
             if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 1:
                 raise ValueError(f"auto_bits_slack={slack!r}: expected a fraction in [0, 1]")
             every = self.auto_bits_every
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(f"auto_bits_every={every!r}: expected a positive number of steps")
+            check_int("auto_bits_every", every, 1, what="a positive number of steps")
         if self.link_mbit is not None and (not isinstance(self.link_mbit, (list, tuple)) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.link_mbit)):
             raise ValueError(f"link_mbit={self.link_mbit!r}: expected positive rates in Mbit/s, one per boundary")

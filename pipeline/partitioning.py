@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from .stages import Family, PipelineStage, StageOutput, family_for, supported_classes
 from .stages.base import present
 from .ties import Tie
+from compression.fields import check_int, is_int
 
 METHODS = ("parameters", "uniform")
 
@@ -55,8 +56,7 @@ def stage_block_counts(model: PreTrainedModel, num_stages: int,
     family = model_family(model)
     blocks = model.get_submodule(family.blocks)
     n = len(blocks)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    check_int("num_stages", num_stages, 1)
     if num_stages > n:
         raise ValueError(
             f"num_stages={num_stages} is more than the {n} blocks of {type(model).__name__}: every stage holds "
@@ -72,7 +72,7 @@ def stage_block_counts(model: PreTrainedModel, num_stages: int,
             last = numel(*(present(model, p) for p in family.last))
             return balance_by_size(sizes, num_stages, first, last)
         raise ValueError(f"unknown partition method {method!r}: expected one of {METHODS} or a list of block counts")
-    if not isinstance(method, (list, tuple)) or not all(isinstance(c, int) and not isinstance(c, bool) for c in method):
+    if not isinstance(method, (list, tuple)) or not all(is_int(c) for c in method):
         raise ValueError(f"partition method must be one of {METHODS} or a list of ints, got {method!r}")
     counts = list(method)
     if len(counts) != num_stages:

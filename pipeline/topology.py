@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from compression.staging import HostStaging
+from compression.fields import check_int
 
 BOUNDARY, TIE = "boundary", "tie"  # the kinds of channel between two stages of a pipeline
 
@@ -24,14 +25,12 @@ class Grid:
     def __post_init__(self) -> None:
         for name in ("stages", "replicas"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
+            check_int(name, value, 1, what="a positive integer")
 
     @classmethod
     def for_world(cls, world_size: int, stages: int) -> "Grid":
         """The grid for `world_size` processes in pipelines of `stages` stages."""
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise ValueError(f"pipeline_stages={stages!r}: expected a positive integer")
+        check_int("pipeline_stages", stages, 1, what="a positive integer")
         if world_size % stages:
             raise ValueError(
                 f"pipeline_stages={stages} does not divide the world size {world_size}: "

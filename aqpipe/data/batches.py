@@ -8,6 +8,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from compression.fields import check_int, is_int
 
 
 
@@ -15,8 +16,7 @@ def shard_size(num_samples: int, count: int) -> int:
     """Samples in each of `count` replicas' fixed shards (the rows of its AQ-SGD buffers): equal for
     all, so every replica takes as many steps; the last `num_samples % count` are not trained on."""
     for name, value, low in (("num_samples", num_samples, 0), ("count", count, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+        check_int(name, value, low, what=f"an int >= {low}")
     return num_samples // count
 
 
@@ -28,8 +28,7 @@ def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: 
     epoch order. The same for every replica, so they stay in step."""
     for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
                         ("shard_count", shard_count)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        check_int(name, value, 1, what="an int >= 1")
     size = micro_batch_size * num_micro_batches * shard_count
     if len(dataset) < size:
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {size} "
@@ -43,8 +42,7 @@ def sequential_batches(dataset: Dataset, micro_batch_size: int,
                        num_micro_batches: int) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Every sample once, in index order, for evaluation: the last step and micro-batch may be short."""
     for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        check_int(name, value, 1, what="an int >= 1")
     n, per_step = len(dataset), micro_batch_size * num_micro_batches
     for start in range(0, n, per_step):
         chunk = range(start, min(start + per_step, n))
@@ -68,8 +66,7 @@ def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: in
     """
     index, count = _check_shard(shard)
     for name, value in (("epoch", epoch), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r}: expected an int >= 0")
+        check_int(name, value, 0, what="an int >= 0")
     steps = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, count, drop_last=drop_last)
     members = _shard_members(len(dataset), seed, index, count)
     order = np.random.default_rng([seed, epoch]).permutation(len(members)) if shuffle else np.arange(len(members))
@@ -92,7 +89,7 @@ def _check_shard(shard: tuple[int, int]) -> tuple[int, int]:
         index, count = shard
     except (TypeError, ValueError):
         raise ValueError(f"shard={shard!r}: expected (index, count)") from None
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in (index, count)) or not 0 <= index < count:
+    if not all(is_int(v) for v in (index, count)) or not 0 <= index < count:
         raise ValueError(f"shard={shard!r}: expected (index, count) with integers 0 <= index < count")
     return index, count
 

@@ -18,6 +18,7 @@ from .corpus import fetch_shakespeare, verse_runs
 from .datasets import TensorDictDataset, check_seq_len, check_split, split_slice
 from .sources import TABLE_FORMATS, hub_split, load_hub, load_table, local_file
 from .tokens import cached
+from compression.fields import check_int
 
 
 BUILTIN_TASKS = ("acceptability", "next_line")
@@ -83,9 +84,8 @@ def classification_dataset(task: Any, tokenizer: PreTrainedTokenizerBase, seq_le
     """
     check_seq_len(seq_len)
     check_split(split, eval_fraction)
-    if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
-                                    or max_samples < 2):
-        raise ValueError(f"max_samples={max_samples!r}: expected None or an int >= 2")
+    if max_samples is not None:
+        check_int("max_samples", max_samples, 2, what="None or an int >= 2")
     examples, num_labels, names = _classification_examples(task, split, seed, eval_fraction, max_samples, text_path,
                                                            text_column, text_pair_column, label_column)
     if not examples:

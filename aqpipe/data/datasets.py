@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from compression.fields import check_int
 
 
 SPLITS = ("train", "eval")
@@ -50,8 +51,7 @@ def limit(dataset: Dataset, max_samples: int | None) -> Dataset:
     so a shorter run sees a prefix of the same data."""
     if max_samples is None:
         return dataset
-    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-        raise ValueError(f"max_samples={max_samples!r}: expected None or an int >= 1")
+    check_int("max_samples", max_samples, 1, what="None or an int >= 1")
     if max_samples >= len(dataset):
         return dataset
     if hasattr(dataset, "limited"):  # a dataset that cuts its samples as they are asked for
@@ -65,8 +65,7 @@ def limit(dataset: Dataset, max_samples: int | None) -> Dataset:
 
 
 def check_seq_len(seq_len: int) -> None:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
+    check_int("seq_len", seq_len, 2, what="an int >= 2")
 
 
 def check_split(split: str, eval_fraction: float) -> None:

@@ -337,7 +337,7 @@ def test_block_counts_by_method():
 @pytest.mark.parametrize(
     "num_stages, method, message",
     [
-        (0, "uniform", r"num_stages must be an int >= 1, got 0"),
+        (0, "uniform", r"num_stages=0: expected an integer >= 1"),
         (5, "parameters", r"num_stages=5 is more than the 4 blocks"),
         (2, "balanced", r"unknown partition method 'balanced'"),
         (3, [2, 2], r"block counts \[2, 2\] name 2 stages, but num_stages=3"),
