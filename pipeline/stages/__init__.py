@@ -2,6 +2,12 @@
 
 A family is data (``base.Family``: where the embeddings, blocks, final norm and head live, which weights are read as
 lookup tables); the Llama lineage's adapters derive from transformers' own ``base_model_pp_plan``.
+
+Adding a family is one file, as ``gpt2.py``: a ``PipelineStage`` subclass with three hooks (``embed``: stage 0's
+embeddings; ``block_arguments``: the masks and positions its blocks take, rebuilt from the batch on every stage;
+``head``: final norm, head and loss) and ``run_block`` only where a block returns more than the hidden state (as
+DeBERTa's); a ``FAMILIES`` dict naming the HF classes and their ``Family`` data; and its module imported below.
+``PipelineStage.forward`` (base.py) is the one forward they all run.
 """
 from __future__ import annotations
 

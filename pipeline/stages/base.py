@@ -128,6 +128,41 @@ class PipelineStage(nn.Module):
         held = self.get_submodule(self.family.blocks)
         return ((i, held[str(i)]) for i in self.block_indices)
 
+    # ------------------------------------------------------------------ the forward, written once
+    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                seed: int | None = None) -> torch.Tensor | StageOutput:
+        """The stage's slice of the model's forward (class docstring); a family fills in three hooks: `embed`, the
+        arguments its blocks take (`block_arguments`), and its `head` with the loss."""
+        if self.is_first:
+            if hidden is not None:
+                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
+            hidden = self.embed(batch, seed)
+        elif hidden is None:
+            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
+        arguments = self.block_arguments(hidden, batch)
+        for i, block in self.blocks():
+            hidden = self.run_block(i, seed, block, hidden, arguments)
+        return self.head(hidden, batch, seed) if self.is_last else hidden
+
+    def embed(self, batch: dict[str, torch.Tensor], seed: int | None) -> torch.Tensor:
+        """Stage 0: the embeddings of `batch` (their dropout drawn from ``reseed(seed, "embed")``)."""
+        raise NotImplementedError
+
+    def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
+        """What the blocks take besides the hidden state (masks, positions), rebuilt from `batch` on every stage:
+        block index -> (positional arguments, keyword arguments), for `run_block`."""
+        raise NotImplementedError
+
+    def run_block(self, index: int, seed: int | None, block: nn.Module, hidden: torch.Tensor, arguments: Any
+                  ) -> torch.Tensor:
+        """Block `index` on `hidden` with its `arguments` (a family whose blocks return more overrides this)."""
+        args, kwargs = arguments[index]
+        return self._call_block(index, seed, block, hidden, *args, **kwargs)
+
+    def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:
+        """The last stage: final norm, head and loss (their dropout drawn from ``reseed(seed, "head")``)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ ties and HF names
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """Tie key (HF name of the shared weight) -> this stage's copy, for weights other stages also hold.

@@ -25,24 +25,22 @@ class BertStage(PipelineStage):
     def check(config: Any) -> str | None:
         return f"{config.model_type} as a decoder (is_decoder=True)" if getattr(config, "is_decoder", False) else None
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
-                seed: int | None = None) -> torch.Tensor | StageOutput:
-        base = self.get_submodule(self.family.blocks.split(".")[0])  # bert / roberta
-        if self.is_first:
-            if hidden is not None:
-                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
-            reseed(seed, "embed")
-            hidden = base.embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
-        elif hidden is None:
-            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
+    def _base(self) -> torch.nn.Module:
+        return self.get_submodule(self.family.blocks.split(".")[0])  # bert / roberta
+
+    def embed(self, batch: dict[str, torch.Tensor], seed: int | None) -> torch.Tensor:
+        reseed(seed, "embed")
+        return self._base().embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
+
+    def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
         attention_mask = batch.get("attention_mask")
         mask = masking_utils.create_bidirectional_mask(
             config=self.config, inputs_embeds=hidden,
             attention_mask=None if attention_mask is None else attention_mask.to(hidden.device))
-        for i, layer in self.blocks():
-            hidden = self._call_block(i, seed, layer, hidden, mask)
-        if not self.is_last:
-            return hidden
+        return {i: ((mask,), {}) for i in self.block_indices}
+
+    def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:
+        base = self._base()
         reseed(seed, "head")
         if hasattr(base, "pooler"):  # BERT: pooler, dropout, classifier
             logits = self.classifier(self.dropout(base.pooler(hidden)))

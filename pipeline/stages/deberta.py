@@ -72,42 +72,40 @@ class DebertaStage(PipelineStage):
                                                  max_position=self.max_relative_positions)
         return hf_v1.build_relative_position(hidden, hidden)
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
-                seed: int | None = None) -> torch.Tensor | StageOutput:
+    @staticmethod
+    def _attention_mask(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        mask = batch.get("attention_mask")
+        return (torch.ones(batch["input_ids"].size(), device=device) if mask is None else mask).to(device)
+
+    def embed(self, batch: dict[str, torch.Tensor], seed: int | None) -> torch.Tensor:
         input_ids = batch["input_ids"]
-        input_shape = input_ids.size()
-        device = input_ids.device if hidden is None else hidden.device
-        attention_mask = batch.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones(input_shape, device=device)
-        attention_mask = attention_mask.to(device)
+        token_type_ids = batch.get("token_type_ids")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(input_ids.size(), dtype=torch.long, device=input_ids.device)
+        reseed(seed, "embed")
+        return self.deberta.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=None,
+                                       mask=self._attention_mask(batch, input_ids.device), inputs_embeds=None)
 
-        embedding_output = None
-        if self.is_first:
-            if hidden is not None:
-                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
-            token_type_ids = batch.get("token_type_ids")
-            if token_type_ids is None:
-                token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=device)
-            reseed(seed, "embed")
-            hidden = embedding_output = self.deberta.embeddings(
-                input_ids=input_ids, token_type_ids=token_type_ids, position_ids=None, mask=attention_mask,
-                inputs_embeds=None,
-            )
-        elif hidden is None:
-            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
-
+    def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The blocks' shared arguments, and for v2's conv after layer 0 (stage 0) the embedding output (`hidden`
+        here, before any block) and the input mask."""
+        attention_mask = self._attention_mask(batch, hidden.device)
+        conv = None
         if self.has_conv:
-            input_mask = attention_mask if attention_mask.dim() <= 2 else attention_mask.sum(-2) > 0
-        pair_mask = pairwise_attention_mask(attention_mask)
-        relative_pos = self._relative_pos(hidden)
-        rel_embeddings = self._rel_embeddings()
-        for i, layer in self.blocks():
-            hidden, _ = self._call_block(i, seed, layer, hidden, pair_mask, None, relative_pos, rel_embeddings, False)
-            if i == 0 and self.has_conv:
-                hidden = self.deberta.encoder.conv(embedding_output, hidden, input_mask)
-        if not self.is_last:
-            return hidden
+            conv = (hidden, attention_mask if attention_mask.dim() <= 2 else attention_mask.sum(-2) > 0)
+        return {"args": (pairwise_attention_mask(attention_mask), None, self._relative_pos(hidden),
+                         self._rel_embeddings(), False), "conv": conv}
+
+    def run_block(self, index: int, seed: int | None, block: nn.Module, hidden: torch.Tensor, arguments: Any
+                  ) -> torch.Tensor:
+        """A DeBERTa layer returns (hidden, attention); v2's conv runs after layer 0 on the embedding output."""
+        hidden, _ = self._call_block(index, seed, block, hidden, *arguments["args"])
+        if index == 0 and arguments["conv"] is not None:
+            embedded, input_mask = arguments["conv"]
+            hidden = self.deberta.encoder.conv(embedded, hidden, input_mask)
+        return hidden
+
+    def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:
         reseed(seed, "head")
         return self._classify(hidden, batch.get("labels"))
 

@@ -49,15 +49,10 @@ class DecoderStage(PipelineStage):
         rotary = self.get_submodule(family.every[0])
         self.rotary_per_kind = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
-                seed: int | None = None) -> torch.Tensor | StageOutput:
-        input_ids = batch["input_ids"]
-        if self.is_first:
-            if hidden is not None:
-                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
-            hidden = self.get_submodule(self.family.first[0])(input_ids)
-        elif hidden is None:
-            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
+    def embed(self, batch: dict[str, torch.Tensor], seed: int | None) -> torch.Tensor:
+        return self.get_submodule(self.family.first[0])(batch["input_ids"])
+
+    def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         attention_mask = batch.get("attention_mask")
         rotary = self.get_submodule(self.family.every[0])
@@ -67,19 +62,17 @@ class DecoderStage(PipelineStage):
             cos_sin = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
         else:
             cos_sin = dict.fromkeys(kinds, rotary(hidden, position_ids))
-        for i, layer in self.blocks():
-            kind = self.kinds[i]
-            hidden = self._call_block(i, seed, layer, hidden, attention_mask=masks[kind],
-                                      position_embeddings=cos_sin[kind], position_ids=position_ids)
-        if not self.is_last:
-            return hidden
+        return {i: ((), {"attention_mask": masks[kind], "position_embeddings": cos_sin[kind],
+                         "position_ids": position_ids}) for i, kind in self.kinds.items()}
+
+    def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:
         hidden = self.get_submodule(self.family.last[0])(hidden)
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
             loss, logits = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size,
                                           getattr(self.config, "final_logit_softcapping", None))
             return StageOutput(loss=loss, logits=logits)
-        return classify_last_token(self.score(hidden), input_ids, labels, self.config)
+        return classify_last_token(self.score(hidden), batch["input_ids"], labels, self.config)
 
 
 def family(head: str, per_layer_kinds: bool) -> Any:

@@ -25,36 +25,30 @@ class GPT2Stage(PipelineStage):
     def check(config: Any) -> str | None:
         return "GPT-2 with add_cross_attention=True" if getattr(config, "add_cross_attention", False) else None
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
-                seed: int | None = None) -> torch.Tensor | StageOutput:
-        input_ids = batch["input_ids"]
+    def embed(self, batch: dict[str, torch.Tensor], seed: int | None) -> torch.Tensor:
         tr = self.transformer
-        if self.is_first:
-            if hidden is not None:
-                raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
-            inputs_embeds = tr.wte(input_ids)
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
-            hidden = inputs_embeds + tr.wpe(position_ids)
-            token_type_ids = batch.get("token_type_ids")
-            if token_type_ids is not None:
-                hidden = hidden + tr.wte(token_type_ids)
-            reseed(seed, "embed")
-            hidden = tr.drop(hidden)
-        elif hidden is None:
-            raise ValueError(f"stage {self.stage_index} needs the boundary activation, got None")
+        inputs_embeds = tr.wte(batch["input_ids"])
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        hidden = inputs_embeds + tr.wpe(position_ids)
+        token_type_ids = batch.get("token_type_ids")
+        if token_type_ids is not None:
+            hidden = hidden + tr.wte(token_type_ids)
+        reseed(seed, "embed")
+        return tr.drop(hidden)
+
+    def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = causal_mask(self.config, hidden, batch.get("attention_mask"), position_ids)
-        for i, block in self.blocks():
-            hidden = self._call_block(i, seed, block, hidden, None, mask, None, encoder_attention_mask=None,
-                                      use_cache=False, position_ids=position_ids)
-        if not self.is_last:
-            return hidden
-        hidden = tr.ln_f(hidden)
+        kwargs = {"encoder_attention_mask": None, "use_cache": False, "position_ids": position_ids}
+        return {i: ((None, mask, None), kwargs) for i in self.block_indices}
+
+    def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:
+        hidden = self.transformer.ln_f(hidden)
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
             loss, logits = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size)
             return StageOutput(loss=loss, logits=logits)
-        return classify_last_token(self.score(hidden), input_ids, labels, self.config)
+        return classify_last_token(self.score(hidden), batch["input_ids"], labels, self.config)
 
 
 def family(head: str) -> Family:
