@@ -59,6 +59,16 @@ def _dither(idx, k0, k1):
 
 
 @triton.jit
+def _level(v, idx, k0, k1, levels, STOCHASTIC: tl.constexpr):
+    """A scaled value, (x - min) * inv, plus the dither (or 0.5) and clamped to [0, levels]: its code, truncated."""
+    if STOCHASTIC:
+        v = v + _dither(idx, k0, k1)
+    else:
+        v = v + 0.5
+    return tl.minimum(tl.maximum(v, 0.0), levels)
+
+
+@triton.jit
 def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, COLS: tl.constexpr,
                  LOOPS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -99,12 +109,7 @@ def _quantize_groups(x_ptr, mins_ptr, maxs_ptr, out_ptr, n, gs, groups, nbytes, 
     span = hi - lo  # inverse_steps(): levels / span in float64, rounded once; 0 for an empty or bad span
     ratio = tl.minimum(((1 << BITS) - 1) / span.to(tl.float64), _FLOAT32_MAX).to(tl.float32)
     inv = tl.where(span > 0, ratio, 0.0)
-    v = (x - lo[:, None]) * inv[:, None]
-    if STOCHASTIC:
-        v = v + _dither(idx, k0, k1)
-    else:
-        v = v + 0.5
-    v = tl.minimum(tl.maximum(v, 0.0), levels)
+    v = _level((x - lo[:, None]) * inv[:, None], idx, k0, k1, levels, STOCHASTIC)
     codes = tl.where(m, v.to(tl.int32), 0)  # v >= 0: truncation is the floor, as the C cast
     lane = tl.arange(0, 8)
     codes = tl.reshape(codes, [ROWS, WORDS, 8]).to(tl.int64)
@@ -127,11 +132,7 @@ def _quantize_pack(x_ptr, mins_ptr, invs_ptr, out_ptr, n, gs, nbytes, k0, k1, le
     x = tl.load(x_ptr + idx, mask=m, other=0.0)
     g = idx // gs
     v = (x - tl.load(mins_ptr + g, mask=m, other=0.0)) * tl.load(invs_ptr + g, mask=m, other=0.0)
-    if STOCHASTIC:
-        v = v + _dither(idx, k0, k1)
-    else:
-        v = v + 0.5
-    v = tl.minimum(tl.maximum(v, 0.0), levels)
+    v = _level(v, idx, k0, k1, levels, STOCHASTIC)
     codes = tl.where(m, v.to(tl.int64), 0)  # v >= 0: truncation is the floor, as the C cast
     packed = tl.sum(codes << (lane[None, :] * BITS), axis=1)  # the codes' bits are disjoint: the sum is an or
     pos = word[:, None] * BITS + lane[None, :]
