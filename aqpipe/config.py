@@ -64,30 +64,35 @@ class RunConfig:
     label_column: str | None = setting(None, "a local table's label column (integers 0..K-1 or strings); default: "
                                            "label, else labels")
     seq_len: int = setting(128, "tokens per sample")
+    # `ds`: where the setting lives in a DeepSpeed config file (config_file.py), where it has a place there
     pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
-                                               "stages x replicas)")
-    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}")
-    partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per stage")
-    activation_checkpointing: bool = setting(False, "recompute blocks in backward")
+                                               "stages x replicas)", ds="pipeline.stages")
+    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule")
+    partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per "
+                                                      "stage", ds="pipeline.partition")
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward",
+                                             ds="pipeline.activation_checkpoint_interval")
     compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)")
     dropout: float | None = setting(None, "every dropout probability of the model (embeddings, attention, residual, "
                                         "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa")
-    micro_batch_size: int = setting(4, "samples per micro-batch")
-    num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)")
+    micro_batch_size: int = setting(4, "samples per micro-batch", ds="train_micro_batch_size_per_gpu")
+    num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)",
+                                     ds="gradient_accumulation_steps")
     epochs: int = setting(3, "passes over the training samples")
     max_steps: int | None = setting(None, "stop after this many optimizer steps")
     max_train_samples: int | None = setting(1024, "use the first N training samples (0: all)")
     max_eval_samples: int | None = setting(128, "use the first N evaluation samples (0: all)")
     eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
-    lr: float = setting(1e-3, "peak learning rate")
+    lr: float = setting(1e-3, "peak learning rate", ds="optimizer.params.lr")
     seed: int = setting(42, "seed of model init, data order and codecs")
     output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
     report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
                                    "(<output_dir>/tensorboard)")
-    optimizer: dict[str, Any] = field(default_factory=_adamw)  # DeepSpeed's block; its lr is `lr`
-    scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay)  # DeepSpeed's; None: a constant lr
-    gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)")
-    bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations")
+    optimizer: dict[str, Any] = field(default_factory=_adamw, metadata={"ds": "optimizer"})  # its lr is `lr`
+    scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay, metadata={"ds": "scheduler"})  # None:
+    # a constant lr
+    gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)", ds="gradient_clipping")
+    bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")

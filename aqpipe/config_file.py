@@ -1,20 +1,24 @@
 """The config file: DeepSpeed's JSON keys plus aqpipe's `compression`, `data_parallel` and `run` blocks, read into
-settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job."""
+settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job.
+
+Where a setting lives in DeepSpeed's file is its field's `ds` metadata (config.py): a top-level key, or
+`pipeline.<key>`, copied as it is; the others with a `ds` place (lr inside the optimizer, bf16's "enabled",
+activation checkpointing as an interval) are translated below; every other setting goes in the "run" block."""
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import fields
+from typing import Any
 
-if TYPE_CHECKING:
-    from .config import RunConfig
+from .config import SECTIONS, RunConfig
 
-SECTIONS = ("compression", "data_parallel")
-_SIMPLE = {"train_micro_batch_size_per_gpu": "micro_batch_size", "gradient_accumulation_steps": "num_micro_batches",
-           "gradient_clipping": "gradient_clipping"}
-_PIPELINE = {"stages": "pipeline_stages", "schedule": "schedule", "partition": "partition"}
-_NOT_IN_RUN = {"task", "lr", "optimizer", "scheduler", "bf16", "activation_checkpointing", *SECTIONS,
-               *_SIMPLE.values(), *_PIPELINE.values()}
+_PLACES = {f.name: f.metadata["ds"] for f in fields(RunConfig) if "ds" in f.metadata}
+_SIMPLE = {place: name for name, place in _PLACES.items()
+           if "." not in place and place not in ("optimizer", "scheduler")}  # copied as they are
+_PIPELINE = {place.split(".", 1)[1]: name for name, place in _PLACES.items()
+             if place.startswith("pipeline.") and name != "activation_checkpointing"}
+_NOT_IN_RUN = {"task", *SECTIONS, *_PLACES}
 
 
 def read(path: str) -> dict[str, Any]:
@@ -52,7 +56,7 @@ def read(path: str) -> dict[str, Any]:
     return out
 
 
-def write(cfg: "RunConfig") -> dict[str, Any]:
+def write(cfg: RunConfig) -> dict[str, Any]:
     """The file that `read` turns back into `cfg`'s settings."""
     values = cfg.to_dict()
     optimizer = {**values["optimizer"], "params": {"lr": values["lr"], **values["optimizer"].get("params", {})}}
