@@ -10,8 +10,10 @@ c_Q = E||x - Q(x)|| / ||x||: AQ-SGD's convergence theorem assumes c_Q < sqrt(1/2
 
 On a GPU, clone reads and writes each float32 once (8 bytes an element at the memory's bandwidth): a quantizer as
 fast as clone (`quant/clone` >= 1) processes its input at half the memory bandwidth or better, the GPU target.
-`same as CPU`: the backend's bytes (minima, steps, codes) and decoded values equal the CPU kernels' for the same
-generator, on the same tensor.
+`kernel/clone`: the backend's quantize kernel alone (`kernels.quantize_flat`, rows as groups, a fixed dither key)
+against clone; the gap to `quant/clone` is what `quantize()` adds around it (its finiteness read, the key's draw, the
+scales). `same as CPU`: the backend's bytes (minima, steps, codes) and decoded values equal the CPU kernels' for the
+same generator, on the same tensor.
 """
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
     gb = x.numel() * 4 / 1e9
     g = torch.Generator().manual_seed(1)
-    samples = {b: {"q": [], "d": []} for b in bit_widths}
+    samples = {b: {"q": [], "d": [], "k": []} for b in bit_widths}
+    flat = x.reshape(-1)
+    key = (12345, 678)  # a fixed dither key: the kernel alone, without the wrapper's key draw, checks and scales
     clone = []
     for _ in range(repeats + 1):  # the first round warms caches and builds the kernels
         clone.append(timed(lambda: x.clone(), device))
@@ -59,6 +63,7 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
             holder = {}
             samples[b]["q"].append(timed(lambda: holder.setdefault("q", quantize(x, b, generator=g)), device))
             samples[b]["d"].append(timed(lambda: dequantize(holder["q"]), device))
+            samples[b]["k"].append(timed(lambda: kernels.quantize_flat(flat, shape[-1], b, key), device))
     t_clone = statistics.median(clone[1:])
     rows = []
     kernels.configure(backend="native" if kernels.native_library() is not None else "torch")
@@ -66,6 +71,7 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
     kernels.configure(backend=backend, interpret=INTERPRET)
     for b in bit_widths:
         tq, td = statistics.median(samples[b]["q"][1:]), statistics.median(samples[b]["d"][1:])
+        tk = statistics.median(samples[b]["k"][1:])
         q = quantize(x, b, generator=torch.Generator().manual_seed(5))
         same = torch.equal(q.to_bytes().cpu(), cpu[b].to_bytes()) and torch.equal(dequantize(q).cpu(),
                                                                                    dequantize(cpu[b]))
@@ -73,6 +79,7 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
             "backend": backend, "bits": b, "quantize_GBps": gb / tq, "dequantize_GBps": gb / td,
             "round_trip_GBps": gb / (tq + td), "clone_GBps": gb / t_clone,
             "round_trip_vs_clone": t_clone / (tq + td), "quantize_vs_clone": t_clone / tq,
+            "kernel_quantize_vs_clone": t_clone / tk,
             "compression": x.numel() * 4 / q.nbytes,
             "c_Q": c_q(b, shape[-1]), "same_bytes_as_cpu": same,
         })
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeats}")
     print(f"{'backend':<7} {'bits':>4} {'quant GB/s':>10} {'dequant GB/s':>12} {'round GB/s':>10} "
           f"{'clone GB/s':>10} {'round/clone':>11} {'quant/clone':>11} {'x smaller':>9} {'c_Q':>6} "
-          f"{'same as CPU':>11}")
+          f"{'same as CPU':>11} {'kernel/clone':>12}")
     rows = []
     for backend in args.backends.split(","):
         for r in run(shape, bit_widths, args.repeats, backend, torch.device(args.device)):
@@ -106,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['backend']:<7} {r['bits']:>4} {r['quantize_GBps']:>10.2f} {r['dequantize_GBps']:>12.2f} "
                   f"{r['round_trip_GBps']:>10.2f} {r['clone_GBps']:>10.2f} {r['round_trip_vs_clone']:>11.2f} "
                   f"{r['quantize_vs_clone']:>11.2f} "
-                  f"{r['compression']:>9.1f} {r['c_Q']:>6.3f} {'yes' if r['same_bytes_as_cpu'] else 'NO':>11}")
+                  f"{r['compression']:>9.1f} {r['c_Q']:>6.3f} {'yes' if r['same_bytes_as_cpu'] else 'NO':>11} "
+                  f"{r['kernel_quantize_vs_clone']:>12.2f}")
     native = [r for r in rows if r["backend"] == "native"]
     if native:
         worst = min(r["round_trip_vs_clone"] for r in native)
