@@ -14,6 +14,13 @@ import torch
 from .step_table import Findings
 
 
+def finite_or_zeros(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, or zeros of its shape where it holds a NaN/inf; whether it was all finite, a 0-dim bool), both chosen on
+    x's device: what is sent instead of a NaN (the peer waits for a message of a known size), with no host read."""
+    ok = torch.isfinite(x).all()
+    return torch.where(ok, x, torch.zeros((), dtype=x.dtype, device=x.device)), ok
+
+
 class StepGuard:
     def __init__(self, codecs: dict[str, Any]) -> None:
         """`codecs`: this rank's stateful codecs by name (their dither generators are put back too)."""
@@ -33,9 +40,10 @@ class StepGuard:
         return ok
 
     def zeros_unless(self, x: torch.Tensor, kind: int, mb: int) -> torch.Tensor:
-        """x, or zeros of its shape where it holds a NaN/inf (never sent: the peer waits for a message of a known
-        size, and the step is rejected after the schedule), chosen on the device."""
-        return torch.where(self.finite(x, kind, mb), x, torch.zeros((), dtype=x.dtype, device=x.device))
+        """`finite_or_zeros(x)`, its flag noted as `kind` at `mb` (the step is rejected after the schedule)."""
+        x, ok = finite_or_zeros(x)
+        self.findings.check(kind, mb, ok)
+        return x
 
     def remember(self, codec: Any, sample_ids: Any) -> None:
         """Before an AQ-SGD update of `codec`'s buffer, keep the rows it will change."""

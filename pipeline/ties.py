@@ -33,6 +33,7 @@ import torch
 
 from compression import BackwardCodec, ForwardCodec
 
+from .step_guard import finite_or_zeros
 from .transport import Boundary, Wire
 
 TIE_TAG = 7  # p2p tag of tie messages, apart from boundary traffic between the same ranks
@@ -240,9 +241,8 @@ class TiedWeights:
             g = (as_matrix(grad).index_select(0, rows.to(grad.device)) if grad is not None
                  else torch.zeros(rows.numel(), as_matrix(link.param).shape[1], dtype=link.param.dtype,
                                   device=link.param.device))
-            ok = torch.isfinite(g).all()  # where not, zeros go; the engine rejects the step on the parameter gradient
+            g, ok = finite_or_zeros(g)  # where not finite, zeros go; the engine rejects the step on the parameter grad
             self.finite_flags.append(ok)
-            g = torch.where(ok, g, torch.zeros((), dtype=g.dtype, device=g.device))
             sent += link.boundary.send_grad(g, phase)
         return sent
 
