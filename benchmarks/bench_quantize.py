@@ -31,17 +31,21 @@ from compression import dequantize, kernels, quantize
 from compression.quantizer import error_constant
 
 TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
+CUDA_CALLS = 20  # calls a GPU timing averages
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's kernels on CPU tensors (the tests)
 
 
 def timed(fn, device: torch.device = torch.device("cpu")) -> float:
-    """Seconds `fn` takes, its GPU kernels finished."""
+    """Seconds a call of `fn` takes, its GPU kernels finished: on a GPU the mean of CUDA_CALLS calls back to back,
+    so the synchronization's own latency (tens of microseconds, a third of a 100 MB clone) is not timed."""
+    calls = CUDA_CALLS if device.type == "cuda" else 1
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    fn()
+    for _ in range(calls):
+        fn()
     sync()
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / calls
 
 
 c_q = error_constant  # E||x - Q(x)|| / ||x|| over Gaussian rows (the commands in RESULTS.md call it c_q)
@@ -86,6 +90,29 @@ def run(shape: tuple[int, ...], bit_widths: list[int], repeats: int, backend: st
     return rows
 
 
+def sweep(shape: tuple[int, ...], bits: int, configs: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Triton's one-pass kernel alone at each (elements a program holds, warps) against clone, on CUDA: the
+    layout that reads nearest copy speed on this GPU (any layout gives the same bytes: min, max and the packing's
+    sums are exact in any order)."""
+    from compression import triton_kernels
+    kernels.configure(backend="triton")
+    x = torch.randn(shape, device="cuda")
+    flat, key, device = x.reshape(-1), (12345, 678), x.device
+    saved = triton_kernels.FUSED_TILE, triton_kernels.FUSED_WARPS
+    rows = []
+    for tile, warps in configs:
+        triton_kernels.FUSED_TILE, triton_kernels.FUSED_WARPS = tile, warps
+        times, clone = [], []
+        for _ in range(repeats + 1):
+            clone.append(timed(lambda: x.clone(), device))
+            times.append(timed(lambda: triton_kernels.quantize_flat(flat, shape[-1], bits, key), device))
+        rows.append({"tile": tile, "warps": warps, "bits": bits,
+                     "kernel_vs_clone": statistics.median(clone[1:]) / statistics.median(times[1:])})
+        print(f"sweep tile {tile:>6} warps {warps:>2} bits {bits}: kernel/clone {rows[-1]['kernel_vs_clone']:.2f}")
+    triton_kernels.FUSED_TILE, triton_kernels.FUSED_WARPS = saved
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="8,1024,1600", help="comma-separated tensor shape")
@@ -96,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group_sizes", default="16,32,128", help="group sizes for the c_Q table (beside a whole row)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--sweep", default="", help="CUDA: Triton's one-pass kernel alone at TILExWARPS layouts, "
+                   "comma-separated (e.g. 4096x8,8192x8), at each of --bits")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         worst = min(r["round_trip_vs_clone"] for r in native)
         print(f"target: round trip >= {TARGET} x clone; worst native ratio {worst:.2f} "
               f"({'met' if worst >= TARGET else 'NOT met'})")
+    if args.sweep:
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.sweep.split(",")]
+        for b in bit_widths:
+            rows += sweep(shape, b, configs, args.repeats)
     group_sizes = [int(g) for g in args.group_sizes.split(",")]
     print(f"\nc_Q by group size (AQ-SGD's theorem needs c_Q < {math.sqrt(0.5):.3f}); "
           f"scales cost 64/group_size bits per element")

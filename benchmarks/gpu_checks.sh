@@ -34,7 +34,8 @@ dp_rows() {  # the tied 114M Llama at 2 stages x 2 replicas sharing the GPU: QAd
 
 python3 -c "import torch, triton, transformers, numpy; print(torch.__version__, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
 step gpu_tests 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ${GPU_TESTS:+-k "$GPU_TESTS"}
-step bench_quantize 60 python3 -m benchmarks.bench_quantize --device cuda --backends triton,torch --shape 16,1024,1600 --bits 2,4,8
+step bench_quantize 120 python3 -m benchmarks.bench_quantize --device cuda --backends triton,torch --shape 16,1024,1600 --bits 2,4,8 \
+    --sweep 2048x4,2048x8,4096x4,4096x8,8192x8
 step step_overhead 240 python3 -m benchmarks.step_overhead --device cuda --shape 1b --bf16 --micro_batch_size 4 \
     --num_micro_batches 4 --seq_len 1024 --steps 10 --variants ",--param_dtype=bfloat16,--compile" --json "$out/step_overhead.json"
 export -f dp_rows

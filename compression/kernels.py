@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from .group_math import group_ranges, group_views, inverse_steps, packed_nbytes
+from .group_math import group_ranges, group_steps, group_views, inverse_steps, packed_nbytes
 
 _SOURCE = Path(__file__).with_name("native") / "quant.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -235,10 +235,10 @@ def _per_group(values: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Te
 def quantize_flat(
     flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize a contiguous float32 vector in groups of gs: (packed codes, mins, maxs).
+    """Quantize a contiguous float32 vector in groups of gs: (packed codes, mins, steps).
 
-    A group holding NaN or inf gets min = NaN (the caller raises). `key` is the dither
-    key for stochastic rounding, None for round-to-nearest.
+    A group holding NaN or inf gets min = NaN, one wider than float32 holds an infinite step (the caller raises).
+    `key` is the dither key for stochastic rounding, None for round-to-nearest.
     """
     n = flat.numel()
     groups = -(-n // gs) if n else 0
@@ -265,7 +265,7 @@ def quantize_flat(
                                 _ptr(mins), _ptr(maxs), _ptr(packed))
 
         _parallel(-(-groups // align), gs * align, run)
-        return packed, mins, maxs
+        return packed, mins, group_steps(mins, maxs, bits)
     parts = group_views(flat, gs)
     mins, maxs = group_ranges(flat, gs)
     levels = (1 << bits) - 1
@@ -279,7 +279,7 @@ def quantize_flat(
         codes[start : start + p.numel()] = v.clamp_(0.0, float(levels)).to(torch.uint8).reshape(-1)
         start += p.numel()
     packed.copy_(pack_codes(codes, bits))
-    return packed, mins, maxs
+    return packed, mins, group_steps(mins, maxs, bits)
 
 
 def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 
 from . import kernels
 from .fields import check_int
+from .group_math import group_ranges
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -127,16 +128,15 @@ def quantize(
     gs = _group_size(x.shape, group_size)
     flat = x.detach().reshape(-1).to(torch.float32).contiguous()
     key = _dither_key(generator, x.device) if stochastic else None
-    packed, mins, maxs = kernels.quantize_flat(flat, gs, bits, key)
-    span = maxs - mins  # not finite where a group holds NaN/inf (its min is NaN) or spans more than float32 holds
-    if mins.numel() and not bool(torch.isfinite(span).all()):  # the one host read of a quantize
-        if not bool(torch.isfinite(mins).all() & torch.isfinite(maxs).all()):
+    packed, mins, steps = kernels.quantize_flat(flat, gs, bits, key)
+    # the one host read of a quantize: a step is not finite where its group holds NaN/inf (its min is NaN) or spans
+    # more than float32 holds
+    if mins.numel() and not bool(torch.isfinite(steps).all()):
+        if not bool(torch.isfinite(mins).all()):
             check_finite(x)
-        g = int((~torch.isfinite(span)).nonzero()[0, 0])
-        raise ValueError(f"group {g} spans [{mins[g].item()}, {maxs[g].item()}], wider than float32 can hold")
-    # a tensor divisor: with a Python number CUDA multiplies by its float32 reciprocal, a last-bit difference
-    # from the CPU's division in about a third of the groups
-    steps = span / torch.full_like(span, (1 << bits) - 1)
+        g = int((~torch.isfinite(steps)).nonzero()[0, 0])
+        lo, hi = (float(v[g]) for v in group_ranges(flat, gs))
+        raise ValueError(f"group {g} spans [{lo}, {hi}], wider than float32 can hold")
     return QuantizedTensor(packed, mins, steps, x.shape, x.dtype, bits, group_size)
 
 

@@ -25,14 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .group_math import group_ranges, inverse_steps, packed_nbytes
+from .group_math import group_ranges, group_steps, inverse_steps, packed_nbytes
 
 BLOCK = 1024  # elements a program quantizes or decodes: 128 words of 8 codes
 TILE = 4096  # elements a program reduces at a time: COLS of a group (at most 1024, looping over wider groups)
 # in each of ROWS groups
 WIDE = 1 << 16  # groups wider than this take their ranges from torch's split reductions
 FUSED_MAX = 4096  # widest group `_quantize_groups` holds in one program's registers
-FUSED_TILE = 4096  # elements a fused program holds: ROWS groups of COLS (a power of two >= the group size)
+FUSED_TILE = 2048  # elements a fused program holds: ROWS groups of COLS (a power of two >= the group size)
+FUSED_WARPS = 4  # warps of a fused program (bench_quantize --sweep picked both on an H200)
 _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # inverse_steps()' clamp
 
 
@@ -90,35 +91,48 @@ def _group_range(x_ptr, mins_ptr, maxs_ptr, n, gs, groups, ROWS: tl.constexpr, C
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])
-def _quantize_groups(x_ptr, mins_ptr, maxs_ptr, out_ptr, n, gs, groups, nbytes, k0, k1, levels,
-                     BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """ROWS whole groups of gs (a multiple of 8) in one read: range, scale, codes and packing from registers."""
-    WORDS: tl.constexpr = COLS // 8
+def _quantize_groups(x_ptr, mins_ptr, steps_ptr, out_ptr, n, gs, groups, nbytes, k0, k1, levels,
+                     BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                     LANES: tl.constexpr, WORD32: tl.constexpr):
+    """ROWS whole groups of gs in one read, as [ROWS, WORDS, LANES] (a word: LANES codes): range, scale, codes and
+    packing from registers. WORD32: a word is 32 bits of the stream (LANES = 32 / BITS), stored as one int32 into
+    out_ptr viewed as int32 (gs * BITS a multiple of 32, so a row starts on a word); else a word is 8 codes, BITS
+    bytes stored one byte at a time."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, COLS)
-    idx = rows[:, None] * gs + cols[None, :]
-    m = (rows[:, None] < groups) & (cols[None, :] < gs) & (idx < n)
+    word = tl.arange(0, WORDS)
+    lane = tl.arange(0, LANES)
+    col = word[None, :, None] * LANES + lane[None, None, :]
+    idx = rows[:, None, None] * gs + col
+    live = rows < groups
+    m = live[:, None, None] & (col < gs) & (idx < n)
     x = tl.load(x_ptr + idx, mask=m, other=0.0)
     finite = tl.abs(x) < float("inf")  # false for NaN and inf
-    bad = tl.max((m & ~finite).to(tl.int32), axis=1)
-    lo = tl.where(bad > 0, float("nan"), tl.min(tl.where(m, x, float("inf")), axis=1))
-    hi = tl.max(tl.where(m, x, float("-inf")), axis=1)
-    live = rows < groups
+    bad = tl.max(tl.max((m & ~finite).to(tl.int32), axis=2), axis=1)
+    lo = tl.where(bad > 0, float("nan"), tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1))
+    hi = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1)
+    span = hi - lo
     tl.store(mins_ptr + rows, lo, mask=live)
-    tl.store(maxs_ptr + rows, hi, mask=live)
-    span = hi - lo  # inverse_steps(): levels / span in float64, rounded once; 0 for an empty or bad span
+    # group_steps(): span / levels, correctly rounded (as the float32 division: float64 holds the quotient exactly
+    # enough that rounding it to float32 rounds once)
+    tl.store(steps_ptr + rows, (span.to(tl.float64) / ((1 << BITS) - 1)).to(tl.float32), mask=live)
+    # inverse_steps(): levels / span in float64, rounded once; 0 for an empty or bad span
     ratio = tl.minimum(((1 << BITS) - 1) / span.to(tl.float64), _FLOAT32_MAX).to(tl.float32)
     inv = tl.where(span > 0, ratio, 0.0)
-    v = _level((x - lo[:, None]) * inv[:, None], idx, k0, k1, levels, STOCHASTIC)
-    codes = tl.where(m, v.to(tl.int32), 0)  # v >= 0: truncation is the floor, as the C cast
-    lane = tl.arange(0, 8)
-    codes = tl.reshape(codes, [ROWS, WORDS, 8]).to(tl.int64)
-    packed = tl.sum(codes << (lane[None, None, :] * BITS), axis=2)  # disjoint bits: the sum is an or
-    word = rows[:, None] * (gs // 8) + tl.arange(0, WORDS)[None, :]  # gs % 8 == 0: a row starts on a word
-    pos = word[:, :, None] * BITS + lane[None, None, :]
-    out = (packed[:, :, None] >> (lane[None, None, :] * 8)) & 0xFF
-    keep = (lane[None, None, :] < BITS) & (tl.arange(0, WORDS)[None, :, None] * 8 < gs) & live[:, None, None]
-    tl.store(out_ptr + pos, out.to(tl.uint8), mask=keep & (pos < nbytes))
+    v = _level((x - lo[:, None, None]) * inv[:, None, None], idx, k0, k1, levels, STOCHASTIC)
+    if WORD32:
+        codes = tl.where(m, v.to(tl.int32), 0).to(tl.uint32)  # v >= 0: truncation is the floor, as the C cast
+        packed = tl.sum(codes << (lane * BITS).to(tl.uint32)[None, None, :], axis=2)  # disjoint bits: an or
+        pos = rows[:, None] * (gs // LANES) + word[None, :]
+        first = rows[:, None] * gs + word[None, :] * LANES  # the word's first element
+        tl.store(out_ptr + pos, packed.to(tl.int32, bitcast=True), mask=live[:, None] & (word[None, :] * LANES < gs)
+                 & (first < n))
+    else:
+        codes = tl.where(m, v.to(tl.int32), 0).to(tl.int64)
+        packed = tl.sum(codes << (lane[None, None, :] * BITS), axis=2)  # 8 codes: BITS bytes of the stream
+        pos = (rows[:, None, None] * (gs // 8) + word[None, :, None]) * BITS + lane[None, None, :]
+        out = (packed[:, :, None] >> (lane[None, None, :] * 8)) & 0xFF
+        keep = (lane[None, None, :] < BITS) & (word[None, :, None] * 8 < gs) & live[:, None, None]
+        tl.store(out_ptr + pos, out.to(tl.uint8), mask=keep & (pos < nbytes))
 
 
 @triton.jit(do_not_specialize=["k0", "k1"])  # a key of 1 would become a constant; any other, a new variant
@@ -162,22 +176,28 @@ def _dequantize(packed_ptr, mins_ptr, steps_ptr, base_ptr, out_ptr, n, gs, nbyte
 
 def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.quantize_flat on Triton: (packed codes, mins, maxs)."""
+    """kernels.quantize_flat on Triton: (packed codes, mins, steps)."""
     n = flat.numel()
     groups = -(-n // gs)
     nbytes = packed_nbytes(n, bits)
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     levels = (1 << bits) - 1
     k0, k1 = (_int32(k) for k in key) if key is not None else (0, 0)
     if gs % 8 == 0 and gs <= FUSED_MAX:
         mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
-        maxs = torch.empty_like(mins)
+        steps = torch.empty_like(mins)
         cols = triton.next_power_of_2(gs)
+        word32 = 32 % bits == 0 and gs * bits % 32 == 0
+        lanes = 32 // bits if word32 else 8
+        # 32-bit words store into an int32 view of a buffer rounded up to whole words
+        out = torch.empty(-(-nbytes // 4) * 4 if word32 else nbytes, dtype=torch.uint8, device=flat.device)
+        packed = out[:nbytes]
+        out = out.view(torch.int32) if word32 else out
         rows = max(1, FUSED_TILE // cols)
-        _quantize_groups[(triton.cdiv(groups, rows),)](flat, mins, maxs, packed, n, gs, groups, nbytes, k0, k1,
+        _quantize_groups[(triton.cdiv(groups, rows),)](flat, mins, steps, out, n, gs, groups, nbytes, k0, k1,
                                                         float(levels), BITS=bits, STOCHASTIC=key is not None,
-                                                        ROWS=rows, COLS=cols, enable_fp_fusion=False, num_warps=8)
-        return packed, mins, maxs
+                                                        ROWS=rows, WORDS=cols // lanes, LANES=lanes, WORD32=word32,
+                                                        enable_fp_fusion=False, num_warps=FUSED_WARPS)
+        return packed, mins, steps
     if gs > WIDE:  # a few wide groups: one program each would read them serially; torch's reductions split them
         mins, maxs = group_ranges(flat, gs)
     else:
@@ -186,11 +206,12 @@ def quantize_flat(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] |
         cols = min(1024, triton.next_power_of_2(gs))
         _group_range[(triton.cdiv(groups, TILE // cols),)](flat, mins, maxs, n, gs, groups, ROWS=TILE // cols,
                                                             COLS=cols, LOOPS=triton.cdiv(gs, cols))
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     invs = inverse_steps(mins, maxs, bits)  # the other implementations' own expression: the same scales
     _quantize_pack[(triton.cdiv(n, BLOCK),)](flat, mins, invs, packed, n, gs, nbytes, k0, k1, float(levels),
                                               BITS=bits, STOCHASTIC=key is not None, BLOCK=BLOCK,
                                               enable_fp_fusion=False)
-    return packed, mins, maxs
+    return packed, mins, group_steps(mins, maxs, bits)
 
 
 def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor, steps: torch.Tensor,
