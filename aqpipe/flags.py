@@ -116,8 +116,23 @@ class Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def build_parser(config: type, description: str, prog: str | None = None) -> Parser:
-    """A flag per field of `config` (and its sections) with a help text; flags set "section.field" destinations."""
+def as_typed(value: Any) -> str:
+    """A value as its flag takes it: lists comma-separated, dtypes by name."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value).removeprefix("torch.")
+
+
+def _value_at(obj: Any, dest: str) -> Any:
+    for name in dest.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def build_parser(config: type, description: str, prog: str | None = None, shown: Any = None) -> Parser:
+    """A flag per field of `config` (and its sections) with a help text; flags set "section.field" destinations.
+    `shown`: the settings whose values the help states as defaults (a task's own, where it differs from the
+    fields'); without it, the fields' defaults."""
     p = Parser(prog=prog, usage="%(prog)s [flags]", description=description,
                formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
@@ -127,9 +142,9 @@ def build_parser(config: type, description: str, prog: str | None = None) -> Par
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     for dest, f, tp in settings(config):
         name, text = f.metadata.get("flag", f.name), f.metadata["help"]
-        if f.default not in (None, MISSING) and "default" not in text:
-            shown = str(f.default).removeprefix("torch.") if not isinstance(f.default, bool) else None
-            text += f" (default: {shown})" if shown is not None else ""
+        default = _value_at(shown, dest) if shown is not None else f.default
+        if default not in (None, MISSING) and not isinstance(default, bool) and "default" not in text:
+            text += f" (default: {as_typed(default)})"
         parse = parser_for(tp)
         if parse is not None:
             extra = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}

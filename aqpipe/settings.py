@@ -52,7 +52,7 @@ def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[
     """The command line: defaults < a --deepspeed_config file < flags, settled.
 
     Exits with status 2 and one line on bad input; `--print_config` prints the settings as a file and exits 0."""
-    parser = build_parser(RunConfig, description, prog)
+    parser = build_parser(RunConfig, description, prog, shown=build(task, _layered([defaults or {}])[0]))
     args = parser.parse_args(argv)
     try:
         layers = [defaults or {}, config_file.read(args.deepspeed_config) if "deepspeed_config" in args else {},
