@@ -16,6 +16,7 @@ target being the bf16 wire's final eval loss. Bytes explain the result; the time
 
     sudo python -m benchmarks.wan                           # the table of benchmarks/RESULTS.md (~40 min on 2 cores)
     sudo python -m benchmarks.wan --jobs 1 --rows bf16,aqsgd_first_visit   # a subset
+    sudo python -m benchmarks.wan --curves_from benchmarks/results/wan.json --rate 1mbit   # re-time, new rows only
     python -m benchmarks.wan --quick --no_netns             # a tiny shape on loopback, minutes, for a smoke test
 
 Writes results.json and prints the table; every run's metrics.jsonl stays under --output_dir.
@@ -48,6 +49,11 @@ ROWS: dict[str, list[str]] = {
     "aqsgd_first_visit": [*AQSGD, "--first_visit_compress", "hadamard", "--first_visit_bits", "3",
                           "--first_visit_base", "position"],  # the trainer's one-epoch preset
 }
+FIRST_VISIT = ROWS["aqsgd_first_visit"]
+ROWS["aqsgd_tie4"] = [*FIRST_VISIT, "--tie_bits", "4"]  # the tied weight's rows and gradients at 4 bits
+ROWS["aqsgd_lean"] = [*FIRST_VISIT, "--tie_bits", "4", "--backward_bits", "3"]  # and the backward at 3
+CURVE_KEYS = ("evals", "final_eval_loss", "steps", "steps_per_epoch", "bytes_first_epoch", "bytes_later",
+              "compute_s")
 WIRES = ("fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes")
 H100_FLOPS = 400e12  # an H100's bf16 rate at about 40% of its dense peak: what a tuned fine-tune reaches
 PEER_MBIT, PEER_LATENCY_MS = 200.0, 50.0  # ProtocolNanoGPT's link: every link 200 Mb/s with 50 ms latency
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_netns", action="store_true", help="time on loopback (no shaping; not root)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--output_dir", default="runs/wan")
+    p.add_argument("--curves_from", help="an earlier results.json of the same shape and samples: its rows' curves "
+                   "are taken from it (they do not depend on the link), only the rows it lacks are run")
     args = p.parse_args(argv)
 
     rows = [r for r in args.rows.split(",") if r]
@@ -247,9 +255,20 @@ def main(argv: list[str] | None = None) -> int:
     per_step = shape.micro_batch_size * shape.num_micro_batches
     result: dict[str, Any] = {"shape": vars(shape), "rate": args.rate, "latency_ms": args.latency_ms,
                               "samples": samples, "jobs": []}
+    earlier = {}
+    if args.curves_from:
+        before = json.loads(Path(args.curves_from).read_text())
+        if before["shape"] != vars(shape) or before["samples"] != samples:
+            p.error(f"--curves_from {args.curves_from}: shape {before['shape']} and {before['samples']} samples, "
+                    f"expected {vars(shape)} and {samples}")
+        earlier = {job["epochs"]: job["rows"] for job in before["jobs"]}
     for epochs in jobs:  # the curves: on loopback, the link does not change them
         job = {"epochs": epochs, "rows": {}}
         for name in rows:
+            if name in earlier.get(epochs, {}):
+                job["rows"][name] = {k: earlier[epochs][name][k] for k in CURVE_KEYS}
+                print(f"curve {epochs} epoch(s) {name}: from {args.curves_from}", flush=True)
+                continue
             run_dir = out / f"curve_{epochs}" / name
             flags = [*job_flags(shape, model, corpus, samples, epochs, 64, eval_every), *ROWS[name],
                      "--output_dir", str(run_dir)]
