@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import trainer_flags
 from .flags import SECTION_SHORTHANDS, layer, settings
 from .tasks import TASKS
 
@@ -24,7 +25,7 @@ def flag_destinations() -> dict[str, str]:
 
 def as_layer(values: dict[str, Any]) -> dict[str, Any]:
     """Settings by flag name as a config layer: top-level fields by name, section fields as {"section": {...}}."""
-    dests = {**flag_destinations(), **{name: name for name in SECTION_SHORTHANDS}}
+    dests = {**flag_destinations(), **{name: name for name in (*SECTION_SHORTHANDS, *trainer_flags.FLAGS)}}
     unknown = [name for name in values if name not in dests]
     if unknown:
         raise ValueError(f"unknown setting {unknown[0]!r}: expected a flag's name without its dashes "

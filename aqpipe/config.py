@@ -20,12 +20,13 @@ from pipeline.adapters import LoraSettings
 from pipeline.schedule import SCHEDULES
 
 from .placement import BACKENDS
+from .trainer_flags import HF_SCHEDULES
 from compression.fields import check_int
 from compression.fields import setting
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 PARAM_DTYPES = ("float32", "bfloat16")
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", *HF_SCHEDULES)  # DeepSpeed's, then transformers'
 SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import config_file, preflight
+from . import config_file, preflight, trainer_flags
 from .config import SECTIONS, RunConfig, build, validate
 from .environment import launch
 from .flags import build_parser, given, parse_text
@@ -23,9 +23,17 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
-    """The layers merged (later wins; text parsed as its flag parses it), and DeepSpeed's train_batch_size apart:
-    a key checked against the batch, not a setting."""
-    values = _merge(*(parse_text(RunConfig, layer) for layer in layers))
+    """The layers merged (later wins; text parsed as its flag parses it), the trainer's optimizer and schedule
+    flags applied to the merged blocks (trainer_flags.py), and DeepSpeed's train_batch_size apart: a key checked
+    against the batch, not a setting."""
+    edits: dict[str, Any] = {}
+    for layer in layers:
+        edits.update(trainer_flags.split(layer)[1])
+    values = _merge(*(parse_text(RunConfig, trainer_flags.split(layer)[0]) for layer in layers))
+    if edits:
+        defaults = RunConfig(task="causal_lm")
+        values["optimizer"], values["scheduler"] = trainer_flags.apply(
+            values.get("optimizer", defaults.optimizer), values.get("scheduler", defaults.scheduler), edits)
     return values, values.pop("_train_batch_size", None)
 
 

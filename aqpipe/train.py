@@ -36,6 +36,7 @@ from .storage import Storage
 from .storage import detect as detect_storage
 from .models import ModelSpec, model_positions, resolve_model, set_dropout
 from .tasks import Task
+from .trainer_flags import HF_SCHEDULES, warmup_steps
 from .watchdog import Watchdog
 from .world import World, barrier, describer, init_world, stop_after_failure
 
@@ -90,9 +91,15 @@ def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
 
 
 def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
-    """DeepSpeed's own LR schedulers, with "auto" filled from the run (total steps, peak lr)."""
+    """DeepSpeed's own LR schedulers, with "auto" filled from the run (total steps, peak lr), or transformers' by
+    their --lr_scheduler_type names (optimizer step k runs at the schedule's step k - 1, as in HF's Trainer)."""
     if cfg.scheduler is None:
         return None
+    if cfg.scheduler["type"] in HF_SCHEDULES:
+        from transformers import get_scheduler  # deferred: transformers' import is seconds; only this path needs it
+
+        return get_scheduler(cfg.scheduler["type"], optimizer, num_training_steps=total_steps,
+                             num_warmup_steps=warmup_steps(cfg.scheduler.get("params", {}), total_steps))
     if not torch.cuda.is_available():  # tell DeepSpeed what we know, or it probes and warns that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime import lr_schedules
