@@ -40,7 +40,8 @@ MANIFEST = "manifest.json"
 # settings a checkpoint's state depends on (the two sections whole, but for where buffers live on disk):
 # a resume with any other value is refused
 FINGERPRINT = (
-    "task", "model", "dataset", "dataset_config", "max_train_samples", "seq_len", "pipeline_stages", "partition",
+    "task", "model", "dataset", "dataset_config", "max_train_samples", "eval_dataset", "eval_fraction", "seq_len",
+    "pipeline_stages", "partition",
     "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr", "gradient_clipping",
     "text_column", "text_pair_column", "label_column",
     "bf16", "param_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "compression",

@@ -81,8 +81,13 @@ class RunConfig:
                                      ds="gradient_accumulation_steps")
     epochs: int = setting(3, "passes over the training samples")
     max_steps: int | None = setting(None, "stop after this many optimizer steps")
-    max_train_samples: int | None = setting(1024, "use the first N training samples (0: all)")
-    max_eval_samples: int | None = setting(128, "use the first N evaluation samples (0: all)")
+    max_train_samples: int | None = setting(None, "use at most the first N training samples (none or 0: all of "
+                                                  "them; a cap that cuts is said at the start)")
+    max_eval_samples: int | None = setting(None, "use at most the first N evaluation samples (none or 0: all)")
+    eval_dataset: str | None = setting(None, "a held-out evaluation set, read like --dataset (a local file whole, "
+                                             "a hub dataset's validation or test split); without it the last "
+                                             "--eval_fraction of --dataset")
+    eval_fraction: float = setting(0.05, "the share of --dataset held out for evaluation without --eval_dataset")
     eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
     lr: float = setting(1e-3, "peak learning rate", ds="optimizer.params.lr")
     seed: int = setting(42, "seed of model init, data order and codecs")
@@ -204,6 +209,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     for name in ("seq_len", "pipeline_stages", "micro_batch_size", "num_micro_batches", "epochs"):
         _positive(cfg, name)
     _positive(cfg, "eval_every", allow_zero=True)
+    if isinstance(cfg.eval_fraction, bool) or not isinstance(cfg.eval_fraction, (int, float)) or \
+            not 0.0 < cfg.eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction={cfg.eval_fraction!r}: expected a fraction in (0, 1)")
     for name in ("max_steps", "max_train_samples", "max_eval_samples"):
         if getattr(cfg, name) is not None:
             _positive(cfg, name, allow_zero=name != "max_steps")

@@ -50,17 +50,23 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
         own = cfg.model if cfg.model is not None and not os.path.isfile(cfg.model) else None
         corpus = None if own is not None and os.path.isdir(own) else datalib.fetch_shakespeare()
         tokenizer = datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification")
+        # without --eval_dataset the last eval_fraction of the source is held out; with one, each is used whole
+        held = {"eval_fraction": 0.0 if cfg.eval_dataset else cfg.eval_fraction}
+        held_out = (cfg.eval_dataset, {"eval_fraction": 1.0}) if cfg.eval_dataset else (source, held)
         if task.kind == "causal_lm":
             kw = {"dataset_config": cfg.dataset_config, "text_column": cfg.text_column}
-            train = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="train", **kw)
-            evaluation = datalib.lm_dataset(source, tokenizer, cfg.seq_len, split="eval", **kw)
+            make = datalib.lm_dataset
         else:
             kw = {"seed": cfg.seed, "text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
                   "label_column": cfg.label_column}
-            train = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="train", **kw)
-            evaluation = datalib.classification_dataset(source, tokenizer, cfg.seq_len, split="eval", **kw)
-        return tokenizer, datalib.limit(train, cfg.max_train_samples or None), \
+            make = datalib.classification_dataset
+        train = make(source, tokenizer, cfg.seq_len, split="train", **held, **kw)
+        evaluation = make(held_out[0], tokenizer, cfg.seq_len, split="eval", **held_out[1], **kw)
+        limited = datalib.limit(train, cfg.max_train_samples or None), \
             datalib.limit(evaluation, cfg.max_eval_samples or None)  # 0: all
+        if world.rank == 0:
+            print(data_line(cfg, len(train), len(evaluation), *map(len, limited)), file=sys.stderr)
+        return (tokenizer, *limited)
 
     if world.local_rank != 0:
         barrier(world)
@@ -68,6 +74,16 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
     if world.local_rank == 0:
         barrier(world)
     return result
+
+
+def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept_eval: int) -> str:
+    """The split a run trains and evaluates on, and any cap that cut it, in one line."""
+    def part(kept: int, total: int, flag: str) -> str:
+        return f"{kept} of {total} samples (--{flag} {kept})" if kept < total else f"{total} samples"
+
+    held = f"--eval_dataset {cfg.eval_dataset}" if cfg.eval_dataset else f"the last {cfg.eval_fraction:g} of it"
+    return (f"data: train {part(kept_train, train, 'max_train_samples')}, eval "
+            f"{part(kept_eval, evaluation, 'max_eval_samples')} from {held}")
 
 
 FUSED = ("Adam", "AdamW", "SGD")  # torch's optimizers with a fused CUDA kernel

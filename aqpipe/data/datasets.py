@@ -71,7 +71,8 @@ def check_seq_len(seq_len: int) -> None:
 def check_split(split: str, eval_fraction: float) -> None:
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: expected one of {SPLITS}")
-    if not 0.0 <= eval_fraction < 1.0:
+    whole = split == "eval" and eval_fraction == 1.0  # a held-out set used whole
+    if not (0.0 <= eval_fraction < 1.0 or whole):
         raise ValueError(f"eval_fraction={eval_fraction!r}: expected a fraction in [0, 1)")
     if split == "eval" and eval_fraction == 0:
         raise ValueError("split='eval' with eval_fraction=0: expected eval_fraction > 0 to have an eval split")

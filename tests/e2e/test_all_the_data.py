@@ -1,0 +1,55 @@
+"""A run trains on all of its data unless capped, takes a held-out eval set or fraction, and says its split and
+any cap in one line at the start."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.processes import ROOT, checkout_env
+
+WORDS = "the quick brown fox jumps over the lazy dog and then it rests by the river bank in the sun "
+
+
+def aqpipe(tmp_path, *flags):
+    return subprocess.run([sys.executable, "-m", "aqpipe", "causal-lm", "--seq_len", "16", "--micro_batch_size", "2",
+                           "--num_micro_batches", "1", "--max_steps", "1", "--output_dir", str(tmp_path / "out"),
+                           "--overwrite_output_dir", *flags], cwd=ROOT, env=checkout_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def data_line(proc) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("data: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    where = tmp_path_factory.mktemp("texts")
+    (where / "train.txt").write_text(WORDS * 60)
+    (where / "held_out.txt").write_text(WORDS * 12)
+    return where
+
+
+def test_all_of_the_data_and_a_held_out_eval_set(tmp_path, texts):
+    whole = data_line(aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--eval_dataset",
+                             str(texts / "held_out.txt")))
+    m = re.fullmatch(r"data: train (\d+) samples, eval (\d+) samples from --eval_dataset .*held_out\.txt", whole)
+    assert m, whole
+    train, held = int(m.group(1)), int(m.group(2))
+    split = data_line(aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--eval_fraction", "0.25"))
+    m = re.fullmatch(r"data: train (\d+) samples, eval (\d+) samples from the last 0.25 of it", split)
+    assert m, split
+    assert int(m.group(1)) + int(m.group(2)) == train and int(m.group(2)) == -(-train // 4)
+    assert 0 < held < int(m.group(2))  # the held-out file is a fifth of the training text's length
+    capped = data_line(aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--max_train_samples", "8"))
+    assert capped.startswith(f"data: train 8 of {int(m.group(1)) + int(m.group(2)) - -(-train // 20)} samples "
+                             "(--max_train_samples 8), eval ")
+
+
+def test_a_bad_eval_fraction_is_one_line(tmp_path, texts):
+    proc = aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--eval_fraction", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith("eval_fraction=1.0: expected a fraction in (0, 1)"), proc.stderr
