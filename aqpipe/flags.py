@@ -10,6 +10,7 @@ the user left out cannot be told from one they gave, which the config file's lay
 from __future__ import annotations
 
 import argparse
+import difflib
 import types
 import typing
 from dataclasses import MISSING, Field, fields, is_dataclass
@@ -104,7 +105,20 @@ class Parser(argparse.ArgumentParser):
     """argparse with a bad flag in one line (no usage block), said by rank 0; every rank exits alike."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._nearest(message)} ({self.prog} --help lists the "
+                     "flags)\n")
+
+    def _nearest(self, message: str) -> str:
+        """`; did you mean --forward_bits?` for the first unrecognized flag that is near one of ours."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        ours = [o for action in self._actions for o in action.option_strings if action.help != argparse.SUPPRESS]
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("--"):
+                near = difflib.get_close_matches(word.split("=", 1)[0], ours, n=1, cutoff=0.75)
+                if near:
+                    return f"; did you mean {near[0]}?"
+        return ""
 
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
         if status and message and not speaks():
@@ -134,7 +148,7 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
     """A flag per field of `config` (and its sections) with a help text; flags set "section.field" destinations.
     `shown`: the settings whose values the help states as defaults (a task's own, where it differs from the
     fields'); without it, the fields' defaults."""
-    p = Parser(prog=prog, usage="%(prog)s [flags]", description=description,
+    p = Parser(prog=prog, usage="%(prog)s [flags]", description=description, allow_abbrev=False,
                formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", help="DeepSpeed-style JSON config")
     p.add_argument("--print_config", action="store_true",

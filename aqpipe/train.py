@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -226,7 +227,30 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     )
 
 
+def missing_dirs(directory: str | os.PathLike) -> list[Path]:
+    """`directory` and those of its parents that do not exist yet, deepest first: what a run creates."""
+    out = []
+    for path in (Path(directory).absolute(), *Path(directory).absolute().parents):
+        if path.exists():
+            break
+        out.append(path)
+    return out
+
+
 def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
+    """One run; one refused (bad data, a model that does not fit, ...) removes the folders it created while they
+    are still empty."""
+    created = missing_dirs(cfg.output_dir)
+    try:
+        return _train(task, cfg, world, data)
+    except BaseException:
+        for path in created:
+            with contextlib.suppress(OSError):  # not empty (results were written), or another rank's already
+                path.rmdir()
+        raise
+
+
+def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     storage = detect_storage(cfg.output_dir, world)  # which ranks write where this one writes
     clear_previous_results(cfg, storage)

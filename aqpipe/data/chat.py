@@ -12,6 +12,7 @@ conversation attends to another. A conversation longer than seq_len is cut; one 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,10 @@ def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokeniz
 def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str
                        ) -> tuple[list[int], list[int]] | None:
     """(input ids, labels) of one row, cut to seq_len; None when no target token is left."""
+    if row.get("messages") is None and ("messages" in row or "prompt" not in row):  # a table fills a missing key
+        found = sorted(k for k, v in row.items() if v is not None)
+        raise ValueError(f"{where}: no 'messages' (its keys: {', '.join(found) or 'none'}); expected a list of "
+                         "{role, content} turns, or prompt and completion")
     if "messages" in row:
         text, spans = assistant_spans(row["messages"], tokenizer, where)
     else:
@@ -68,12 +73,21 @@ def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, 
     return (ids, labels) if any(v != IGNORE for v in labels[1:]) else None  # position 0 is never predicted
 
 
+FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line that holds a table's first row (a CSV's header comes first)
+
+
+def row_name(where: str, i: int) -> str:
+    """Row i of a table as its user finds it: a line of a JSONL or CSV file, else its index in the table."""
+    first = FIRST_LINE.get(Path(where).suffix.lower())
+    return f"{where} line {i + first}" if first is not None else f"{where} row {i}"
+
+
 def instruction_tensors(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, seq_len: int,
                         where: str) -> dict[str, torch.Tensor]:
     """Padded samples: input_ids, attention_mask, labels (-100 but on assistant tokens), one row per sample."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     samples = [s for i, row in enumerate(rows)
-               if (s := encode_instruction(row, tokenizer, seq_len, f"{where} row {i}")) is not None]
+               if (s := encode_instruction(row, tokenizer, seq_len, row_name(where, i))) is not None]
     if not samples:
         raise ValueError(f"{where}: none of its {len(rows)} rows has an assistant token within seq_len={seq_len}; "
                          "expected assistant turns (or completions) that fit")

@@ -53,3 +53,21 @@ def test_a_bad_eval_fraction_is_one_line(tmp_path, texts):
     proc = aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--eval_fraction", "1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().endswith("eval_fraction=1.0: expected a fraction in (0, 1)"), proc.stderr
+
+
+def test_a_run_refused_in_set_up_leaves_no_folder_it_created(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short\n")
+    out = tmp_path / "new" / "deeper" / "out"
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "causal-lm", "--dataset", str(short), "--output_dir",
+                           str(out)], cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "none left for the 'train' split" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_misspelt_flag_is_answered_with_the_nearest_one(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aqpipe", "gpt2", "--forward_bitz", "2"], cwd=ROOT,
+                          env=checkout_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("aqpipe gpt2: error: unrecognized arguments: --forward_bitz 2; did you mean "
+                                   "--forward_bits? (aqpipe gpt2 --help lists the flags)")

@@ -79,3 +79,16 @@ def test_a_chat_table_becomes_padded_samples_with_masks(tmp_path):
     assert lengths.tolist() == [len(encode_instruction(r, tok, 48, "t")[0]) for r in rows[:18]]
     assert (ids[mask == 0] == tok.pad_token_id).all() and (labels[mask == 0] == IGNORE).all()
     assert torch.equal(train.tensors["sample_id"], torch.arange(18))
+
+
+def test_a_bad_row_is_named_by_its_file_line_and_a_missing_key_by_the_keys_found(tmp_path):
+    tok = chat_tokenizer(CHATML)
+    rows = [{"messages": CONVERSATION[1:3]}] * 56 + [{"messages": [{"role": "robot", "content": "hi"}]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 57: turn \{'role': 'robot'"):  # the 57th line
+        data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.05)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5] + [{"conversation": [], "id": 7}]))
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 6: no 'messages' \(its keys: conversation, id\); "
+                                         "expected a list of"):
+        data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.05)
