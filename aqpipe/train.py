@@ -191,6 +191,13 @@ def model_spec(cfg: RunConfig, task: Task, tokenizer: Any, train_set: Any) -> Mo
                          frozen=cfg.lora_rank > 0)
 
 
+def idle_codecs(cfg: RunConfig) -> str:
+    """The boundary codecs a run asked for, as flags (empty where none): what a single stage cannot use."""
+    c = cfg.compression
+    return ", ".join(f"--{flag} {mode}" for flag, mode in (("forward_compress", c.forward),
+                                                           ("backward_compress", c.backward)) if mode != "none")
+
+
 def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int, total_steps: int,
                  adapters: Any = None) -> PipelineEngine:
     """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), with LoRA
@@ -201,9 +208,13 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     trained = getattr(torch, cfg.param_dtype)
     # the frozen base in its checkpoint's dtype, but float16's (which computes only with a loss scaler) in float32
     frozen = torch.float32 if spec.dtype == torch.float16 else spec.dtype
-    stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
-                                      dtype=frozen if adapters is not None else trained, device=world.device,
-                                      activation_checkpointing=cfg.activation_checkpointing)
+    try:
+        stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
+                                          dtype=frozen if adapters is not None else trained, device=world.device,
+                                          activation_checkpointing=cfg.activation_checkpointing)
+    except ValueError as exc:  # the library names its argument; a user typed the flag (a hub model preflight
+        # could not read before it was fetched)
+        raise ValueError(str(exc).replace("num_stages=", "pipeline_stages=")) from None
     if cfg.dropout is not None:
         set_dropout(stage, None, float(cfg.dropout))
     if adapters is not None:  # after the dropout: the adapters' own is --lora_dropout
@@ -219,6 +230,9 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
         if world.rank == 0 and (plan := cfg.data_parallel.plan(total_steps)):
             print(plan, file=sys.stderr)
         optimizer = algorithm.wrap_optimizer(optimizer)  # QAdam steps with its own
+    if world.rank == 0 and grid.stages == 1 and (idle := idle_codecs(cfg)):
+        print(f"{idle}: one stage has no boundary to compress, so they send nothing in this run "
+              "(--pipeline_stages 2 or more to use them)", file=sys.stderr)
     return PipelineEngine(
         stage, groups, optimizer, compression=cfg.compression, num_samples=num_samples, seq_len=cfg.seq_len,
         lr_scheduler=build_scheduler(cfg, optimizer, total_steps), gradient_clipping=cfg.gradient_clipping,

@@ -71,3 +71,15 @@ def test_a_misspelt_flag_is_answered_with_the_nearest_one(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("aqpipe gpt2: error: unrecognized arguments: --forward_bitz 2; did you mean "
                                    "--forward_bits? (aqpipe gpt2 --help lists the flags)")
+
+
+def test_one_stage_says_once_that_its_codecs_have_no_boundary(tmp_path, texts):
+    asked = aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--forward_compress", "aqsgd",
+                   "--backward_compress", "direct")
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    line = ("--forward_compress aqsgd, --backward_compress direct: one stage has no boundary to compress, so they "
+            "send nothing in this run (--pipeline_stages 2 or more to use them)")
+    assert asked.stderr.count(line) == 1, asked.stderr[-2000:]
+    plain = aqpipe(tmp_path, "--dataset", str(texts / "train.txt"), "--forward_compress", "none",
+                   "--backward_compress", "none")
+    assert plain.returncode == 0 and "no boundary to compress" not in plain.stderr
