@@ -16,6 +16,7 @@ another stage count, model or codec config is refused before any process group s
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,30 +24,31 @@ import random
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from .config import RunConfig
 from .storage import Storage, broadcast, gather
 from .world import World, barrier
 
-if TYPE_CHECKING:
-    from .config import RunConfig
 
 FORMAT = 4  # 3: the compression and data-parallel settings are nested sections; 4: LR schedule iteration k = step k
 LATEST = "latest"
 MANIFEST = "manifest.json"
-# settings a checkpoint's state depends on (the two sections whole, but for where buffers live on disk):
-# a resume with any other value is refused
-FINGERPRINT = (
-    "task", "model", "dataset", "dataset_config", "max_train_samples", "eval_dataset", "eval_fraction", "seq_len",
-    "pipeline_stages", "partition",
-    "schedule", "micro_batch_size", "num_micro_batches", "seed", "optimizer", "scheduler", "lr", "gradient_clipping",
-    "text_column", "text_pair_column", "label_column",
-    "bf16", "param_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "compression",
-    "data_parallel",
+# settings a resume may change: the run's length (its LR plan is stretched over the new one: lr_plan.py), its
+# evaluation, saving and logging, and how its processes reach each other; every other setting must be the
+# checkpoint's, and a resume with another value is refused naming it
+MAY_CHANGE = (
+    "epochs", "max_steps", "max_eval_samples", "eval_every", "output_dir", "report_to", "save_every",
+    "save_total_limit", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
+    "activation_checkpointing", "compile", "skip_nonfinite",
 )
+
+
+def _fingerprinted() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in MAY_CHANGE)
 
 
 def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
@@ -54,7 +56,7 @@ def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
     values = cfg.to_dict()
     values["compression"].pop("buffer_dir")
     flat = {}
-    for key in FINGERPRINT:  # a section's settings one by one, so a refusal names the one that differs
+    for key in _fingerprinted():  # a section's settings one by one, so a refusal names the one that differs
         section = values[key] if key in ("compression", "data_parallel") else None
         flat.update({f"{key}.{k}": v for k, v in section.items()} if section is not None else {key: values[key]})
     return json.loads(json.dumps(flat, default=str))
@@ -115,6 +117,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: theirs[auto]})})
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("param_dtype", "float32")
+    theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
     for key, value in (("lora_rank", 0), ("lora_alpha", None), ("lora_dropout", None), ("lora_target_modules", None)):
         theirs.setdefault(key, value)  # checkpoints from before LoRA: none
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"

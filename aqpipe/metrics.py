@@ -30,12 +30,13 @@ class MetricsWriter:
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
-            self.reporter = reporter(cfg.report_to, cfg.output_dir)
+            # TensorBoard forgets what a crashed run logged past the checkpoint, as metrics.jsonl does
+            self.reporter = reporter(cfg.report_to, cfg.output_dir, None if resumed_step is None else resumed_step + 1)
             self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="train", unit="step",
                             dynamic_ncols=True)
 
     def _records_until(self, step: int) -> list[str]:
-        """The training records of steps <= step: no duplicates once the resumed run writes its own."""
+        """The records of steps <= step (the checkpoint's): no duplicates once the resumed run writes its own."""
         if not self.path.is_file():
             return []
         kept = []
@@ -44,7 +45,7 @@ class MetricsWriter:
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by the crash
                 continue
-            if record.get("step", 0) < step or (record.get("step") == step and "lr" in record):
+            if record.get("step", 0) <= step:  # a step's records, its evaluation's too, come before its checkpoint
                 kept.append(line)
         return kept
 

@@ -18,6 +18,7 @@ class Progress:
     elapsed: float = 0.0
     losses: list[float] = field(default_factory=list)
     evals: dict[str, float] = field(default_factory=dict)
+    eval_step: int = -1  # the step `evals` were taken at
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WIRES, 0))
 
     def done_in(self, epoch: int) -> int:
@@ -34,9 +35,11 @@ class Progress:
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "step": self.step, "losses": self.losses[-10:],
-                "evals": dict(self.evals), "totals": dict(self.totals), "elapsed": self.elapsed}
+                "evals": dict(self.evals), "eval_step": self.eval_step, "totals": dict(self.totals),
+                "elapsed": self.elapsed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.index, self.step = int(state["epoch"]), int(state["index"]), int(state["step"])
         self.elapsed, self.losses = float(state["elapsed"]), list(state["losses"])
         self.evals, self.totals = dict(state["evals"]), dict(state["totals"])
+        self.eval_step = int(state.get("eval_step", -1))  # checkpoints from before it: an evaluation is taken again

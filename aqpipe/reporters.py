@@ -35,10 +35,11 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 class TensorBoard:
     """Event files under <output_dir>/tensorboard, read by `tensorboard --logdir <output_dir>/tensorboard`."""
 
-    def __init__(self, output_dir: str) -> None:
+    def __init__(self, output_dir: str, purge_step: int | None = None) -> None:
+        """`purge_step`: a resumed run's first step; what an earlier run logged from it on is dropped."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=purge_step)
 
     def log(self, record: dict[str, Any]) -> None:
         for name, value in scalars(record).items():  # a step's record may carry that step's evaluation too
@@ -56,8 +57,9 @@ class Nothing:
         pass
 
 
-REPORTERS: dict[str, Callable[[str], Any]] = {"none": lambda output_dir: Nothing(), "tensorboard": TensorBoard}
+REPORTERS: dict[str, Callable[..., Any]] = {"none": lambda output_dir, purge_step=None: Nothing(),
+                                           "tensorboard": TensorBoard}
 
 
-def reporter(report_to: str, output_dir: str) -> Any:
-    return REPORTERS[report_to](output_dir)
+def reporter(report_to: str, output_dir: str, purge_step: int | None = None) -> Any:
+    return REPORTERS[report_to](output_dir, purge_step)

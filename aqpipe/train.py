@@ -30,6 +30,7 @@ from . import faults
 from .config import RunConfig
 from .environment import launch
 from .export import save_adapter, save_model
+from .lr_plan import PlannedLR
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
 from .progress import Progress
@@ -107,31 +108,35 @@ def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
     return getattr(torch.optim, kind)(params, lr=cfg.lr, **kwargs)
 
 
-def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
-    """DeepSpeed's own LR schedulers, with "auto" filled from the run (total steps, peak lr), or transformers' by
-    their --lr_scheduler_type names (optimizer step k runs at the schedule's step k - 1, as in HF's Trainer)."""
+def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> PlannedLR | None:
+    """The run's LR plan (lr_plan.py) from DeepSpeed's schedulers, "auto" filled from the run (total steps, peak lr),
+    or transformers' by their --lr_scheduler_type names (optimizer step k runs at the schedule's step k - 1, as in
+    HF's Trainer)."""
     if cfg.scheduler is None:
         return None
-    if cfg.scheduler["type"] in HF_SCHEDULES:
+    kind, params = cfg.scheduler["type"], dict(cfg.scheduler.get("params", {}))
+    if kind in HF_SCHEDULES:
         from transformers import get_scheduler  # deferred: transformers' import is seconds; only this path needs it
 
-        return get_scheduler(cfg.scheduler["type"], optimizer, num_training_steps=total_steps,
-                             num_warmup_steps=warmup_steps(cfg.scheduler.get("params", {}), total_steps))
+        def schedule(opt: torch.optim.Optimizer, total: int) -> Any:
+            return get_scheduler(kind, opt, num_training_steps=total, num_warmup_steps=warmup_steps(params, total))
+        return PlannedLR(optimizer, schedule, total_steps, cfg.lr)
     if not torch.cuda.is_available():  # tell DeepSpeed what we know, or it probes and warns that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime import lr_schedules
 
-    params = dict(cfg.scheduler.get("params", {}))
-    fills = {"total_num_steps": total_steps + 1, "warmup_max_lr": cfg.lr, "warmup_num_steps": max(1, total_steps // 10)}
-    for key, value in fills.items():
-        if params.get(key) == "auto" or (key == "total_num_steps" and key not in params
-                                         and cfg.scheduler["type"] != "WarmupLR"):
-            params[key] = value
-    # DeepSpeed's schedules give warmup_min_lr at iterations -1 and 0, and read the lr before the first step (a
-    # warning): starting at iteration 0 and stepping once makes step k run at iteration k, so step 1 already learns
-    scheduler = getattr(lr_schedules, cfg.scheduler["type"])(optimizer, last_batch_iteration=0, **params)
-    scheduler.step()
-    return scheduler
+    def deepspeed_schedule(opt: torch.optim.Optimizer, total: int) -> Any:
+        filled = dict(params)
+        fills = {"total_num_steps": total + 1, "warmup_max_lr": cfg.lr, "warmup_num_steps": max(1, total // 10)}
+        for key, value in fills.items():
+            if filled.get(key) == "auto" or (key == "total_num_steps" and key not in filled and kind != "WarmupLR"):
+                filled[key] = value
+        # DeepSpeed's schedules give warmup_min_lr at iterations -1 and 0, and read the lr before the first step (a
+        # warning): starting at iteration 0 and stepping once makes step k run at iteration k, so step 1 learns
+        scheduler = getattr(lr_schedules, kind)(opt, last_batch_iteration=0, **filled)
+        scheduler.step()
+        return scheduler
+    return PlannedLR(optimizer, deepspeed_schedule, total_steps, cfg.lr)
 
 
 def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> dict[str, float]:
@@ -309,17 +314,17 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
             if m.target_tokens:  # what the loss fell on: padding and prompts are not trained on
                 record["target_tokens_per_s"] = m.target_tokens / m.seconds
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
-                progress.evals = _evaluate(engine, eval_batches, task)
+                progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
                 record.update(progress.evals)
             writer.write(record)
             if cfg.save_every and progress.step % cfg.save_every == 0:
                 save()
                 saved = progress.step
-    if cfg.save_every and saved != progress.step:
-        save()  # the end of the run is a checkpoint too: a later resume with more epochs continues from it
-    if eval_batches and not (cfg.eval_every and progress.step % cfg.eval_every == 0):
-        progress.evals = _evaluate(engine, eval_batches, task)
+    if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one
+        progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
         writer.write({"step": progress.step, **progress.evals})
+    if cfg.save_every and saved != progress.step:
+        save()  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs goes on
     writer.close()
     elapsed = time.perf_counter() - started
     model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage)
