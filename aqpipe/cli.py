@@ -46,6 +46,12 @@ def finetune(task: Task, argv: list[str], description: str | None = None, prog: 
     cfg = resolve(task.kind, argv, description or task.summary, defaults=task.defaults, prog=prog)
     try:
         return run(task, cfg, prog)  # a multi-process run handles its own failures (world.stop_after_failure)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in one process (a multi-process run ends in stop_after_failure)
+        if show_tracebacks():
+            raise
+        print(f"{prog or Path(sys.argv[0]).name}: error: interrupted; a checkpoint it wrote earlier continues the "
+              "run with --resume", file=sys.stderr)
+        raise SystemExit(130) from None
     except (ValueError, FileNotFoundError, FloatingPointError) as exc:  # one line: bad input found late, NaN/inf
         if show_tracebacks():
             raise

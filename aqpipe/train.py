@@ -26,7 +26,7 @@ from pipeline.lora import add_lora, lora_config
 
 from . import checkpoint, preflight
 from . import data as datalib
-from . import faults
+from . import faults, interrupts
 from .config import RunConfig
 from .environment import launch
 from .export import save_adapter, save_model
@@ -160,16 +160,20 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
         raise SystemExit(f"{prog}: error: rank {launch().rank} could not join the process group within "
                          f"dist_timeout={cfg.dist_timeout:g} s: {(str(exc).strip().splitlines() or [''])[0][:200]}")
     watchdog = None
-    try:
-        if world.distributed:
-            watchdog = Watchdog(world.rank, world.size, describer(cfg), prog, peer_timeout=cfg.peer_timeout).start()
-            world = dataclasses.replace(world, watchdog=watchdog)
-        summary = train(task, cfg, world, data)
-        barrier(world)  # rank 0 may still be writing the merged model
-    except (Exception, KeyboardInterrupt) as exc:
-        if world.distributed:
-            stop_after_failure(exc, world, cfg, watchdog, prog)
-        raise
+    with interrupts.caught():  # Ctrl-C and a launcher's SIGTERM: one line a rank, status 130
+        try:
+            if world.distributed:
+                watchdog = Watchdog(world.rank, world.size, describer(cfg), prog,
+                                    peer_timeout=cfg.peer_timeout).start()
+                world = dataclasses.replace(world, watchdog=watchdog)
+            summary = train(task, cfg, world, data)
+            barrier(world)  # rank 0 may still be writing the merged model
+        except (Exception, KeyboardInterrupt) as exc:
+            if world.distributed:
+                stop_after_failure(exc, world, cfg, watchdog, prog)
+            if interrupts.received(settle_s=0) is not None:  # one process: its line (cli), whatever the signal broke
+                raise KeyboardInterrupt from None
+            raise
     if watchdog is not None:
         watchdog.stop()
     if world.distributed:

@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from . import interrupts
+
 _RELAYED = "stopped because "  # a report that passes on what another rank found
 _BAD_INPUT = "bad input: "  # a report of bad input: the rank that found it said so; the others exit quietly, status 2
 
@@ -78,6 +80,20 @@ class Watchdog:
         try:
             self._wait_briefly(lambda s: int(s.add(self._key("failures"), 0)) >= self.world_size)
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
+            pass
+
+    def leave(self) -> None:
+        """After reporting an interruption every rank had: rank 0's process may hold the store, so it leaves last.
+        The others stop their heartbeat and mark that they are gone; rank 0 waits for their marks (a few beats at
+        most), so no rank's last store call finds the store gone (torch would print a stack for it)."""
+        self.stopped.set()
+        try:
+            if self.rank == 0:
+                others = [self._key("left", r) for r in range(self.world_size) if r != 0]
+                self._wait_briefly(lambda s: s.check(others))
+            else:
+                self._op(lambda s: s.set(self._key("left", self.rank), "1"))
+        except Exception:  # noqa: BLE001 - the store is gone already
             pass
 
     def stop(self) -> None:
@@ -160,6 +176,12 @@ class Watchdog:
         return None
 
     def _exit(self, culprit: str) -> None:
+        if interrupts.came() is not None:  # Ctrl-C reached this rank too (its main thread may be blocked)
+            self.report("interrupted")
+            interrupts.say_once(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) interrupted "
+                                f"({interrupts.came()}); a checkpoint it wrote earlier continues the run with --resume")
+            self.leave()
+            os._exit(130)
         self.report(_RELAYED + culprit)  # ranks not yet aware learn it at their next beat
         if culprit.startswith(_BAD_INPUT):
             sys.stdout.flush()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .environment import launch, link_latency_s, show_tracebacks
+from . import interrupts
 from .host_memory import keep_freed_memory
 from .placement import place_here
 from .watchdog import Watchdog
@@ -87,20 +88,23 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
     found late, 1 otherwise) without waiting on peers that may never answer."""
     me = f"rank {world.rank} ({describer(cfg)(world.rank)})"
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    signal_name = interrupts.received()  # a peer interrupted first may have broken this rank's collective
+    if signal_name is not None or isinstance(exc, KeyboardInterrupt):  # Ctrl-C, SIGINT/SIGTERM from a launcher
+        interrupts.say_once(f"{prog}: error: {me} interrupted ({signal_name or 'SIGINT'}); a checkpoint it wrote "
+                            "earlier continues the run with --resume")
+        if watchdog is not None:  # a rank interrupted alone: the others stop now, naming it
+            watchdog.report("interrupted")
+            watchdog.leave()  # rank 0's process, which may hold the store, ends last
+        os._exit(130)
     if _is_comm_error(exc) and watchdog is not None:
         watchdog.wait_for_verdict()  # exits this process once it names the rank that failed
         _say(prog, f"{me} stopping: communication with its peers failed and no peer reported a failure: {first_line}")
         watchdog.report(f"stopped after a communication error: {first_line}")
         os._exit(1)
     bad_input = isinstance(exc, (ValueError, FileNotFoundError))  # found late: the data, a model's files
-    expected = bad_input or isinstance(exc, (FloatingPointError, KeyboardInterrupt))
+    expected = bad_input or isinstance(exc, FloatingPointError)
     if not expected or show_tracebacks():
         traceback.print_exception(exc)
-    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGINT to the launcher's process group: every rank has it
-        _say(prog, f"{me} interrupted; a checkpoint it wrote earlier continues the run with --resume")
-        if watchdog is not None:  # a rank interrupted alone: the others stop now, naming it
-            watchdog.report("interrupted")
-        os._exit(130)
     # bad input: one line, as for a bad flag, and the other ranks stop quietly with the same status. Said before the
     # others hear of it: a launcher stops every process once one has ended
     _say(prog, f"{first_line} (found by {me})" if bad_input else f"{me} failed: {type(exc).__name__}: {first_line}")
@@ -111,5 +115,6 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
 
 
 def _say(prog: str, line: str) -> None:
-    print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    sys.stderr.write(f"{prog}: error: {line}\n")  # one write: ranks sharing a terminal do not interleave a line
+    sys.stderr.flush()

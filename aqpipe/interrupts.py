@@ -1,0 +1,94 @@
+"""Ctrl-C (SIGINT to the launcher's process group) and a launcher's SIGTERM, as one interruption that every rank
+says in one line and ends with status 130.
+
+A rank blocked in a collective runs no Python signal handler until the call returns, which may be never (its peer
+lingers to leave its last word in the store) or only once the peer's connection closes, and the handler would then
+raise inside the failure handling (a traceback). So the signal is known at once, from any thread, through
+`signal.set_wakeup_fd` (written by the C handler when the signal lands) read by a small thread; the handler raises
+KeyboardInterrupt only into training, once, never into the handling of another failure; and the first of the
+main thread and the watchdog to say so says it (`say_once`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_state: dict[str, Any] = {"signal": None, "handling": False, "raised": False}
+_said = threading.Lock()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _state["signal"] = _state["signal"] or signum
+    # raised once, and never into the handling of another failure (a peer's closed connection it caused)
+    if not _state["raised"] and not _state["handling"] and sys.exc_info()[0] is None:
+        _state["raised"] = True
+        raise KeyboardInterrupt
+
+
+def _listen(fd: int) -> None:
+    """The wakeup fd's bytes: each is a signal's number, written the moment it landed."""
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum in SIGNALS:
+                _state["signal"] = _state["signal"] or signum
+
+
+@contextmanager
+def caught() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt inside the block (the main thread only), once, and are known to
+    every thread at once (`came`); the handlers before it are put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    _state.update(signal=None, handling=False, raised=False)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_listen, args=(read_fd,), name="aqpipe-signals", daemon=True).start()
+    for sig in SIGNALS:
+        signal.signal(sig, _on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(old_fd)
+        os.close(write_fd)  # the listener reads the end of the pipe and stops
+        os.close(read_fd)
+
+
+def came() -> str | None:
+    """The signal's name if one came (any thread may ask; nothing changes)."""
+    return None if _state["signal"] is None else signal.Signals(_state["signal"]).name
+
+
+def received(settle_s: float = 0.05) -> str | None:
+    """From a failure's handling on: the signal's name if one came (waiting `settle_s` for the listener to hear
+    one that landed with the failure), else None. Later signals are recorded, not raised."""
+    _state["handling"] = True
+    if came() is None and settle_s > 0:
+        time.sleep(settle_s)
+    return came()
+
+
+def say_once(line: str) -> bool:
+    """Write `line` to stderr in one write, if no thread of this process said its interruption yet."""
+    if not _said.acquire(blocking=False):
+        return False
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return True

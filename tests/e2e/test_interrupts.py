@@ -1,0 +1,68 @@
+"""Ctrl-C (SIGINT to the launcher's process group) under python, torchrun and the deepspeed launcher: every rank the
+launcher lets run says so in one line and ends with status 130, no rank prints a traceback, and the checkpoint
+written before it is intact (a resume continues from it)."""
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.processes import ROOT, checkout_env, free_port
+
+QUICK = ["--seq_len", "32", "--max_train_samples", "64", "--max_eval_samples", "8", "--micro_batch_size", "2",
+         "--num_micro_batches", "2", "--epochs", "50", "--save_every", "2"]
+LAUNCHERS = {
+    "python": lambda port: [sys.executable, "-m", "aqpipe", "gpt2"],
+    "torchrun": lambda port: ["torchrun", "--nproc_per_node", "2", "--master_port", str(port), "-m", "aqpipe",
+                              "gpt2"],
+    "deepspeed": lambda port: ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "aqpipe",
+                               "gpt2"],
+}
+
+
+def interrupted(launcher: str, out) -> tuple[int, str]:
+    """The job started as a terminal starts it (its own process group), Ctrl-C'd once its step-4 checkpoint is
+    written: its status and output."""
+    cmd = [*LAUNCHERS[launcher](free_port()), *QUICK, "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "step_00000004" / "manifest.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    time.sleep(0.5)  # mid-step
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    return proc.returncode, output
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_ctrl_c_is_one_line_a_rank_and_the_checkpoint_survives(launcher, tmp_path):
+    out = tmp_path / "out"
+    status, output = interrupted(launcher, out)
+    ours = re.findall(r"aqpipe gpt2: error: [^\r\n]*", output)  # a progress bar's \r may come before one
+    if launcher == "python":
+        assert status == 130 and ours == ["aqpipe gpt2: error: interrupted; a checkpoint it wrote earlier continues "
+                                          "the run with --resume"], output[-3000:]
+    else:  # one line a rank; the launcher's own status: torchrun's 1, the deepspeed runner dies of the SIGINT
+        assert sorted(ours) == [f"aqpipe gpt2: error: rank {r} (stage {r}, replica 0) interrupted (SIGINT); a "
+                                "checkpoint it wrote earlier continues the run with --resume" for r in (0, 1)], \
+            output[-3000:]
+        assert status == {"torchrun": 1, "deepspeed": -signal.SIGINT}[launcher], output[-3000:]
+    # no rank's traceback, Python's or torch's C++ one (a store call after rank 0's process took the store away)
+    for frame in ("aqpipe/train.py", "aqpipe/world.py", "pipeline/", "Connection closed by peer", "frame #", "[c10d]"):
+        assert frame not in output, output[-3000:]
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    manifest = json.loads((latest / "manifest.json").read_text())
+    for entry in manifest["files"]:  # every file the manifest names, whole
+        assert hashlib.sha256((latest / entry["file"]).read_bytes()).hexdigest() == entry["sha256"]
+    if launcher == "python":  # and a resume continues from it
+        resumed = subprocess.run([*LAUNCHERS["python"](0), *QUICK, "--max_steps", str(manifest["step"] + 1),
+                                  "--resume", "latest", "--output_dir", str(out)], cwd=ROOT, env=checkout_env(),
+                                 capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
