@@ -92,3 +92,15 @@ def test_a_bad_row_is_named_by_its_file_line_and_a_missing_key_by_the_keys_found
     with pytest.raises(ValueError, match=r"chat\.jsonl line 6: no 'messages' \(its keys: conversation, id\); "
                                          "expected a list of"):
         data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.05)
+
+
+def test_a_held_out_chat_file_is_evaluated_whole(tmp_path):
+    """--eval_dataset: the eval file's every conversation, and the training file's every one (no 5% held back)."""
+    tok = chat_tokenizer(CHATML)
+    train, held = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    train.write_text("".join(json.dumps({"messages": CONVERSATION}) + "\n" for _ in range(40)))
+    held.write_text("".join(json.dumps({"messages": CONVERSATION[1:3]}) + "\n" for _ in range(7)))
+    assert len(data.lm_dataset(str(held), tok, 48, split="eval", eval_fraction=1.0)) == 7
+    assert len(data.lm_dataset(str(train), tok, 48, split="train", eval_fraction=0.0)) == 40
+    with pytest.raises(ValueError, match=r"eval_fraction=1.0: expected a fraction in \[0, 1\)"):
+        data.lm_dataset(str(train), tok, 48, split="train", eval_fraction=1.0)
