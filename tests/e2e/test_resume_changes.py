@@ -58,7 +58,6 @@ def test_a_longer_resume_continues_the_rate_and_loses_no_row(crashed):
 @pytest.mark.parametrize("flags, said", [
     (["--seed", "3"], "seed=42 in the checkpoint, 3 in this run"),
     (["--dropout", "0.2"], "dropout=None in the checkpoint, 0.2 in this run"),
-    (["--lr", "0.02"], "lr=0.01 in the checkpoint, 0.02 in this run"),
 ])
 def test_any_other_change_is_refused_naming_it(crashed, flags, said):
     out, _ = crashed
