@@ -59,6 +59,9 @@ def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
     for key in _fingerprinted():  # a section's settings one by one, so a refusal names the one that differs
         section = values[key] if key in ("compression", "data_parallel") else None
         flat.update({f"{key}.{k}": v for k, v in section.items()} if section is not None else {key: values[key]})
+    for key in ("max_train_samples", "max_eval_samples"):  # 0 and None both mean all of them
+        if flat.get(key) == 0:
+            flat[key] = None
     return json.loads(json.dumps(flat, default=str))
 
 
@@ -118,6 +121,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("param_dtype", "float32")
     theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
+    theirs.setdefault("dropout", mine.get("dropout"))  # checkpoints from before it was fingerprinted: unknown
     for key, value in (("lora_rank", 0), ("lora_alpha", None), ("lora_dropout", None), ("lora_target_modules", None)):
         theirs.setdefault(key, value)  # checkpoints from before LoRA: none
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"

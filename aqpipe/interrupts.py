@@ -10,6 +10,7 @@ main thread and the watchdog to say so says it (`say_once`).
 """
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state: dict[str, Any] = {"signal": None, "handling": False, "raised": False}
+_state: dict[str, Any] = {"signal": None, "handling": False, "raised": False, "active": False, "insisting": False}
 _said = threading.Lock()
 
 
@@ -32,17 +33,31 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _listen(fd: int) -> None:
-    """The wakeup fd's bytes: each is a signal's number, written the moment it landed."""
-    while True:
-        try:
-            data = os.read(fd, 64)
-        except OSError:
-            return
-        if not data:
-            return
-        for signum in data:
-            if signum in SIGNALS:
+    """The wakeup fd's bytes: each is a signal's number, written the moment it landed. Closes `fd` at the pipe's
+    end (the write end closed), so its number is never read after another file took it."""
+    try:
+        while data := os.read(fd, 64):
+            for signum in data:
+                if signum not in SIGNALS:
+                    continue
                 _state["signal"] = _state["signal"] or signum
+                if not _state["insisting"]:  # one thread, however many signals (its own re-raises among them)
+                    _state["insisting"] = True
+                    threading.Thread(target=_insist, name="aqpipe-interrupt", daemon=True).start()
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _insist() -> None:
+    """A signal the handler could not raise (it landed while the main thread handled another exception) is
+    raised again until it is, or until the run handles its failure."""
+    while True:
+        time.sleep(0.5)
+        if _state["raised"] or _state["handling"] or not _state["active"]:
+            return
+        _thread.interrupt_main(signal.SIGINT)
 
 
 @contextmanager
@@ -53,7 +68,7 @@ def caught() -> Iterator[None]:
         yield
         return
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    _state.update(signal=None, handling=False, raised=False)
+    _state.update(signal=None, handling=False, raised=False, active=True, insisting=False)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -65,9 +80,9 @@ def caught() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+        _state["active"] = False
         signal.set_wakeup_fd(old_fd)
-        os.close(write_fd)  # the listener reads the end of the pipe and stops
-        os.close(read_fd)
+        os.close(write_fd)  # the listener reads the pipe's end, closes its side and stops
 
 
 def came() -> str | None:

@@ -321,7 +321,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
                 progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
                 record.update(progress.evals)
             writer.write(record)
-            if cfg.save_every and progress.step % cfg.save_every == 0:
+            # the last step's checkpoint waits for its evaluation, below
+            if cfg.save_every and progress.step % cfg.save_every == 0 and progress.step < total_steps:
                 save()
                 saved = progress.step
     if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one

@@ -50,8 +50,17 @@ def shown(optimizer: dict[str, Any], scheduler: dict[str, Any] | None) -> dict[s
 
 
 def split(layer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the layer without these flags, the flags it gives)."""
-    return ({k: v for k, v in layer.items() if k not in FLAGS}, {k: v for k, v in layer.items() if k in FLAGS})
+    """(the layer without these flags, the flags it gives, text parsed as the flag parses it: an API call's "0.9")."""
+    given = {}
+    for k, v in layer.items():
+        if k in FLAGS and isinstance(v, str):
+            try:
+                v = FLAGS[k][0](v)
+            except ValueError:
+                raise ValueError(f"--{k} {v!r}: expected a number") from None
+        if k in FLAGS:
+            given[k] = v
+    return {k: v for k, v in layer.items() if k not in FLAGS}, given
 
 
 def apply(optimizer: dict[str, Any], scheduler: dict[str, Any] | None, edits: dict[str, Any]
@@ -90,7 +99,8 @@ def apply(optimizer: dict[str, Any], scheduler: dict[str, Any] | None, edits: di
         if kind not in HF_SCHEDULES:
             raise ValueError(f"--lr_scheduler_type {edits['lr_scheduler_type']}: expected one of "
                              f"{', '.join(HF_SCHEDULES)}")
-        scheduler = {"type": kind, "params": {"warmup_steps": 0, "warmup_ratio": 0.0}}
+        kept = scheduler["params"] if scheduler is not None and scheduler.get("type") in HF_SCHEDULES else {}
+        scheduler = {"type": kind, "params": {"warmup_steps": 0, "warmup_ratio": 0.0, **kept}}  # a file's warm-up kept
     warm = {k: edits[k] for k in ("warmup_steps", "warmup_ratio") if k in edits}
     if warm:
         if scheduler is not None and scheduler.get("type") == "WarmupDecayLR":  # the same family: HF's linear
@@ -107,6 +117,8 @@ def apply(optimizer: dict[str, Any], scheduler: dict[str, Any] | None, edits: di
             warm["warmup_steps"] = int(_at_least(warm, "warmup_steps", 0))
         if "warmup_ratio" in warm and not 0.0 <= warm["warmup_ratio"] <= 1.0:
             raise ValueError(f"--warmup_ratio {warm['warmup_ratio']}: expected a fraction in [0, 1]")
+        if "warmup_ratio" in warm and "warmup_steps" not in warm:
+            warm["warmup_steps"] = 0  # the flag wins over a file's warmup_steps, which would win over any ratio
         scheduler["params"].update(warm)
     return optimizer, scheduler
 

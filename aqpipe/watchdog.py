@@ -82,6 +82,23 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
             pass
 
+    def peer_failure(self) -> str | None:
+        """What another rank reported, where it failed for a reason of its own (not an interruption)."""
+        try:
+            for r in range(self.world_size):
+                key = self._key("failed", r)
+                if r == self.rank or not self._op(lambda s: s.check([key])):
+                    continue
+                message = self._op(lambda s: s.get(key)).decode(errors="replace")
+                if message.removeprefix(_RELAYED).endswith("interrupted"):
+                    continue
+                if message.startswith(_RELAYED):
+                    return message[len(_RELAYED):]
+                return message if message.startswith(_BAD_INPUT) else f"rank {r} ({self.describe(r)}) failed: {message}"
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to read
+            return None
+        return None
+
     def leave(self) -> None:
         """After reporting an interruption every rank had: rank 0's process may hold the store, so it leaves last.
         The others stop their heartbeat and mark that they are gone; rank 0 waits for their marks (a few beats at
@@ -150,7 +167,7 @@ class Watchdog:
                 culprit = (f"rank 0 ({self.describe(0)}) is unreachable: the rendezvous store at "
                            f"{self.host}:{self.port} stopped answering ({type(exc).__name__}: {exc})")
             if culprit and not self.stopped.is_set():
-                self._exit(culprit)
+                self.exit_for(culprit)
 
     def _check(self, last_seen: dict[int, tuple[int, float]]) -> str | None:
         self._op(lambda s: s.add(self._key("beat", self.rank), 1))
@@ -175,8 +192,11 @@ class Watchdog:
                         f"{now - since:.0f} s (peer_timeout={self.peer_timeout:g}); its process died or hangs")
         return None
 
-    def _exit(self, culprit: str) -> None:
-        if interrupts.came() is not None:  # Ctrl-C reached this rank too (its main thread may be blocked)
+    def exit_for(self, culprit: str) -> None:
+        """End this process because of `culprit` (another rank's failure), saying so unless it was bad input."""
+        # Ctrl-C reached this rank too (its main thread may be blocked); a launcher's SIGTERM after a real failure
+        # elsewhere is not an interruption: that failure is named below
+        if interrupts.came() == "SIGINT" or (interrupts.came() and culprit.endswith("failed: interrupted")):
             self.report("interrupted")
             interrupts.say_once(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) interrupted "
                                 f"({interrupts.came()}); a checkpoint it wrote earlier continues the run with --resume")

@@ -89,6 +89,9 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
     me = f"rank {world.rank} ({describer(cfg)(world.rank)})"
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     signal_name = interrupts.received()  # a peer interrupted first may have broken this rank's collective
+    culprit = watchdog.peer_failure() if signal_name == "SIGTERM" and watchdog is not None else None
+    if culprit is not None:  # the launcher stopping the survivors of a real failure: name that failure
+        watchdog.exit_for(culprit)
     if signal_name is not None or isinstance(exc, KeyboardInterrupt):  # Ctrl-C, SIGINT/SIGTERM from a launcher
         interrupts.say_once(f"{prog}: error: {me} interrupted ({signal_name or 'SIGINT'}); a checkpoint it wrote "
                             "earlier continues the run with --resume")

@@ -53,6 +53,11 @@ def test_a_longer_resume_continues_the_rate_and_loses_no_row(crashed):
     events.Reload()
     assert [e.step for e in events.Scalars("train/lr")] == list(range(1, 17))  # step 5 and 6 once each
     assert [e.step for e in events.Scalars("eval/eval_loss")] == evals
+    finished = gpt2(out, "--epochs", "3", "--resume", "latest")  # its linear decay reached 0 at step 16
+    assert finished.returncode == 2 and "Traceback" not in finished.stderr, finished.stderr[-2000:]
+    assert finished.stderr.strip().splitlines()[-1].endswith(
+        "the checkpoint's learning-rate schedule ended at step 16 with rate 0, so no step after it would learn; "
+        "expected a new run from its model to train further")
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -66,20 +71,13 @@ def test_any_other_change_is_refused_naming_it(crashed, flags, said):
     assert said in proc.stderr.strip().splitlines()[-1]
 
 
-def test_a_finished_decay_refuses_more_epochs_in_one_line(tmp_path):
-    out = tmp_path / "out"
-    assert gpt2(out, "--epochs", "1").returncode == 0
-    proc = gpt2(out, "--epochs", "2", "--resume", "latest")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].endswith(
-        "the checkpoint's learning-rate schedule ended at step 8 with rate 0, so no step after it would learn; "
-        "expected a new run from its model to train further")
-
-
 def test_a_finished_constant_rate_goes_on_and_keeps_its_last_evaluation(tmp_path):
     out = tmp_path / "out"
     flat = ["--lr_scheduler_type", "constant_with_warmup", "--eval_every", "3"]
     assert gpt2(out, "--epochs", "1", *flat).returncode == 0
+    first = (out / "metrics.jsonl").read_text()
+    again = gpt2(out, "--epochs", "1", "--resume", "latest", *flat)  # the end's checkpoint holds its evaluation
+    assert again.returncode == 0 and (out / "metrics.jsonl").read_text() == first, again.stderr[-2000:]
     proc = gpt2(out, "--epochs", "2", "--resume", "latest", *flat)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = rows(out)

@@ -30,6 +30,11 @@ def test_flags_edit_the_blocks_a_config_file_set():
     assert cfg.scheduler == {"type": "cosine", "params": {"warmup_steps": 0, "warmup_ratio": 0.25}}
     assert settled({"warmup_steps": 5}).scheduler == {"type": "linear", "params": {"warmup_steps": 5,
                                                                                    "warmup_ratio": 0.0}}
+    file = {"scheduler": {"type": "cosine", "params": {"warmup_steps": 7, "warmup_ratio": 0.0}}}
+    assert settled(file, {"lr_scheduler_type": "linear"}).scheduler["params"]["warmup_steps"] == 7  # kept
+    assert settled(file, {"warmup_ratio": 0.1}).scheduler["params"] == {"warmup_steps": 0, "warmup_ratio": 0.1}
+    cfg = settled({"adam_beta1": "0.8", "weight_decay": "0.2"})  # an API call's text, parsed as the flag's
+    assert cfg.optimizer["params"]["betas"] == [0.8, 0.999] and cfg.optimizer["params"]["weight_decay"] == 0.2
 
 
 @pytest.mark.parametrize("layer, said", [
@@ -37,6 +42,7 @@ def test_flags_edit_the_blocks_a_config_file_set():
     ({"optim": "sgd", "adam_beta1": 0.8}, "--adam_beta1 with optimizer SGD: expected Adam or AdamW (--optim)"),
     ({"adam_beta2": 1.0}, "--adam_beta2 1.0: expected a number in [0, 1)"),
     ({"weight_decay": -0.1}, "--weight_decay -0.1: expected a number >= 0"),
+    ({"weight_decay": "lots"}, "--weight_decay 'lots': expected a number"),
     ({"lr_scheduler_type": "cosine_with_restarts"}, "--lr_scheduler_type cosine_with_restarts: expected one of "
                                                     "constant, constant_with_warmup, linear, cosine"),
     ({"lr_scheduler_type": "constant", "warmup_steps": 3}, "--warmup_steps with --lr_scheduler_type constant"),
