@@ -13,7 +13,7 @@ conversation attends to another. A conversation longer than seq_len is cut; one 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -73,21 +73,26 @@ def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, 
     return (ids, labels) if any(v != IGNORE for v in labels[1:]) else None  # position 0 is never predicted
 
 
-FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line that holds a table's first row (a CSV's header comes first)
-
-
-def row_name(where: str, i: int) -> str:
-    """Row i of a table as its user finds it: a line of a JSONL or CSV file, else its index in the table."""
-    first = FIRST_LINE.get(Path(where).suffix.lower())
-    return f"{where} line {i + first}" if first is not None else f"{where} row {i}"
+def row_namer(where: str) -> Callable[[int], str]:
+    """Row i of a table as its user finds it: its line in a JSONL file (blank lines, which the loader skips, counted)
+    or a CSV file (after the header), else its index in the table."""
+    path = Path(where)
+    if path.suffix.lower() == ".jsonl" and path.is_file():
+        with path.open(encoding="utf-8") as f:
+            lines = [n for n, text in enumerate(f, start=1) if text.strip()]
+        return lambda i: f"{where} line {lines[i]}" if i < len(lines) else f"{where} row {i}"
+    if path.suffix.lower() == ".csv":
+        return lambda i: f"{where} line {i + 2}"
+    return lambda i: f"{where} row {i}"
 
 
 def instruction_tensors(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, seq_len: int,
                         where: str) -> dict[str, torch.Tensor]:
     """Padded samples: input_ids, attention_mask, labels (-100 but on assistant tokens), one row per sample."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    name = row_namer(where)
     samples = [s for i, row in enumerate(rows)
-               if (s := encode_instruction(row, tokenizer, seq_len, row_name(where, i))) is not None]
+               if (s := encode_instruction(row, tokenizer, seq_len, name(i))) is not None]
     if not samples:
         raise ValueError(f"{where}: none of its {len(rows)} rows has an assistant token within seq_len={seq_len}; "
                          "expected assistant turns (or completions) that fit")

@@ -85,8 +85,8 @@ def test_a_bad_row_is_named_by_its_file_line_and_a_missing_key_by_the_keys_found
     tok = chat_tokenizer(CHATML)
     rows = [{"messages": CONVERSATION[1:3]}] * 56 + [{"messages": [{"role": "robot", "content": "hi"}]}]
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"chat\.jsonl line 57: turn \{'role': 'robot'"):  # the 57th line
+    path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # a blank first line: the loader skips it
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 58: turn \{'role': 'robot'"):  # the 57th row, line 58
         data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.05)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5] + [{"conversation": [], "id": 7}]))
     with pytest.raises(ValueError, match=r"chat\.jsonl line 6: no 'messages' \(its keys: conversation, id\); "
