@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import interrupts
 from .speech import let_rank_0_speak, speaks
 from .environment import show_tracebacks
 from .tasks import TASKS, Task
@@ -49,8 +50,7 @@ def finetune(task: Task, argv: list[str], description: str | None = None, prog: 
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM in one process (a multi-process run ends in stop_after_failure)
         if show_tracebacks():
             raise
-        print(f"{prog or Path(sys.argv[0]).name}: error: interrupted; a checkpoint it wrote earlier continues the "
-              "run with --resume", file=sys.stderr)
+        print(interrupts.line(prog or Path(sys.argv[0]).name), file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, FileNotFoundError, FloatingPointError) as exc:  # one line: bad input found late, NaN/inf
         if show_tracebacks():

@@ -99,6 +99,12 @@ def received(settle_s: float = 0.05) -> str | None:
     return came()
 
 
+def line(prog: str, who: str | None = None) -> str:
+    """What an interrupted process says: `who` (a rank and its stage) and the signal, where there are several."""
+    about = f"{who} interrupted ({came() or 'SIGINT'})" if who else "interrupted"
+    return f"{prog}: error: {about}; a checkpoint it wrote earlier continues the run with --resume"
+
+
 def say_once(line: str) -> bool:
     """Write `line` to stderr in one write, if no thread of this process said its interruption yet."""
     if not _said.acquire(blocking=False):

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -82,22 +82,27 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
             pass
 
+    def _reports(self) -> Iterator[tuple[str, str]]:
+        """(message, the failure it names) of each other rank that reported one: a survivor's relayed news names
+        the rank it names, bad input stands as it is said, anything else names its rank."""
+        for r in range(self.world_size):
+            key = self._key("failed", r)
+            if r != self.rank and self._op(lambda s: s.check([key])):
+                message = self._op(lambda s: s.get(key)).decode(errors="replace")
+                if message.startswith(_RELAYED):
+                    yield message, message[len(_RELAYED):]
+                elif message.startswith(_BAD_INPUT):
+                    yield message, message
+                else:
+                    yield message, f"rank {r} ({self.describe(r)}) failed: {message}"
+
     def peer_failure(self) -> str | None:
         """What another rank reported, where it failed for a reason of its own (not an interruption)."""
         try:
-            for r in range(self.world_size):
-                key = self._key("failed", r)
-                if r == self.rank or not self._op(lambda s: s.check([key])):
-                    continue
-                message = self._op(lambda s: s.get(key)).decode(errors="replace")
-                if message.removeprefix(_RELAYED).endswith("interrupted"):
-                    continue
-                if message.startswith(_RELAYED):
-                    return message[len(_RELAYED):]
-                return message if message.startswith(_BAD_INPUT) else f"rank {r} ({self.describe(r)}) failed: {message}"
+            return next((culprit for message, culprit in self._reports()
+                         if not message.removeprefix(_RELAYED).endswith("interrupted")), None)
         except Exception:  # noqa: BLE001 - the store is gone: nothing to read
             return None
-        return None
 
     def leave(self) -> None:
         """After reporting an interruption every rank had: rank 0's process may hold the store, so it leaves last.
@@ -172,15 +177,8 @@ class Watchdog:
     def _check(self, last_seen: dict[int, tuple[int, float]]) -> str | None:
         self._op(lambda s: s.add(self._key("beat", self.rank), 1))
         if int(self._op(lambda s: s.add(self._key("failures"), 0))):
-            for r in range(self.world_size):
-                key = self._key("failed", r)
-                if r != self.rank and self._op(lambda s: s.check([key])):
-                    message = self._op(lambda s: s.get(key)).decode(errors="replace")
-                    if message.startswith(_RELAYED):  # another survivor's news: name the rank it names
-                        return message[len(_RELAYED):]
-                    if message.startswith(_BAD_INPUT):
-                        return message
-                    return f"rank {r} ({self.describe(r)}) failed: {message}"
+            for _, culprit in self._reports():
+                return culprit
         now = time.monotonic()
         limit = min(self.peer_timeout, 3.5 * self.interval) if self.suspicious else self.peer_timeout
         for r, (count, since) in last_seen.items():
@@ -198,8 +196,7 @@ class Watchdog:
         # elsewhere is not an interruption: that failure is named below
         if interrupts.came() == "SIGINT" or (interrupts.came() and culprit.endswith("failed: interrupted")):
             self.report("interrupted")
-            interrupts.say_once(f"{self.prog}: error: rank {self.rank} ({self.describe(self.rank)}) interrupted "
-                                f"({interrupts.came()}); a checkpoint it wrote earlier continues the run with --resume")
+            interrupts.say_once(interrupts.line(self.prog, f"rank {self.rank} ({self.describe(self.rank)})"))
             self.leave()
             os._exit(130)
         self.report(_RELAYED + culprit)  # ranks not yet aware learn it at their next beat

@@ -93,8 +93,7 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
     if culprit is not None:  # the launcher stopping the survivors of a real failure: name that failure
         watchdog.exit_for(culprit)
     if signal_name is not None or isinstance(exc, KeyboardInterrupt):  # Ctrl-C, SIGINT/SIGTERM from a launcher
-        interrupts.say_once(f"{prog}: error: {me} interrupted ({signal_name or 'SIGINT'}); a checkpoint it wrote "
-                            "earlier continues the run with --resume")
+        interrupts.say_once(interrupts.line(prog, me))
         if watchdog is not None:  # a rank interrupted alone: the others stop now, naming it
             watchdog.report("interrupted")
             watchdog.leave()  # rank 0's process, which may hold the store, ends last
