@@ -98,6 +98,27 @@ class _Codec:
         self.rotation_seed = int(rotation_seed)
         self.adaptive = bool(adaptive) and mode != "none"
         self._signs: dict[tuple[int, str], torch.Tensor] = {}  # (row width, device) -> the rotation's signs
+        self._flags: list[torch.Tensor] | None = None  # deferred checks (defer_checks); None: each read at once
+
+    def defer_checks(self) -> None:
+        """For a caller that encodes only finite values (a pipeline step sends zeros for a NaN) and reads its flags
+        together (once, after its schedule): from now on, whether each message's scales are finite (a group's range
+        fits float32) stays on the device as a value (`take_checks`) instead of a ValueError read per message, and
+        the input is not scanned again. A value that is not finite: the message decodes to garbage, so the caller's step
+        must be rejected and undone."""
+        self._flags = []
+
+    def take_checks(self) -> list[torch.Tensor]:
+        """One 0-dim float per quantized message encoded since the last call, finite where all was well (its largest
+        group step: NaN or inf where a group held NaN/inf or spanned more than float32); [] when not deferred."""
+        flags = self._flags or []
+        if self._flags is not None:
+            self._flags = []
+        return flags
+
+    def _check_finite(self, x: torch.Tensor, what: str) -> None:
+        if self._flags is None:  # deferred: finite by the caller's word
+            check_finite(x, what)
 
     def _rotation(self, width: int, device: torch.device) -> torch.Tensor:
         key = (width, str(device))
@@ -106,14 +127,18 @@ class _Codec:
         return self._signs[key]
 
     def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        return quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator)
+        q = quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator,
+                     check=self._flags is None)
+        if self._flags is not None:
+            self._flags.append(q.largest_step())
+        return q
 
     def _encode_dense(self, x: torch.Tensor) -> Message:
         check_float(x)
         if self.mode == "none":  # raw bytes, no scale a NaN could spoil: NaN/inf are the sender's guard's to stop
             return Message(_raw_bytes(x), x.shape, x.dtype, decoded=x.detach())
         if self.mode == "hadamard":
-            check_finite(x, type(self).__name__ + " input")  # before the rotation smears a NaN over its block
+            self._check_finite(x, type(self).__name__ + " input")  # before the rotation smears a NaN over its block
             signs = self._rotation(x.shape[-1], x.device)
             q = self._quantize(rotate(x.detach(), signs))
             return Message(q.to_bytes(), x.shape, x.dtype, decoded=unrotate(dequantize(q), signs).to(x.dtype))
@@ -324,7 +349,7 @@ class ForwardCodec(_Codec):
         check_float(x)
         ids, whole, delta = self._split(sample_ids, x.shape, refresh)
         x = x.detach()
-        check_finite(x, "activation")
+        self._check_finite(x, "activation")
         steady = not bool(whole.any())  # every sample sent as a change: no masks to apply
         rows = x[:0] if steady else x[whole.to(x.device)]
         m = self.buffer.rows(ids[delta], x.device).float()
@@ -369,6 +394,14 @@ class ForwardCodec(_Codec):
         out = self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
         self._fold(rows)
         return out
+
+    def defer_checks(self) -> None:
+        super().defer_checks()
+        if self.first is not None:
+            self.first.defer_checks()
+
+    def take_checks(self) -> list[torch.Tensor]:
+        return super().take_checks() + (self.first.take_checks() if self.first is not None else [])
 
     def take_change(self) -> tuple[float, float]:
         """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: the root of their ratio

@@ -85,6 +85,16 @@ class QuantizedTensor:
         groups = _num_groups(n, _group_size(shape, group_size))
         return kernels.packed_nbytes(n, check_bits(bits)) + 8 * groups
 
+    def finite(self) -> torch.Tensor:
+        """Whether every group's step is finite (its values were finite and their range fits float32), as a 0-dim
+        bool on the codes' device: what `quantize(check=False)` leaves to its caller, read with no host sync."""
+        return torch.isfinite(self.largest_step())
+
+    def largest_step(self) -> torch.Tensor:
+        """The largest group step, 0-dim on the codes' device: NaN or inf exactly where `finite()` is false. One
+        reduction where `finite()` takes two: the value a pipeline's codecs leave for their step's one read."""
+        return self.steps.amax() if self.steps.numel() else self.steps.new_zeros(())
+
     def to_bytes(self) -> torch.Tensor:
         """One flat uint8 tensor: mins, steps (float32, native byte order), then the codes."""
         return torch.cat([self.mins.view(torch.uint8), self.steps.view(torch.uint8), self.codes])
@@ -115,13 +125,16 @@ class QuantizedTensor:
 
 def quantize(
     x: torch.Tensor, bits: int, *, stochastic: bool = True, group_size: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, check: bool = True,
 ) -> QuantizedTensor:
     """Quantize x to `bits` bits per element with min-max scaling per group.
 
     Every element decodes within one step, (max - min) / (2**bits - 1), of its value;
     stochastic rounding makes the decoded value unbiased. `generator` (or torch's
     default one) supplies the dither key, so a seeded generator reproduces the codes.
+    `check=False` skips the one host read (a ValueError for NaN/inf or a range beyond float32): the caller reads
+    `finite()` later, with other values (a pipeline step reads all its flags at once), and throws the codes away
+    when it is false.
     """
     check_bits(bits)
     check_float(x)
@@ -131,7 +144,7 @@ def quantize(
     packed, mins, steps = kernels.quantize_flat(flat, gs, bits, key)
     # the one host read of a quantize: a step is not finite where its group holds NaN/inf (its min is NaN) or spans
     # more than float32 holds
-    if mins.numel() and not bool(torch.isfinite(steps).all()):
+    if check and mins.numel() and not bool(torch.isfinite(steps).all()):
         if not bool(torch.isfinite(mins).all()):
             check_finite(x)
         g = int((~torch.isfinite(steps)).nonzero()[0, 0])

@@ -96,7 +96,7 @@ class StepRun:
     def settle(self) -> None:
         """The step's device values (loss sum, accuracy count, finiteness flags) read in one transfer."""
         counts = [self.correct] if self.counted else []
-        values = [*self.losses.values(), *counts, *self.targets, *(ok for _, _, ok in self.guard.findings.pending)]
+        values = [*self.losses.values(), *counts, *self.targets, *(t for _, _, t, _ in self.guard.findings.pending)]
         if not values:
             return
         host = torch.stack([v.to(torch.float64) for v in values]).tolist()
@@ -105,7 +105,7 @@ class StepRun:
         if self.counted:
             self.correct, n = int(host[n]), n + 1
         self.target_tokens, n = int(sum(host[n:n + len(self.targets)])), n + len(self.targets)
-        self.guard.findings.settle([bool(v) for v in host[n:]])
+        self.guard.findings.settle(host[n:])
 
     def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
                ) -> StepTotals:
@@ -157,6 +157,8 @@ class StepRun:
             self.guard.note(BUFFER_RANGE, mb)
             self.guard.findings.overflow = self.guard.findings.overflow or exc
             self.counters.fwd_bytes += e.next.send_activation(torch.zeros_like(x), self.ids[mb], self.phase)
+        for step in e.next.take_checks():  # its encoding's largest step: finite where the message is
+            self.guard.findings.check_value(ACTIVATION, mb, step)
 
     def recv_grad(self, mb: int) -> None:
         self.grads[mb] = self.runtime.next.take_grad(self.posted.pop((sched.RECV_GRAD, mb)))
@@ -193,6 +195,8 @@ class StepRun:
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         grad = self.guard.zeros_unless(grad.to(self.runtime.wire_dtype), GRADIENT, mb)
         self.counters.bwd_bytes += self.runtime.prev.send_grad(grad, self.phase)
+        for step in self.runtime.prev.take_checks():
+            self.guard.findings.check_value(GRADIENT, mb, step)
 
     # ------------------------------------------------------------------ around them
     def _post_receives(self, actions: list[sched.Action]) -> dict[sched.Action, Any]:

@@ -7,6 +7,7 @@ message.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -80,12 +81,13 @@ _FLOATS = {f.name for f in fields(StepTotals) if f.type in (float, "float")}
 class Findings:
     """What a rank found in a step that stops it: non-finite kinds (a bit mask), the first micro-batch where, and
     an activation its AQ-SGD buffer could not hold. A check made inside the schedule stays on the device as a
-    pending flag (`check`), read with the step's other device values once the schedule is done (`settle`)."""
+    pending flag (`check`) or value (`check_value`), read with the step's other device values once the schedule is
+    done (`settle`)."""
 
     bad: int = 0
     first_mb: int = -1
     overflow: BufferRangeError | None = None
-    pending: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (kind, mb, all finite?)
+    pending: list[tuple[int, int, torch.Tensor, bool]] = field(default_factory=list)  # (kind, mb, tensor, a value?)
 
     def note(self, kind: int, mb: int) -> None:
         self.bad |= kind
@@ -93,13 +95,19 @@ class Findings:
 
     def check(self, kind: int, mb: int, finite: torch.Tensor) -> None:
         """Note `kind` at `mb` once the flag `finite` (a 0-dim bool on the device) is read, if it is false."""
-        self.pending.append((kind, mb, finite))
+        self.pending.append((kind, mb, finite, False))
 
-    def settle(self, finite: list[bool]) -> None:
-        """The pending flags' values, in the order they were checked. A boundary gradient backwarded from a
+    def check_value(self, kind: int, mb: int, value: torch.Tensor) -> None:
+        """Note `kind` at `mb` once `value` (0-dim, on the device) is read, if it is not finite (a codec's check:
+        one reduction where a flag would take two)."""
+        self.pending.append((kind, mb, value, True))
+
+    def settle(self, read: list[float]) -> None:
+        """The pending tensors as read, in the order they were checked. A boundary gradient backwarded from a
         non-finite loss of the same micro-batch is that loss's consequence, not a finding of its own."""
-        lost = {mb for (kind, mb, _), ok in zip(self.pending, finite) if kind == LOSS and not ok}
-        for (kind, mb, _), ok in zip(self.pending, finite):
+        finite = [math.isfinite(v) if value else bool(v) for (_, _, _, value), v in zip(self.pending, read)]
+        lost = {mb for (kind, mb, _, _), ok in zip(self.pending, finite) if kind == LOSS and not ok}
+        for (kind, mb, _, _), ok in zip(self.pending, finite):
             if not ok and not (kind == GRADIENT and mb in lost):
                 self.note(kind, mb)
         self.pending = []

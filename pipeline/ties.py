@@ -190,6 +190,7 @@ class TiedWeights:
                         if undo is not None:
                             undo.append(boundary.forward.undo_point(rows))
                         sent += boundary.send_activation(matrix.index_select(0, rows.to(matrix.device)), rows, phase)
+                        self.finite_flags += [torch.isfinite(v) for v in boundary.take_checks()]
                 if training:
                     link.incoming = [boundary.post_grad(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype,
                                                         phase, matrix.device) if rows.numel() else None
@@ -244,6 +245,7 @@ class TiedWeights:
             g, ok = finite_or_zeros(g)  # where not finite, zeros go; the engine rejects the step on the parameter grad
             self.finite_flags.append(ok)
             sent += link.boundary.send_grad(g, phase)
+            self.finite_flags += [torch.isfinite(v) for v in link.boundary.take_checks()]  # its encoding's too
         return sent
 
     def finish(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,16 @@ class Boundary:
         self.forward, self.backward = forward, backward
         # full precision during warm-up epochs (aqsgd uses refresh instead, which also fills its buffer)
         self.fallback_forward, self.fallback_backward = fallback_forward, fallback_backward
+        for codec in self._codecs():  # a step reads its codecs' checks with its other flags, after the schedule
+            codec.defer_checks()
+
+    def _codecs(self) -> tuple[Any, ...]:
+        return self.forward, self.backward, self.fallback_forward, self.fallback_backward
+
+    def take_checks(self) -> list[torch.Tensor]:
+        """A 0-dim value on the device per quantized message sent since the last call, finite where the message
+        was (codecs' `take_checks`): one that is not means its peer decoded garbage, so the step must be rejected."""
+        return [flag for codec in self._codecs() for flag in codec.take_checks()]
 
     def _forward_codec(self, phase: str) -> tuple[ForwardCodec, dict]:
         if phase == "train":

@@ -19,6 +19,7 @@ from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 16
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+DIRECT = CompressionConfig(forward="direct", forward_bits=4, backward="direct", backward_bits=4)
 NAN = float("nan")
 
 
@@ -54,6 +55,10 @@ def nonfinite(rank, world):
                 return out
             if poison["kind"] == "activation" and groups.stage == 0:
                 return out * NAN
+            if poison["kind"] == "range" and groups.stage == 0:  # finite, but a group's range beyond float32's
+                wide = torch.full_like(out, 3e38)
+                wide[..., ::2] = -3e38
+                return out * 0 + wide
             if poison["kind"] == "overflow" and groups.stage == 0:
                 return out + 7e4  # finite in float32, beyond float16's 65504
             if poison["kind"] == "loss" and stage.is_last:
@@ -92,6 +97,10 @@ def nonfinite(rank, world):
             engine.train_batch(plan[0][1], 0)
         except FloatingPointError as exc:
             out[kind] = str(exc)
+    # finite values a quantizer cannot scale (a group spanning more than float32 holds): found with the step's other
+    # flags after the schedule (no read per message), the step skipped on every rank alike
+    engine, poison["kind"] = make(skip=True, compression=DIRECT), "range"
+    out["range"] = engine.train_batch(plan[0][1], 0).skipped
     # a first visit a float16 buffer cannot hold stops every rank, skip or not, with nothing stored
     engine, poison["kind"] = make(skip=True), "overflow"
     try:
@@ -124,6 +133,13 @@ def test_a_nan_activation_is_never_sent_and_the_step_is_skipped_on_every_stage(n
         assert run["wire_finite"]
         losses = run["losses"]
         assert losses[5] != losses[5] and all(v == v for v in losses[:5] + losses[6:])  # only step 6 is NaN
+
+
+def test_an_activation_a_quantizer_cannot_scale_skips_the_step_on_every_stage(nonfinite_runs):
+    for run in nonfinite_runs:
+        # the sender names its message (the receiver's loss, computed from what it decoded, follows)
+        assert run["range"].startswith("non-finite values at step 1: stage 0 (rank 0, replica 0): activation to send "
+                                       "(micro-batch 0)"), run["range"]
 
 
 def test_a_nan_loss_or_gradient_stops_every_stage_naming_where(nonfinite_runs):

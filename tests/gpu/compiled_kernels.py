@@ -1,5 +1,6 @@
 """Run by test_cuda_path in a process of its own, where Triton compiles (the suite's runs it interpreted): the
-compiled kernels' bytes on CUDA tensors against the C kernels' on the same values. Prints one line per case that
+compiled kernels' bytes on CUDA tensors against the C kernels' on the same values, and their unchecked quantize's
+finiteness flags. Prints one line per case that
 differs, then `checked N`; exits 1 if any differed."""
 from __future__ import annotations
 
@@ -27,9 +28,25 @@ def main() -> int:
                     cases += 1
                     if not all(torch.equal(a, b) for a, b in zip(out["native"], out["triton"])):
                         bad.append((shape, group_size, bits, stochastic))
+    # the flag a pipeline's codecs leave for their step's one read (quantize(check=False)): false for a group that
+    # holds a NaN or an inf or spans more than float32, in every kernel path, as the C kernels'
+    flags = 0
+    for group_size in (None, 8, 1100):
+        for spoil in ("nan", "inf", "wide", None):
+            x = torch.randn(3, 5, 1600, generator=torch.Generator().manual_seed(3))
+            if spoil == "wide":
+                x[1, 2, 100:102] = torch.tensor([-3e38, 3e38])
+            elif spoil:
+                x[1, 2, 100] = float(spoil)
+            for backend, device in (("native", "cpu"), ("triton", "cuda" if gpu else "cpu")):
+                kernels.configure(backend=backend, interpret=not gpu)
+                finite = bool(quantize(x.to(device), 2, group_size=group_size, check=False).finite())
+                flags += 1
+                if finite != (spoil is None):
+                    bad.append(("flag", backend, group_size, spoil, finite))
     for case in bad:
         print("differs:", case)
-    print(f"checked {cases}")
+    print(f"checked {cases}, flags {flags}")
     return 1 if bad else 0
 
 

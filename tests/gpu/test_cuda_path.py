@@ -26,7 +26,7 @@ def test_compiled_triton_kernels_give_the_c_kernels_bytes():
     proc = subprocess.run([sys.executable, "-m", "tests.gpu.compiled_kernels"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "checked 240" in proc.stdout
+    assert "checked 240, flags 24" in proc.stdout
 
 
 def test_staging_round_trips_through_pinned_host_memory():

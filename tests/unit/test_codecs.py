@@ -196,6 +196,28 @@ def test_nan_is_never_encoded(mode):
         s.encode(x, torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("mode", ["direct", "hadamard", "aqsgd"])
+def test_deferred_checks_flag_each_message_instead_of_raising(mode):
+    """A pipeline's codecs defer their checks: each message leaves a value (0-dim, its largest group step) its step
+    reads with the others at once, not finite where a group's range is beyond float32. (AQ-SGD's rows are stored in
+    host memory, checked as they are stored.)"""
+    s, ids = pair(mode)[0], torch.tensor([0, 1])
+    s.defer_checks()
+    good = torch.randn(2, *SHAPE)
+    s.encode(good, ids)
+    values = s.take_checks()
+    assert values and all(v.dim() == 0 and bool(torch.isfinite(v)) for v in values)
+    assert s.take_checks() == []  # taken once
+    if mode == "aqsgd":
+        return
+    wide = torch.full((2, *SHAPE), 3e38)
+    wide[..., ::2] = -3e38
+    s.encode(wide, ids)  # no ValueError: the flag says it
+    assert not all(bool(torch.isfinite(v)) for v in s.take_checks())
+    with pytest.raises(ValueError, match="wider than float32|non-finite"):  # what an eager codec says
+        pair(mode)[0].encode(wide, ids)
+
+
 def test_a_full_precision_wire_carries_what_it_is_given_without_reading_it_on_the_host():
     """No quantizer, no scale for a NaN to spoil: mode none checks nothing (a check would sync a GPU each message);
     the engine's step guard zeros a NaN before it is sent and rejects the step."""

@@ -172,6 +172,17 @@ def test_huge_range_is_refused_not_decoded_to_nan():
         quantize(x, 4)
 
 
+@pytest.mark.parametrize("x", [torch.tensor([[-3e38, 3e38], [1.0, 2.0]]), torch.tensor([[1.0, 2.0], [float("nan"), 0]]),
+                               torch.tensor([[1.0, 2.0], [float("inf"), 0]])], ids=["range", "nan", "inf"])
+def test_an_unchecked_quantize_leaves_its_verdict_as_a_flag(x):
+    """check=False reads nothing on the host: its caller reads `finite()` with its other flags."""
+    q = quantize(x, 4, check=False)
+    assert not bool(q.finite()) and q.finite().dim() == 0
+    assert not bool(torch.isfinite(q.largest_step())) and q.largest_step().dim() == 0
+    fine = quantize(torch.tensor([[1.0, 2.0], [0.0, 0.0]]), 4, check=False)  # a group of zeros: step 0, still fine
+    assert bool(fine.finite()) and float(fine.largest_step()) == pytest.approx(1 / 15)
+
+
 def test_integer_input_and_bad_group_size_are_refused():
     with pytest.raises(ValueError, match="dtype"):
         quantize(torch.arange(10), 4)
