@@ -121,6 +121,9 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("param_dtype", "float32")
     theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
+    for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None)):
+        theirs.setdefault(key, value)  # checkpoints from before packing: one conversation a sample, cut to fit
+    theirs.setdefault("loss_average", "micro_batches")  # checkpoints from before the setting: a micro-batch's mean
     theirs.setdefault("dropout", mine.get("dropout"))  # checkpoints from before it was fingerprinted: unknown
     for key, value in (("lora_rank", 0), ("lora_alpha", None), ("lora_dropout", None), ("lora_target_modules", None)):
         theirs.setdefault(key, value)  # checkpoints from before LoRA: none

@@ -17,8 +17,10 @@ from typing import Any
 from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig
 from pipeline.adapters import LoraSettings
+from pipeline import LOSS_AVERAGES
 from pipeline.schedule import SCHEDULES
 
+from .data.chat import OVERFLOWS
 from .placement import BACKENDS
 from .trainer_flags import HF_SCHEDULES
 from compression.fields import check_int
@@ -65,6 +67,14 @@ class RunConfig:
     label_column: str | None = setting(None, "a local table's label column (integers 0..K-1 or strings); default: "
                                            "label, else labels")
     seq_len: int = setting(128, "tokens per sample")
+    packing: bool = setting(False, "chat data: place whole conversations (or prompt/completion pairs) into samples "
+                                   "of seq_len tokens by best-fit decreasing, each attending within itself alone "
+                                   "(position ids restart with each), instead of one per sample padded to seq_len")
+    packing_overflow: str = setting("truncate", "chat data: a conversation longer than seq_len is cut "
+                                                "(truncate; counted in the data line) or refused (error)")
+    chat_template: str | None = setting(None, "chat data: the chat template, for a tokenizer without one or instead "
+                                              "of its own: chatml, llama3 or a Jinja file; exported with the "
+                                              "tokenizer")
     # `ds`: where the setting lives in a DeepSpeed config file (config_file.py), where it has a place there
     pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
                                                "stages x replicas)", ds="pipeline.stages")
@@ -97,6 +107,11 @@ class RunConfig:
     optimizer: dict[str, Any] = field(default_factory=_adamw, metadata={"ds": "optimizer"})  # its lr is `lr`
     scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay, metadata={"ds": "scheduler"})  # None:
     # a constant lr
+    loss_average: str = setting("tokens", "a causal LM's loss over a step: tokens (HF Trainer's: summed over every "
+                                        "target token of the step's micro-batches and replicas, divided by their "
+                                        "count) or micro_batches (the mean of each micro-batch's mean, which weighs "
+                                        "a chat micro-batch of 5 assistant tokens as one of 500); the same for LM "
+                                        "blocks")
     gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)", ds="gradient_clipping")
     bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
@@ -219,6 +234,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if cfg.packing_overflow not in OVERFLOWS:
+        raise ValueError(f"packing_overflow={cfg.packing_overflow!r}: expected one of {', '.join(OVERFLOWS)}")
+    if cfg.packing and cfg.task != "causal_lm":
+        raise ValueError(f"packing with task {cfg.task}: expected causal-lm (chat or prompt/completion data)")
+    if cfg.loss_average not in LOSS_AVERAGES:
+        raise ValueError(f"loss_average={cfg.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
     if cfg.compile and cfg.schedule == "zb1":
         raise ValueError("compile=True with schedule='zb1': a compiled stage's backward is one step, which zb1's "
                          "split would run twice; expected schedule 1f1b or gpipe with --compile")

@@ -51,12 +51,14 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
         # a model directory or hub name brings its own tokenizer; a config.json or the built-in shape does not
         own = cfg.model if cfg.model is not None and not os.path.isfile(cfg.model) else None
         corpus = None if own is not None and os.path.isdir(own) else datalib.fetch_shakespeare()
-        tokenizer = datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification")
+        tokenizer = datalib.apply_chat_template_setting(
+            datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification"), cfg.chat_template)
         # without --eval_dataset the last eval_fraction of the source is held out; with one, each is used whole
         held = {"eval_fraction": 0.0 if cfg.eval_dataset else cfg.eval_fraction}
         held_out = (cfg.eval_dataset, {"eval_fraction": 1.0}) if cfg.eval_dataset else (source, held)
         if task.kind == "causal_lm":
-            kw = {"dataset_config": cfg.dataset_config, "text_column": cfg.text_column}
+            kw = {"dataset_config": cfg.dataset_config, "text_column": cfg.text_column, "packing": cfg.packing,
+                  "packing_overflow": cfg.packing_overflow}
             make = datalib.lm_dataset
         else:
             kw = {"seed": cfg.seed, "text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
@@ -67,7 +69,8 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
         limited = datalib.limit(train, cfg.max_train_samples or None), \
             datalib.limit(evaluation, cfg.max_eval_samples or None)  # 0: all
         if world.rank == 0:
-            print(data_line(cfg, len(train), len(evaluation), *map(len, limited)), file=sys.stderr)
+            print(data_line(cfg, len(train), len(evaluation), *map(len, limited), getattr(train, "cut", 0)),
+                  file=sys.stderr)
         return (tokenizer, *limited)
 
     if world.local_rank != 0:
@@ -78,14 +81,17 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
     return result
 
 
-def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept_eval: int) -> str:
-    """The split a run trains and evaluates on, and any cap that cut it, in one line."""
+def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept_eval: int, cut: int = 0) -> str:
+    """The split a run trains and evaluates on, any cap that cut it, and chat rows cut to seq_len, in one line."""
     def part(kept: int, total: int, flag: str) -> str:
         return f"{kept} of {total} samples (--{flag} {kept})" if kept < total else f"{total} samples"
 
     held = f"--eval_dataset {cfg.eval_dataset}" if cfg.eval_dataset else f"the last {cfg.eval_fraction:g} of it"
+    packed = " (packed)" if cfg.packing else ""
+    cuts = f"; {cut} rows longer than seq_len={cfg.seq_len} cut to fit (--packing_overflow error refuses them)" \
+        if cut else ""
     return (f"data: train {part(kept_train, train, 'max_train_samples')}, eval "
-            f"{part(kept_eval, evaluation, 'max_eval_samples')} from {held}")
+            f"{part(kept_eval, evaluation, 'max_eval_samples')}{packed} from {held}{cuts}")
 
 
 FUSED = ("Adam", "AdamW", "SGD")  # torch's optimizers with a fused CUDA kernel
@@ -247,6 +253,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
         lr_scheduler=build_scheduler(cfg, optimizer, total_steps), gradient_clipping=cfg.gradient_clipping,
         schedule=cfg.schedule, ties=ties, device=world.device, bf16=cfg.bf16, seed=cfg.seed,
         data_parallel=algorithm, skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
+        loss_average=cfg.loss_average,
     )
 
 

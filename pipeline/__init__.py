@@ -11,6 +11,7 @@ from typing import Any
 
 from .compression_config import BUFFER_DTYPES, CompressionConfig
 from .engine import PipelineEngine, StepCounters, StepMetrics, followed_parameters, owned_parameters
+from .step_run import LOSS_AVERAGES
 from .schedule import SCHEDULES, Action, gpipe, in_flight, one_f_one_b, simulate, train_schedule
 from .ties import TIE_MODES, Tie
 from .topology import Grid, Groups, build_groups
@@ -28,7 +29,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BUFFER_DTYPES", "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "Grid", "Groups", "PipelineEngine",
+    "BUFFER_DTYPES", "LOSS_AVERAGES", "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "Grid", "Groups",
+    "PipelineEngine",
     "PipelineStage", "StageOutput", "StepCounters", "StepMetrics", "Tie", "build_groups", "followed_parameters",
     "gpipe", "in_flight", "merge_into",
     "one_f_one_b", "owned_parameters", "partition", "simulate", "tie_groups", "train_schedule",

@@ -34,7 +34,7 @@ from . import schedule as sched
 from .auto_bits import DIRECTIONS, AutoBitsController
 from .compression_config import CompressionConfig
 from .step_guard import StepGuard
-from .step_run import StageRuntime, StepRun
+from .step_run import LOSS_AVERAGES, StageRuntime, StepRun
 from .step_table import PARAM_GRAD, Row, StepCounters, StepTable, StepTotals, sum_over_job
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
@@ -125,9 +125,16 @@ class PipelineEngine:
         lr_scheduler: Any = None, gradient_clipping: float = 0.0, schedule: str = "1f1b",
         ties: dict[str, Tie] | None = None, device: torch.device | str = "cpu", bf16: bool = False,
         seed: int = 0, data_parallel: Any = None, skip_nonfinite: bool = False, link_latency_s: float = 0.0,
+        loss_average: str = "tokens",
     ) -> None:
+        """`loss_average`: how a causal LM's step averages its loss: `tokens` (HF Trainer's: the sum over every
+        target token of the step, over its micro-batches and replicas, divided by their count) or `micro_batches`
+        (the mean of the micro-batches' means). Equal where every micro-batch holds as many targets (LM blocks)."""
         if schedule not in sched.SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(sched.SCHEDULES)}")
+        if loss_average not in LOSS_AVERAGES:
+            raise ValueError(f"loss_average={loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
+        self.per_token = loss_average == "tokens"
         self.stage, self.groups, self.optimizer, self.lr_scheduler = stage, groups, optimizer, lr_scheduler
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
         self.gradient_clipping, self.schedule, self.skip_nonfinite = gradient_clipping, schedule, skip_nonfinite
@@ -201,7 +208,8 @@ class PipelineEngine:
         buffered = self.compression.forward == "aqsgd" and (self.prev is not None or self.next is not None)
         return StageRuntime(self.stage, self.prev, self.next, self.tied, self.wire, self.wire_dtype, self.device,
                             self.autocast, self.seed, self.groups.replica, self.global_step, self.num_samples,
-                            buffered, timed=self.device.type == "cuda" and self.auto_bits is not None)
+                            buffered, timed=self.device.type == "cuda" and self.auto_bits is not None,
+                            per_token=self.per_token)
 
     def codecs(self) -> dict[str, Any]:
         """This rank's stateful codecs by name (the full-precision fallbacks keep no state)."""
@@ -249,10 +257,15 @@ class PipelineEngine:
         """An accepted step's update: the replicas' algorithm, clipping, the optimizer and the LR schedule; returns
         the learning rate it stepped with and the gradient norm before clipping (`totals` gets the dp bytes)."""
         norm = None  # the algorithm may change the gradients: their norm is taken again after it
+        share = self._token_share(table, totals)
+        if share != 1.0:  # this replica's micro-batches held another share of the step's targets than 1 / replicas
+            grads = [p.grad for p in owned_parameters(self.stage, self.ties) if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, share)
         if self.data_parallel is not None:
             self.data_parallel.after_backward()
         else:
-            norm = table.pipeline_norm(self.groups.replica)
+            norm = table.pipeline_norm(self.groups.replica) * share
         grad_norm = self._clip(norm)
         self.optimizer.step()
         if self.data_parallel is not None:
@@ -265,6 +278,21 @@ class PipelineEngine:
             self.lr_scheduler.step()
         self.global_step += 1
         return lr, grad_norm
+
+    def _token_share(self, table: StepTable, totals: StepTotals) -> float:
+        """What this replica's gradients are multiplied by to make the step's per-token mean: each replica's last
+        stage divided its token sums by its own count (exact 1 / micro-batches where they hold equal counts), so
+        this is replicas x its count / the job's (1 where replicas hold equal counts: LM blocks, one replica)."""
+        if not self.per_token or not totals.target_tokens:
+            return 1.0
+        mine = table.replica_sum("target_tokens", self.groups.replica)
+        return self.groups.grid.replicas * mine / totals.target_tokens
+
+    def _loss(self, t: StepTotals, micro_batches: int) -> float:
+        """The step's loss: per token over the step (`tokens`, a causal LM) or the mean of micro-batch means."""
+        if self.per_token and t.target_tokens:
+            return t.token_loss_sum / t.target_tokens
+        return t.mean_loss(micro_batches, self.groups.grid.replicas)
 
     def _decide_bits(self, table: StepTable, accepted: bool, micro_batches: list[dict]) -> dict[str, Any] | None:
         """Auto bits after the step: its compute observed (not a rejected step's: it may have stopped short), and on a
@@ -285,7 +313,7 @@ class PipelineEngine:
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  bits: dict[str, int] | None, decision: dict[str, Any] | None,
                  skipped: str | None = None) -> StepMetrics:
-        loss = float("nan") if skipped is not None else t.mean_loss(m, self.groups.grid.replicas)
+        loss = float("nan") if skipped is not None else self._loss(t, m)
         return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
                            t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change(), bits,
                            decision, t.staging(), t.target_tokens or None)
@@ -340,7 +368,7 @@ class PipelineEngine:
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         run = StepRun(self._runtime(), micro_batches, "eval", False, None).run(actions)
         t = StepTable.exchange(self.groups, Row(run.guard.findings, 0.0, run.totals(self._sent_change()))).totals()
-        loss = t.mean_loss(len(micro_batches), self.groups.grid.replicas)
+        loss = self._loss(t, len(micro_batches))
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if t.counted:
             result["accuracy"] = t.correct / t.counted

@@ -48,6 +48,20 @@ class StageRuntime:
     num_samples: int  # the dataset's, which AQ-SGD's sample ids index
     buffered: bool  # whether AQ-SGD buffers read the sample ids (training phases, a compressed boundary here)
     timed: bool  # whether compute timers wait for the GPU (auto bits prices compute from them)
+    per_token: bool = False  # a causal LM's loss per target token over the step (else the micro-batches' mean)
+
+
+LOSS_AVERAGES = ("tokens", "micro_batches")  # per_token True / False
+IGNORE = -100  # a label the loss skips
+
+
+def target_counts(micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+    """Each causal-LM micro-batch's target tokens (labels other than -100 after the first position), 0-dim tensors
+    where its labels are; None where the labels are not a causal LM's (B, T)."""
+    labels = [mb.get("labels") for mb in micro_batches]
+    if any(lab is None or lab.dim() != 2 for lab in labels):
+        return None
+    return [(lab[:, 1:] != IGNORE).sum() for lab in labels]
 
 
 class StepRun:
@@ -65,8 +79,11 @@ class StepRun:
         self.losses: dict[int, torch.Tensor] = {}  # on the device until `settle`
         self.correct: torch.Tensor | int = 0  # likewise
         self.targets: list[torch.Tensor] = []  # likewise: each causal-LM micro-batch's target tokens
+        self.counts = target_counts(micro_batches) if runtime.stage.is_last else None
+        # per token: a micro-batch's loss weighs its share of this replica's targets (the engine scales replicas)
+        self.replica_tokens = torch.stack(self.counts).sum() if self.counts and runtime.per_token else None
         self.counted = self.target_tokens = 0
-        self.loss_sum = 0.0
+        self.loss_sum = self.token_loss_sum = 0.0
         self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
         buffered = phase != "eval" and runtime.buffered  # ids checked once, where AQ-SGD buffers read them
         self.ids = [SampleIds(mb.get("sample_id"), runtime.num_samples) if buffered else mb.get("sample_id")
@@ -104,13 +121,17 @@ class StepRun:
         self.loss_sum = sum(host[:n])
         if self.counted:
             self.correct, n = int(host[n]), n + 1
-        self.target_tokens, n = int(sum(host[n:n + len(self.targets)])), n + len(self.targets)
+        counts = host[n:n + len(self.targets)]
+        self.target_tokens, n = int(sum(counts)), n + len(self.targets)
+        if len(counts) == len(self.losses):  # float64 products of float32 losses and integer counts: exact
+            self.token_loss_sum = sum(loss * count for loss, count in zip(host[:len(counts)], counts))
         self.guard.findings.settle(host[n:])
 
     def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
                ) -> StepTotals:
         """This rank's share of the step's totals (`change`: its AQ-SGD sender's squares; `link`: its probe)."""
-        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, target_tokens=self.target_tokens,
+        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, token_loss_sum=self.token_loss_sum,
+                          target_tokens=self.target_tokens,
                           correct=int(self.correct),
                           counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
                           schedule_seconds=self.schedule_seconds, compute_seconds=self.compute_seconds,
@@ -139,11 +160,13 @@ class StepRun:
             loss = out.loss.float()
             self.losses[mb] = loss.detach()
             self._score(out.logits, self.micro_batches[mb])
-            labels = self.micro_batches[mb].get("labels")
-            if labels is not None and labels.dim() == 2:  # a causal LM's: what its loss falls on
-                self.targets.append((labels[:, 1:] != -100).sum())
+            if self.counts is not None:  # a causal LM's: what its loss falls on
+                self.targets.append(self.counts[mb])
             self.guard.finite(loss, LOSS, mb)  # a NaN loss backwards NaN gradients: the step is rejected after
-            out = loss / len(self.micro_batches)
+            # per token: its token sum over this replica's target count, as loss / (that count / its own), which is
+            # loss / micro-batches where they hold equal counts (LM blocks train as with a micro-batch's mean)
+            tokens = self.replica_tokens
+            out = loss / (tokens / self.counts[mb] if tokens is not None else len(self.micro_batches))
         self.outputs[mb] = out
 
     def send_act(self, mb: int) -> None:

@@ -41,6 +41,7 @@ class StepTotals(StepCounters):
     them, computing (forwards and backwards)."""
 
     loss_sum: float = 0.0
+    token_loss_sum: float = 0.0  # the sum of each causal-LM micro-batch's loss times its target tokens
     target_tokens: int = 0  # the tokens the causal-LM loss fell on (labels other than -100 after the first position)
     correct: int = 0
     counted: int = 0
@@ -170,6 +171,11 @@ class StepTable:
     def column(self, name: str) -> torch.Tensor:
         """A totals column, one value per rank (a probe of a rank's link, its compute)."""
         return self.rows[:, FIRST_TOTAL + TOTALS.index(name)]
+
+    def replica_sum(self, name: str, replica: int) -> float:
+        """A totals column summed over `replica`'s ranks."""
+        grid = self.groups.grid
+        return float(sum(v for rank, v in enumerate(self.column(name).tolist()) if grid.coords(rank)[1] == replica))
 
     def pipeline_norm(self, replica: int) -> float:
         """The global gradient norm of `replica`'s pipeline."""

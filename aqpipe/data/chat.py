@@ -7,11 +7,14 @@ conversation up to and including it ends where the turn ends (its end-of-turn to
 learn to stop). Tokens are matched to those character spans through the tokenizer's offsets, so any template
 whose renders of a conversation's prefixes are prefixes of its render works; one that is not gets one line.
 
-One conversation per sample, padded to seq_len (labels -100 on padding, attention mask 0): without packing no
-conversation attends to another. A conversation longer than seq_len is cut; one left with no target is dropped.
+One conversation per sample, padded to seq_len (labels -100 on padding, attention mask 0), or with `packing` many
+per sample (packing.py: block-diagonal attention through position ids that restart with each conversation). A
+conversation longer than seq_len is cut (counted: `Instructions.cut`), or refused with `overflow="error"`; one left
+with no target is dropped.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,8 +37,9 @@ def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokeniz
     """The rendered conversation and the character spans of its assistant turns."""
     _check_messages(messages, where)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{where}: the tokenizer has no chat_template; expected a model whose tokenizer has one "
-                         "(its tokenizer_config.json or chat_template.jinja), or prompt/completion columns")
+        raise ValueError(f"{where}: the tokenizer has no chat_template; expected --chat_template (chatml, llama3 or a "
+                         "Jinja file), a model whose tokenizer has one (its tokenizer_config.json or "
+                         "chat_template.jinja), or prompt/completion columns")
     text = _render(tokenizer, messages, False)
     spans = []
     for i, message in enumerate(messages):
@@ -54,6 +58,17 @@ def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokeniz
 def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str
                        ) -> tuple[list[int], list[int]] | None:
     """(input ids, labels) of one row, cut to seq_len; None when no target token is left."""
+    return _cut(tokenize_instruction(row, tokenizer, where), seq_len)
+
+
+def _cut(sample: tuple[list[int], list[int]], seq_len: int) -> tuple[list[int], list[int]] | None:
+    ids, labels = sample[0][:seq_len], sample[1][:seq_len]
+    return (ids, labels) if any(v != IGNORE for v in labels[1:]) else None  # position 0 is never predicted
+
+
+def tokenize_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, where: str
+                         ) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one row, whole."""
     if row.get("messages") is None and ("messages" in row or "prompt" not in row):  # a table fills a missing key
         found = sorted(k for k, v in row.items() if v is not None)
         raise ValueError(f"{where}: no 'messages' (its keys: {', '.join(found) or 'none'}); expected a list of "
@@ -67,10 +82,10 @@ def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, 
         eos = tokenizer.eos_token or ""
         text, spans = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-    ids = encoded["input_ids"][:seq_len]
+    ids = encoded["input_ids"]
     labels = [token if any(lo <= start < hi for lo, hi in spans) else IGNORE
               for token, (start, _) in zip(ids, encoded["offset_mapping"])]
-    return (ids, labels) if any(v != IGNORE for v in labels[1:]) else None  # position 0 is never predicted
+    return ids, labels
 
 
 def row_namer(where: str) -> Callable[[int], str]:
@@ -86,16 +101,46 @@ def row_namer(where: str) -> Callable[[int], str]:
     return lambda i: f"{where} row {i}"
 
 
-def instruction_tensors(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, seq_len: int,
-                        where: str) -> dict[str, torch.Tensor]:
-    """Padded samples: input_ids, attention_mask, labels (-100 but on assistant tokens), one row per sample."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    name = row_namer(where)
-    samples = [s for i, row in enumerate(rows)
-               if (s := encode_instruction(row, tokenizer, seq_len, name(i))) is not None]
+OVERFLOWS = ("truncate", "error")  # what a conversation longer than seq_len gets
+
+
+@dataclass
+class Instructions:
+    """A table's rows as (input ids, labels), each at most seq_len tokens (rows with no target left dropped), and
+    how many were cut to fit."""
+
+    samples: list[tuple[list[int], list[int]]]
+    cut: int
+
+
+def encode_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str,
+                overflow: str = "truncate") -> Instructions:
+    """Every row tokenized, cut to seq_len (or refused naming the first that is longer, with overflow="error")."""
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"packing_overflow={overflow!r}: expected one of {', '.join(OVERFLOWS)}")
+    name, samples, cut = row_namer(where), [], 0
+    for i, row in enumerate(rows):
+        whole = tokenize_instruction(row, tokenizer, name(i))
+        if len(whole[0]) > seq_len:
+            if overflow == "error":
+                raise ValueError(f"{name(i)}: {len(whole[0])} tokens, longer than seq_len={seq_len}; expected rows "
+                                 "that fit (or --packing_overflow truncate to cut them)")
+            cut += 1
+        sample = _cut(whole, seq_len)
+        if sample is not None:
+            samples.append(sample)
     if not samples:
         raise ValueError(f"{where}: none of its {len(rows)} rows has an assistant token within seq_len={seq_len}; "
                          "expected assistant turns (or completions) that fit")
+    return Instructions(samples, cut)
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+
+
+def padded(samples: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> dict[str, torch.Tensor]:
+    """One sequence per sample, padded to seq_len: input_ids, attention_mask, labels."""
     ids = torch.full((len(samples), seq_len), pad, dtype=torch.int64)
     labels = torch.full((len(samples), seq_len), IGNORE, dtype=torch.int64)
     mask = torch.zeros((len(samples), seq_len), dtype=torch.int64)

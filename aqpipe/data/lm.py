@@ -12,7 +12,8 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from .chat import instruction_tensors, is_instruction_table
+from .chat import encode_rows, is_instruction_table, pad_id, padded
+from .packing import pack
 from .corpus import fetch_shakespeare
 from .datasets import TensorDictDataset, check_seq_len, check_split, describe, split_slice
 from .sources import (HUB_DEFAULT_CONFIGS, TABLE_FORMATS, TEXT_SUFFIXES, column_texts, hub_split, load_hub, load_table,
@@ -22,7 +23,8 @@ from .tokens import token_file
 
 def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_len: int,
                split: str = "train", eval_fraction: float = 0.05, *, text_column: str | None = None,
-               dataset_config: str | None = None) -> Dataset:
+               dataset_config: str | None = None, packing: bool = False, packing_overflow: str = "truncate"
+               ) -> Dataset:
     """Causal-LM samples: the text tokenized and cut into blocks of exactly `seq_len` tokens.
 
     Sources: None or "shakespeare" (built in), a local .txt, .json/.jsonl, .csv or .parquet file
@@ -34,20 +36,26 @@ def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_l
     memory-mapped token file as they are asked for (`TokenBlocks`).
 
     A table of conversations (`messages`) or prompt/completion pairs gives instruction samples instead: one per
-    row, padded, labels -100 but on the assistant's tokens (chat.py).
+    row, padded, labels -100 but on the assistant's tokens (chat.py); with `packing`, many whole rows a sample
+    (packing.py: position_ids that restart with each row, no attention_mask). A row longer than seq_len is cut (the
+    dataset's `cut` counts them) or, with packing_overflow "error", refused.
     """
     check_seq_len(seq_len)
     check_split(split, eval_fraction)
     text, table, presplit, where = _lm_source(text_path_or_name, split, dataset_config)
     if table is not None and is_instruction_table(table.column_names):
-        tensors = instruction_tensors(table.to_list(), tokenizer, seq_len, where)
-        if not presplit:
-            tensors = {name: t[split_slice(len(t), split, eval_fraction)] for name, t in tensors.items()}
-        count = len(tensors["input_ids"])
-        if count == 0:
+        rows = encode_rows(table.to_list(), tokenizer, seq_len, where, packing_overflow)
+        samples = rows.samples if presplit else rows.samples[split_slice(len(rows.samples), split, eval_fraction)]
+        if not samples:
             raise ValueError(f"{where}: no sample left for the {split!r} split; expected more rows")
-        tensors["sample_id"] = torch.arange(count, dtype=torch.int64)
-        return TensorDictDataset(tensors, seq_len=seq_len, split=split)
+        tensors = (pack if packing else padded)(samples, seq_len, pad_id(tokenizer))
+        tensors["sample_id"] = torch.arange(len(tensors["input_ids"]), dtype=torch.int64)
+        dataset = TensorDictDataset(tensors, seq_len=seq_len, split=split)
+        dataset.cut = rows.cut  # rows of the whole table cut to seq_len (said once, in the run's data line)
+        return dataset
+    if packing:
+        raise ValueError(f"packing with {where}: expected a table of conversations (messages) or prompt/completion "
+                         "pairs; LM text is already cut into full blocks with no padding to pack away")
     ids = token_file(text if table is None else column_texts(table, text_column, where), tokenizer)
     count = len(ids) // seq_len
     part = range(count)[split_slice(count, split, eval_fraction)] if not presplit else range(count)

@@ -2,12 +2,13 @@
 
 transformers declares their parts itself: the config class's ``base_model_pp_plan`` names the embeddings, the layers
 and the final norm of the base model, and the family adapter is derived from it. Per stage, as the base model's
-``forward`` does it (transformers 5, ``modeling_llama.py`` / ``modeling_qwen3.py``): position ids ``arange(T)[None]``;
-one mask per attention kind its layers use (``config.layer_types``: full or sliding window; without them, sliding
-everywhere when ``config.sliding_window`` is set), rebuilt from ``batch["attention_mask"]``; the rotary ``(cos, sin)``
-computed once by the stage's own copy of ``rotary_emb`` (Gemma 3: per layer kind) and handed to every decoder layer.
-The head: the LM head (tied to the embeddings where ``tie_word_embeddings``; Gemma 3's final soft-capping), or the
-classifier at each row's last non-pad token.
+``forward`` does it (transformers 5, ``modeling_llama.py`` / ``modeling_qwen3.py``): position ids ``arange(T)[None]``
+(a packed sample's own, restarting with each sequence); one mask per attention kind its layers use
+(``config.layer_types``: full or sliding window; without them, sliding everywhere when ``config.sliding_window`` is
+set), rebuilt from ``batch["attention_mask"]``; the rotary ``(cos, sin)`` computed once by the stage's own copy of
+``rotary_emb`` (Gemma 3: per layer kind) and handed to every decoder layer. The head: the LM head (tied to the
+embeddings where ``tie_word_embeddings``; Gemma 3's final soft-capping), or the classifier at each row's last non-pad
+token.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from .base import Family, PipelineStage, StageOutput
-from .heads import causal_mask, classify_last_token
+from .heads import causal_mask, classify_last_token, position_ids
 from .lm_loss import causal_lm_loss
 
 
@@ -53,17 +54,17 @@ class DecoderStage(PipelineStage):
         return self.get_submodule(self.family.first[0])(batch["input_ids"])
 
     def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = position_ids(hidden, batch)
         attention_mask = batch.get("attention_mask")
         rotary = self.get_submodule(self.family.every[0])
         kinds = dict.fromkeys(self.kinds.values())
-        masks = {kind: causal_mask(self.config, hidden, attention_mask, position_ids, kind) for kind in kinds}
+        masks = {kind: causal_mask(self.config, hidden, attention_mask, positions, kind) for kind in kinds}
         if self.rotary_per_kind:
-            cos_sin = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+            cos_sin = {kind: rotary(hidden, positions, kind) for kind in kinds}
         else:
-            cos_sin = dict.fromkeys(kinds, rotary(hidden, position_ids))
+            cos_sin = dict.fromkeys(kinds, rotary(hidden, positions))
         return {i: ((), {"attention_mask": masks[kind], "position_embeddings": cos_sin[kind],
-                         "position_ids": position_ids}) for i, kind in self.kinds.items()}
+                         "position_ids": positions}) for i, kind in self.kinds.items()}
 
     def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:
         hidden = self.get_submodule(self.family.last[0])(hidden)

@@ -1,6 +1,7 @@
 """GPT-2 stages: GPT2LMHeadModel and GPT2ForSequenceClassification.
 
-Per stage, as ``GPT2Model.forward`` does it (transformers 5): position ids are ``arange(T)[None]``; the causal +
+Per stage, as ``GPT2Model.forward`` does it (transformers 5): position ids are ``arange(T)[None]`` (a packed
+sample's own, restarting with each sequence, where the batch has them); the causal +
 padding mask is rebuilt from ``batch["attention_mask"]`` with ``masking_utils.create_causal_mask`` and the stage's
 copy of the config (so ``sdpa`` may get ``None`` and use ``is_causal``, ``eager`` a materialised mask, exactly as
 the unpartitioned model). No KV cache is used.
@@ -13,7 +14,7 @@ import torch
 
 from ..seeding import reseed
 from .base import Family, PipelineStage, StageOutput
-from .heads import causal_mask, classify_last_token
+from .heads import causal_mask, classify_last_token, position_ids
 from .lm_loss import causal_lm_loss
 
 
@@ -28,8 +29,7 @@ class GPT2Stage(PipelineStage):
     def embed(self, batch: dict[str, torch.Tensor], seed: int | None) -> torch.Tensor:
         tr = self.transformer
         inputs_embeds = tr.wte(batch["input_ids"])
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
-        hidden = inputs_embeds + tr.wpe(position_ids)
+        hidden = inputs_embeds + tr.wpe(position_ids(inputs_embeds, batch))
         token_type_ids = batch.get("token_type_ids")
         if token_type_ids is not None:
             hidden = hidden + tr.wte(token_type_ids)
@@ -37,9 +37,9 @@ class GPT2Stage(PipelineStage):
         return tr.drop(hidden)
 
     def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = causal_mask(self.config, hidden, batch.get("attention_mask"), position_ids)
-        kwargs = {"encoder_attention_mask": None, "use_cache": False, "position_ids": position_ids}
+        positions = position_ids(hidden, batch)
+        mask = causal_mask(self.config, hidden, batch.get("attention_mask"), positions)
+        kwargs = {"encoder_attention_mask": None, "use_cache": False, "position_ids": positions}
         return {i: ((None, mask, None), kwargs) for i in self.block_indices}
 
     def head(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], seed: int | None) -> StageOutput:

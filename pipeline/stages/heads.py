@@ -16,6 +16,15 @@ MASKS = {"full_attention": masking_utils.create_causal_mask,
          "sliding_attention": masking_utils.create_sliding_window_causal_mask}
 
 
+def position_ids(hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A packed sample's own position ids (each sequence from 0, so HF's mask builders attend within each one
+    alone), else 0..T-1."""
+    given = batch.get("position_ids")
+    if given is not None:
+        return given.to(hidden.device)
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
 def causal_mask(config: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                 kind: str = "full_attention") -> Any:
     """The mask HF's model builds for its layers of `kind` (the padding mask folded in; None where the attention

@@ -1,5 +1,7 @@
-"""`aqpipe.finetune` called from a user's script under torchrun, on a `datasets.Dataset` of conversations: the
-summary comes back on every rank, the loss falls on the assistant's tokens, and bad input raises one line."""
+"""`aqpipe.finetune` called from a user's script under torchrun, on a `datasets.Dataset` of conversations, for a base
+model whose tokenizer has no chat template (`chat_template="chatml"`), packed: the summary comes back on every rank,
+the loss falls on the assistant's tokens, the template is exported with the tokenizer, and bad input raises one
+line."""
 import json
 import subprocess
 
@@ -7,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers.processes import checkout_env, free_port
-from tests.helpers.chat import LLAMA3, chat_tokenizer
+from aqpipe.data import BUILTIN_CHAT_TEMPLATES
+from tests.helpers.chat import chat_tokenizer
 
 SCRIPT = '''
 import json, os, sys
@@ -26,7 +29,7 @@ for bad in ({"seq_len": 1}, {"forward_bitz": 2}):
         said.append(str(err))
 summary = aqpipe.finetune("causal-lm", model=model, dataset=datasets.Dataset.from_list(rows), seq_len=24,
                           micro_batch_size=2, num_micro_batches=2, epochs=1, forward_bits="2", lr=1e-2,
-                          output_dir=out, dist_timeout=60)
+                          output_dir=out, dist_timeout=60, chat_template="chatml", packing=True)
 said.append({k: summary[k] for k in ("steps", "final_loss", "fwd_bytes", "train_samples")})
 with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(said, f)
@@ -35,7 +38,7 @@ with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f
 
 def test_the_api_runs_a_chat_job_from_a_script_under_torchrun(tmp_path):
     model = tmp_path / "model"
-    tok = chat_tokenizer(LLAMA3)
+    tok = chat_tokenizer(None)  # a base model's: no chat template
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
@@ -55,14 +58,18 @@ def test_the_api_runs_a_chat_job_from_a_script_under_torchrun(tmp_path):
         assert seen[1].startswith("unknown setting 'forward_bitz': expected a flag's name")
     summaries = [seen[2] for seen in said]
     assert summaries[0] == summaries[1]
-    assert summaries[0]["train_samples"] == 39 and summaries[0]["steps"] == 9 and summaries[0]["fwd_bytes"] > 0
+    # 39 training conversations of 11 to 15 tokens packed into 27 samples of 24 (two short ones share a sample)
+    assert summaries[0]["train_samples"] == 27 and summaries[0]["steps"] == 6 and summaries[0]["fwd_bytes"] > 0
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
              if "lr" in json.loads(line)]
-    # 4 conversations a step, each with 3 reply tokens + the end of turn as targets, whatever its padding
-    assert [s["target_tokens"] for s in steps] == [16] * 9
+    # 4 samples a step, each of one or two conversations with 3 reply tokens + the end of turn as targets
+    tokens = [s["target_tokens"] for s in steps]
+    assert all(t % 4 == 0 and 16 <= t <= 32 for t in tokens) and len(set(tokens)) > 1, tokens
     losses = [s["loss"] for s in steps]
     assert losses[-1] < losses[0], losses
     saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert saved["architectures"] == ["LlamaForCausalLM"]
-    assert "chat_template" in (tmp_path / "out" / "model" / "tokenizer_config.json").read_text() or \
-        (tmp_path / "out" / "model" / "chat_template.jinja").is_file()
+    exported = tmp_path / "out" / "model" / "chat_template.jinja"  # the model chats the way it was trained
+    template = exported.read_text() if exported.is_file() else \
+        json.loads((tmp_path / "out" / "model" / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == BUILTIN_CHAT_TEMPLATES["chatml"]

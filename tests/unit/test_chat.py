@@ -52,7 +52,8 @@ def test_prompt_and_completion_train_on_the_completion_and_its_end():
 
 
 def test_no_chat_template_or_a_malformed_turn_is_one_line():
-    with pytest.raises(ValueError, match="the tokenizer has no chat_template; expected a model whose tokenizer"):
+    with pytest.raises(ValueError, match=r"the tokenizer has no chat_template; expected --chat_template \(chatml, "
+                                         r"llama3 or a Jinja file\), a model whose tokenizer"):
         encode_instruction({"messages": CONVERSATION}, chat_tokenizer(None), 64, "chat.jsonl row 0")
     with pytest.raises(ValueError, match=r"turn \{'role': 'robot'.*expected role one of system, user"):
         encode_instruction({"messages": [{"role": "robot", "content": "hi"}]}, chat_tokenizer(LLAMA3), 64, "t")
