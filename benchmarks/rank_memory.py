@@ -56,8 +56,9 @@ PUBLISHED = {
 STATE_BYTES = 16  # per trained parameter: fp32 weight, fp32 gradient, Adam's two fp32 moments
 
 
-def write_model(family: str, path: Path) -> int:
-    """The family's checkpoint (safetensors shards, tokenizer), random weights; returns its parameter count."""
+def write_model(family: str, path: Path, config: dict[str, Any] | None = None) -> int:
+    """The family's checkpoint (safetensors shards, tokenizer), random weights; returns its parameter count.
+    `config`: another shape of the family (its config's values) than the published one."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -66,7 +67,7 @@ def write_model(family: str, path: Path) -> int:
     spec = FAMILIES[family]
     tokenizer = gpt2_bpe_tokenizer()  # a real vocabulary: the head and the logits are as large as a user's
     config_class, model_class = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (GPT2Config, GPT2LMHeadModel)
-    config = config_class(**spec["config"], pad_token_id=tokenizer.pad_token_id)
+    config = config_class(**(config or spec["config"]), pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = model_class(config).to(getattr(torch, spec["dtype"]))
     model.save_pretrained(path, max_shard_size="60MB")

@@ -14,11 +14,17 @@ with no target is dropped.
 """
 from __future__ import annotations
 
+import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import numpy as np
 import torch
+
+from .cache import atomic_file, atomic_write, cache_root, sha256_hex
+from .tokens import tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -119,8 +125,7 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, 
     if overflow not in OVERFLOWS:
         raise ValueError(f"packing_overflow={overflow!r}: expected one of {', '.join(OVERFLOWS)}")
     name, samples, cut = row_namer(where), [], 0
-    for i, row in enumerate(rows):
-        whole = tokenize_instruction(row, tokenizer, name(i))
+    for i, whole in enumerate(rendered_rows(rows, tokenizer, name)):
         if len(whole[0]) > seq_len:
             if overflow == "error":
                 raise ValueError(f"{name(i)}: {len(whole[0])} tokens, longer than seq_len={seq_len}; expected rows "
@@ -133,6 +138,42 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, 
         raise ValueError(f"{where}: none of its {len(rows)} rows has an assistant token within seq_len={seq_len}; "
                          "expected assistant turns (or completions) that fit")
     return Instructions(samples, cut)
+
+
+def rendered_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, name: Callable[[int], str]
+                  ) -> Iterator[tuple[list[int], list[int]]]:
+    """Each row's (input ids, labels), whole, from the cache where this data was rendered before with the same
+    tokenizer and template: rendering every assistant turn's prefixes is the slow part of a chat set's start, and
+    every rank of a machine would repeat it. Keyed by the rows, the tokenizer and the template (whole rows: any
+    seq_len reads the same entry); built once per machine (three files written whole, the offsets last),
+    memory-mapped after; a tokenizer that cannot be fingerprinted is not cached."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:
+        yield from (tokenize_instruction(row, tokenizer, name(i)) for i, row in enumerate(rows))
+        return
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    key = sha256_hex(b"chat", fingerprint.encode(), (template or "").encode(),
+                     json.dumps(rows, sort_keys=True, default=str).encode())[:32]
+    base = cache_root() / "chat" / key
+    offsets_path = base.with_suffix(".offsets.npy")
+    if not offsets_path.is_file():
+        encoded = [tokenize_instruction(row, tokenizer, name(i)) for i, row in enumerate(rows)]
+        lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
+        for suffix, column in ((".ids.bin", 0), (".labels.bin", 1)):
+            atomic_write(base.with_suffix(suffix), np.fromiter(
+                itertools.chain.from_iterable(row[column] for row in encoded), dtype=np.int32,
+                count=int(lengths.sum())).tobytes())
+        with atomic_file(offsets_path) as f:
+            np.save(f, np.concatenate([[0], np.cumsum(lengths)]))
+        yield from encoded
+        return
+    offsets = np.load(offsets_path)
+    if offsets[-1] == 0:  # no rows: nothing to map
+        return
+    ids, labels = (np.memmap(base.with_suffix(s), dtype=np.int32, mode="r") for s in (".ids.bin", ".labels.bin"))
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        yield ids[a:b].tolist(), labels[a:b].tolist()
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -34,7 +34,7 @@ def token_file(source: Path | Iterable[str], tokenizer: PreTrainedTokenizerBase)
     (nanoGPT's train.bin). Built once per machine, streaming: memory stays near one batch of text whatever the
     corpus's size; every process of the machine maps the same pages."""
     dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
-    fingerprint = _tokenizer_fingerprint(tokenizer)
+    fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:  # a tokenizer that cannot be fingerprinted is not cached
         return np.concatenate([*_token_pieces(source, tokenizer), np.zeros(0, np.int64)]).astype(dtype)
     key = sha256_hex(fingerprint.encode(), *_source_parts(source))[:32]
@@ -87,7 +87,7 @@ def cached(tokenizer: PreTrainedTokenizerBase, parts: list[bytes],
     """Tensors that tokenizing produced before for the same inputs and tokenizer, else `build()`,
     saved under `cache_root() / "tokens"`. Tokenizing a corpus takes seconds on 2 cores and every
     rank does it at start. Tokenizers without a `backend_tokenizer` are not cached."""
-    fingerprint = _tokenizer_fingerprint(tokenizer)
+    fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
         return build()
     path = cache_root() / "tokens" / f"{sha256_hex(fingerprint.encode(), *parts)[:32]}.pt"
@@ -112,7 +112,7 @@ def _narrow(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32) if -2**31 <= low and high < 2**31 else t
 
 
-def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str | None:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """A digest of a fast tokenizer's definition and the settings that change its output; None
     for tokenizers without a `backend_tokenizer`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

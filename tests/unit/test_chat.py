@@ -105,3 +105,24 @@ def test_a_held_out_chat_file_is_evaluated_whole(tmp_path):
     assert len(data.lm_dataset(str(train), tok, 48, split="train", eval_fraction=0.0)) == 40
     with pytest.raises(ValueError, match=r"eval_fraction=1.0: expected a fraction in \[0, 1\)"):
         data.lm_dataset(str(train), tok, 48, split="train", eval_fraction=1.0)
+
+
+def test_chat_rows_are_rendered_once_per_machine_and_again_for_another_template(tmp_path, monkeypatch):
+    monkeypatch.setenv("AQPIPE_CACHE", str(tmp_path / "cache"))
+    tok = chat_tokenizer(CHATML)
+    renders = []
+    render = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **kw: renders.append(1) or render(*a, **kw)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": CONVERSATION[:i]}) + "\n" for i in (3, 5) * 6))
+    first = data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.1)
+    rendered = len(renders)
+    assert rendered > 0
+    again = data.lm_dataset(str(path), tok, 32, split="train", eval_fraction=0.1, packing=True)  # any seq_len
+    assert len(renders) == rendered  # read back, memory-mapped: not rendered again
+    fresh = data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.1)
+    assert all(torch.equal(first.tensors[k], fresh.tensors[k]) for k in first.tensors)
+    assert int((again.tensors["labels"] != IGNORE).sum()) == int((first.tensors["labels"][:, 1:] != IGNORE).sum())
+    tok.chat_template = LLAMA3  # another template: other tokens, rendered anew
+    other = data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.1)
+    assert len(renders) > rendered and not torch.equal(other.tensors["input_ids"], first.tensors["input_ids"])
