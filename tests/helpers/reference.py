@@ -56,24 +56,27 @@ def one_thread() -> Iterator[None]:
 def train_reference(model: torch.nn.Module, steps: list[list[dict[str, torch.Tensor]]], *, family: str,
                     num_blocks: int, optimizer: torch.optim.Optimizer, clip: float, scheduler: Any = None,
                     seed: int = 0) -> dict[str, Any]:
-    """Train `model` on `steps` (each a list of micro-batches); per step the mean micro-batch loss and the global
-    gradient norm before clipping, and the final weights."""
+    """Train `model` on `steps` (each a list of micro-batches); per step the loss (a causal LM's per target token
+    over the step, as HF's Trainer computes it with `num_items_in_batch`; else the mean micro-batch loss) and the
+    global gradient norm before clipping, and the final weights."""
     losses, norms = [], []
     model.train()
     with one_thread(), seeded_like_a_stage(model, family, num_blocks) as use:
         for step, micro_batches in enumerate(steps):
             optimizer.zero_grad(set_to_none=True)
+            causal = micro_batches[0]["labels"].dim() == 2
+            weights = [int((mb["labels"][:, 1:] != -100).sum()) if causal else 1 for mb in micro_batches]
             total = 0.0
             for k, mb in enumerate(micro_batches):
                 use(derive_seed(seed, 0, step, k))  # replica 0, step, micro-batch: as the engine derives it
                 loss = model(**{key: v for key, v in mb.items() if key != "sample_id"}).loss
-                total += float(loss.detach())
-                (loss / len(micro_batches)).backward()
+                total += float(loss.detach()) * weights[k]
+                (loss * weights[k] / sum(weights)).backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            losses.append(total / len(micro_batches))
+            losses.append(total / sum(weights))
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"loss": losses, "grad_norm": norms, "weights": weights}
 
