@@ -4,10 +4,11 @@ and forward bytes per assistant token; and the per-token loss against the micro-
 The job is the user's: `torchrun --nproc_per_node 2 -m aqpipe causal-lm --chat_template chatml` on a JSONL of
 conversations, a tied Llama with GPT-2's 50257-token vocabulary whose tokenizer has no chat template (a base model's),
 bf16 shards. The conversations are generated (no hub here): a user turn and an assistant reply, each of words drawn
-from the built-in plays, their lengths log-normal. The reply's median, 80 words, is the scale of Alpaca's replies
-(its card: 33.4 MB over 36,401 training rows of instruction, input, output and their templated text, about 360
-characters of instruction, input and output a row); the prompt's, 30 words; both with a long right tail (sigma 0.9),
-as instruction sets have. The figures depend on the padding share, which is what this spread sets.
+from the built-in plays, their lengths log-normal (sigma 0.9: a long right tail, as instruction sets have), with
+medians of 12 and 35 words: means of 18 and 53 words, about 360 characters of text a conversation, Alpaca's scale
+(its card: 33.4 MB over 36,401 training rows of instruction, input, output and their templated text, which puts
+instruction, input and output near 360 characters a row). The figures depend on the padding share, which this
+spread and --seq_len set.
 
     python -m benchmarks.chat_packing --json benchmarks/results/chat_packing.json   # ~12 min on 2 cores
 """
@@ -47,7 +48,7 @@ def conversations(count: int, seed: int) -> list[dict[str, Any]]:
         start = rng.randrange(len(words) - n)
         return " ".join(words[start:start + n])
 
-    return [{"messages": [{"role": "user", "content": text(30)}, {"role": "assistant", "content": text(80)}]}
+    return [{"messages": [{"role": "user", "content": text(12)}, {"role": "assistant", "content": text(35)}]}
             for _ in range(count)]
 
 
