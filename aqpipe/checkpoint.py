@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from .config import RunConfig
+from .config import SECTIONS, RunConfig
 from .storage import Storage, broadcast, gather
 from .world import World, barrier
 
@@ -57,7 +57,7 @@ def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
     values["compression"].pop("buffer_dir")
     flat = {}
     for key in _fingerprinted():  # a section's settings one by one, so a refusal names the one that differs
-        section = values[key] if key in ("compression", "data_parallel") else None
+        section = values[key] if key in SECTIONS else None
         flat.update({f"{key}.{k}": v for k, v in section.items()} if section is not None else {key: values[key]})
     for key in ("max_train_samples", "max_eval_samples"):  # 0 and None both mean all of them
         if flat.get(key) == 0:
@@ -125,8 +125,9 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
         theirs.setdefault(key, value)  # checkpoints from before packing: one conversation a sample, cut to fit
     theirs.setdefault("loss_average", "micro_batches")  # checkpoints from before the setting: a micro-batch's mean
     theirs.setdefault("dropout", mine.get("dropout"))  # checkpoints from before it was fingerprinted: unknown
-    for key, value in (("lora_rank", 0), ("lora_alpha", None), ("lora_dropout", None), ("lora_target_modules", None)):
-        theirs.setdefault(key, value)  # checkpoints from before LoRA: none
+    for field_name, value in (("rank", 0), ("alpha", None), ("dropout", None), ("target_modules", None)):
+        # checkpoints from before LoRA: none; from before its section: the flat lora_* keys
+        theirs.setdefault(f"lora.{field_name}", theirs.pop(f"lora_{field_name}", value))
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
             for k, v in mine.items() if theirs.get(k) != v]
     if diff:

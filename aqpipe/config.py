@@ -1,16 +1,15 @@
 """Run configuration: defaults < a DeepSpeed-style JSON file < command-line flags, validated up front, then frozen.
 
-Each setting is declared once, as a field here or in the sections the engine (`pipeline.CompressionConfig`) and
-the data-parallel algorithms (`data_parallel.DataParallelConfig`) take whole: its default, its help and its flag
-name live in the field, and the parser is built from the fields (flags.py). The file (config_file.py) uses
-DeepSpeed's keys plus aqpipe's "compression", "data_parallel" and "run" blocks. A task's defaults (tasks.py) hold
-only where it differs from these. `validate` checks every value and touches no file. Layering the sources, the
-checks that read files (`preflight.check`) and the command line live in settings.py, which imports this module and
-not the other way round.
+Each setting is declared once, as a field here or in the sections the engine (`pipeline.CompressionConfig`), the
+data-parallel algorithms (`data_parallel.DataParallelConfig`) and the adapters (`pipeline.adapters.LoraSettings`,
+which checks itself as it is made) take whole: its default, its help and its flag name live in the field, and the
+parser is built from the fields (flags.py). The file (config_file.py) uses DeepSpeed's keys plus aqpipe's
+"compression", "data_parallel", "lora" and "run" blocks. A task's defaults (tasks.py) hold only where it differs
+from these. `validate` checks every value and touches no file. Layering the sources, the checks that read files
+(`preflight.check`) and the command line live in settings.py, which imports this module and not the other way round.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -29,7 +28,7 @@ from compression.fields import setting
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", *HF_SCHEDULES)  # DeepSpeed's, then transformers'
-SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig}
+SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig, "lora": LoraSettings}
 
 
 
@@ -117,19 +116,6 @@ class RunConfig:
     param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")
-    lora_rank: int = setting(0, "train LoRA adapters of this rank (PEFT's layers, in every stage's blocks) instead of "
-                              "every weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes "
-                              "under bf16 autocast; a float16 one is held in float32), only the adapters (and a new "
-                              "classification head) get gradients, optimizer state and data-parallel traffic; "
-                              "exports <output_dir>/adapter beside the merged model (0: off)")
-    lora_alpha: float | None = setting(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
-                                           "default: PEFT's, 8")
-    lora_dropout: float | None = setting(None, "dropout on the adapters' input; default: PEFT's, 0")
-    lora_target_modules: list[str] | None = setting(None, "the modules to adapt, inside the blocks: comma-separated "
-                                                        "names, or all-linear; "
-                                                        "default: PEFT's for the architecture (q_proj,v_proj for the "
-                                                        "Llama lineage, c_attn for GPT2, query_proj,value_proj for "
-                                                        "DeBERTa, query,value for BERT)")
     backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
                                  "shared by several stages with tensors staged through host memory; TCP, the robust "
                                  "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)")
@@ -148,6 +134,7 @@ class RunConfig:
                                         "rank) instead of stopping")
     compression: CompressionConfig = field(default_factory=_aqsgd)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     @property
     def replicas(self) -> int:
@@ -158,13 +145,6 @@ class RunConfig:
         out = asdict(self)
         out["compression"]["buffer_dtype"] = str(self.compression.buffer_dtype).removeprefix("torch.")
         return out
-
-    def lora(self) -> LoraSettings | None:
-        """The LoRA settings, None without adapters."""
-        if not self.lora_rank:
-            return None
-        targets = tuple(self.lora_target_modules) if self.lora_target_modules else None
-        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, targets)
 
     def for_run(self, total_steps: int, steps_per_epoch: int | None = None) -> "RunConfig":
         """The settings a run of `total_steps` records: an "auto" first-visit codec resolved by how often the run
@@ -272,7 +252,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.param_dtype == "bfloat16" and others:
         raise ValueError(f"param_dtype=bfloat16 with optimizer params {', '.join(others)}: expected only betas, eps "
                          "and weight_decay (bf16 weights step through aqpipe's own Adam)")
-    _check_lora(cfg)
     if cfg.gradient_clipping < 0:
         raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
     if cfg.backend not in BACKENDS:
@@ -291,26 +270,3 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.scheduler is not None and cfg.scheduler.get("type") not in SCHEDULERS:
         raise ValueError(f"scheduler type {cfg.scheduler.get('type')!r}: expected one of {', '.join(SCHEDULERS)}")
     return cfg
-
-
-def _check_lora(cfg: RunConfig) -> None:
-    _positive(cfg, "lora_rank", allow_zero=True)
-    if not cfg.lora_rank:
-        others = [f"{name}={getattr(cfg, name)!r}" for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
-                  if getattr(cfg, name) is not None]
-        if others:
-            raise ValueError(f"{', '.join(others)} without --lora_rank: expected a LoRA rank >= 1 to adapt with")
-        return
-    if cfg.lora_alpha is not None and (isinstance(cfg.lora_alpha, bool) or not isinstance(cfg.lora_alpha, (int, float))
-                                       or not 0 < cfg.lora_alpha < math.inf):
-        raise ValueError(f"lora_alpha={cfg.lora_alpha!r}: expected a positive number")
-    if cfg.lora_dropout is not None and not (isinstance(cfg.lora_dropout, (int, float)) and
-                                             0 <= cfg.lora_dropout < 1):
-        raise ValueError(f"lora_dropout={cfg.lora_dropout!r}: expected a probability in [0, 1)")
-    targets = cfg.lora_target_modules
-    if targets is not None and (not isinstance(targets, list) or not targets or
-                                not all(isinstance(t, str) and t.strip() for t in targets)):
-        raise ValueError(f"lora_target_modules={targets!r}: expected module names such as q_proj,v_proj, or "
-                         "all-linear")
-    if targets is not None and "all-linear" in targets and len(targets) > 1:
-        raise ValueError(f"lora_target_modules={','.join(targets)}: all-linear stands alone")

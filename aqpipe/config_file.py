@@ -1,5 +1,5 @@
-"""The config file: DeepSpeed's JSON keys plus aqpipe's `compression`, `data_parallel` and `run` blocks, read into
-settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job.
+"""The config file: DeepSpeed's JSON keys plus aqpipe's `compression`, `data_parallel`, `lora` and `run` blocks, read
+into settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job.
 
 Where a setting lives in DeepSpeed's file is its field's `ds` metadata (config.py): a top-level key, or
 `pipeline.<key>`, copied as it is; the others with a `ds` place (lr inside the optimizer, bf16's "enabled",
@@ -50,7 +50,10 @@ def read(path: str) -> dict[str, Any]:
     if "activation_checkpoint_interval" in pipe:
         out["activation_checkpointing"] = bool(pipe["activation_checkpoint_interval"])
     out.update({section: dict(raw[section]) for section in SECTIONS if section in raw})
-    out.update(raw.get("run", {}))
+    run = dict(raw.get("run", {}))
+    for key in [k for k in run if k.startswith("lora_")]:  # files printed before LoRA had a block of its own
+        out.setdefault("lora", {})[key.removeprefix("lora_")] = run.pop(key)
+    out.update(run)
     if "train_batch_size" in raw:
         out["_train_batch_size"] = raw["train_batch_size"]
     return out

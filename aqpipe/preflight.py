@@ -127,10 +127,10 @@ def _check_model_shape(cfg: "RunConfig") -> None:
         except Exception:  # noqa: BLE001 - a hub name not cached here: the run checks once it has the model
             return
         cls = model_class(cfg.task, config)
-        if cfg.lora() is not None:  # targets resolved on the model's own modules (no weight read)
+        if cfg.lora.enabled:  # targets resolved on the model's own modules (no weight read)
             from pipeline.lora import lora_config  # deferred: imports transformers, as above
 
-            lora_config(cls, config, cfg.lora(), cfg.task == "classification", cfg.pipeline_stages, cfg.partition)
+            lora_config(cls, config, cfg.lora, cfg.task == "classification", cfg.pipeline_stages, cfg.partition)
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
         positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         name = repr(cfg.model)

@@ -203,7 +203,7 @@ def model_spec(cfg: RunConfig, task: Task, tokenizer: Any, train_set: Any) -> Mo
         raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
     return resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.seq_len,
                          getattr(train_set, "num_labels", None), getattr(train_set, "label_names", None), cfg.dropout,
-                         frozen=cfg.lora_rank > 0)
+                         frozen=cfg.lora.enabled)
 
 
 def idle_codecs(cfg: RunConfig) -> str:
@@ -293,8 +293,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps, per_epoch)
-    adapters = None if cfg.lora() is None else lora_config(
-        spec.model_class, spec.config, cfg.lora(), task.kind == "classification", cfg.pipeline_stages, cfg.partition)
+    adapters = None if not cfg.lora.enabled else lora_config(
+        spec.model_class, spec.config, cfg.lora, task.kind == "classification", cfg.pipeline_stages, cfg.partition)
     engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]

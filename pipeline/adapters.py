@@ -4,22 +4,63 @@ initial values, the merged model's tensors and the adapter's own, by the names P
 transformers that lora.py needs to resolve targets."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from compression.fields import check_int, setting
 
 from .seeding import derive_seed
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """The user's choices; None: PEFT's default (alpha 8, dropout 0, the architecture's target modules)."""
+    """The user's choices, the run's `lora` section (its flags --lora_rank, ...; a config file's "lora" block);
+    None: PEFT's default (alpha 8, dropout 0, the architecture's target modules). Checked as it is made: a
+    ValueError names the first bad value."""
 
-    rank: int
-    alpha: float | None = None
-    dropout: float | None = None
-    target_modules: tuple[str, ...] | None = None  # module names, or ("all-linear",)
+    rank: int = setting(0, "train LoRA adapters of this rank (PEFT's layers, in every stage's blocks) instead of "
+                           "every weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes "
+                           "under bf16 autocast; a float16 one is held in float32), only the adapters (and a new "
+                           "classification head) get gradients, optimizer state and data-parallel traffic; "
+                           "exports <output_dir>/adapter beside the merged model (0: off)", "lora_rank")
+    alpha: float | None = setting(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
+                                        "default: PEFT's, 8", "lora_alpha")
+    dropout: float | None = setting(None, "dropout on the adapters' input; default: PEFT's, 0", "lora_dropout")
+    target_modules: list[str] | None = setting(None, "the modules to adapt, inside the blocks: comma-separated "
+                                                     "names, or all-linear; default: PEFT's for the architecture "
+                                                     "(q_proj,v_proj for the Llama lineage, c_attn for GPT2, "
+                                                     "query_proj,value_proj for DeBERTa, query,value for BERT)",
+                                               "lora_target_modules")
+
+    def __post_init__(self) -> None:
+        check_int("lora_rank", self.rank, 0)
+        if not self.rank:
+            others = [f"lora_{name}={getattr(self, name)!r}" for name in ("alpha", "dropout", "target_modules")
+                      if getattr(self, name) is not None]
+            if others:
+                raise ValueError(f"{', '.join(others)} without --lora_rank: expected a LoRA rank >= 1 to adapt with")
+            return
+        if self.alpha is not None and (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool)
+                                       or not 0 < self.alpha < math.inf):
+            raise ValueError(f"lora_alpha={self.alpha!r}: expected a positive number")
+        if self.dropout is not None and not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"lora_dropout={self.dropout!r}: expected a probability in [0, 1)")
+        targets = self.target_modules
+        if targets is not None and (not isinstance(targets, (list, tuple)) or not targets or
+                                    not all(isinstance(t, str) and t.strip() for t in targets)):
+            raise ValueError(f"lora_target_modules={targets!r}: expected module names such as q_proj,v_proj, or "
+                             "all-linear")
+        if targets is not None and "all-linear" in targets and len(targets) > 1:
+            raise ValueError(f"lora_target_modules={','.join(targets)}: all-linear stands alone")
+        if targets is not None:
+            object.__setattr__(self, "target_modules", tuple(targets))  # frozen: one form whatever the source
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter

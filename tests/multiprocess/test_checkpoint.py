@@ -11,6 +11,7 @@ import torch
 import data_parallel
 from tests.helpers.processes import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline.adapters import LoraSettings
 from aqpipe import checkpoint
 from aqpipe.storage import Storage
 from aqpipe.world import World
@@ -176,12 +177,13 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
 def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tmp_path):
     engine, cfg = _single_engine(), _cfg(tmp_path)
     ckpt = _save(tmp_path, engine, cfg, 1)
-    other = validate(RunConfig(task="causal_lm", output_dir=str(tmp_path / "out"), seq_len=64, lora_rank=8,
+    other = validate(RunConfig(task="causal_lm", output_dir=str(tmp_path / "out"), seq_len=64,
+                               lora=LoraSettings(rank=8),
                                compression=CompressionConfig(forward="direct", forward_bits=4)))
     with pytest.raises(ValueError) as info:
         checkpoint.check_compatible(ckpt, other)
     text = str(info.value)
     assert "compression.forward='none' in the checkpoint, 'direct' in this run" in text
     assert "seq_len=128 in the checkpoint, 64 in this run" in text and "epochs" not in text
-    assert "lora_rank=0 in the checkpoint, 8 in this run" in text  # adapters are not resumed into a full run
+    assert "lora.rank=0 in the checkpoint, 8 in this run" in text  # adapters are not resumed into a full run
     assert checkpoint.find("auto", str(tmp_path / "elsewhere")) is None  # auto: nothing saved, start fresh

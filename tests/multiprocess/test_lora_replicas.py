@@ -14,7 +14,7 @@ from aqpipe.models import resolve_model
 from aqpipe.world import World
 from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig, owned_parameters
-from pipeline.adapters import adapter_state_dict
+from pipeline.adapters import LoraSettings, adapter_state_dict
 from pipeline.lora import lora_config
 from tests.helpers.files import tiny_llama_dir
 from tests.helpers.processes import spawn
@@ -29,8 +29,9 @@ ALGORITHMS = {"allreduce": DataParallelConfig(replicas=2),
 
 
 def settings(directory: str, stages: int, dp: DataParallelConfig) -> RunConfig:
-    return RunConfig(task="causal_lm", model=directory, seq_len=SEQ, pipeline_stages=stages, lr=1e-2, lora_rank=4,
-                     lora_alpha=16, compression=CompressionConfig(), data_parallel=dp, micro_batch_size=MBS,
+    return RunConfig(task="causal_lm", model=directory, seq_len=SEQ, pipeline_stages=stages, lr=1e-2,
+                     lora=LoraSettings(rank=4, alpha=16), compression=CompressionConfig(), data_parallel=dp,
+                     micro_batch_size=MBS,
                      num_micro_batches=MICRO, scheduler=None)
 
 
@@ -46,7 +47,7 @@ def train(rank: int, world: int, directory: str, stages: int, dp: DataParallelCo
     cfg = settings(directory, stages, dp)
     tokenizer = load_tokenizer(directory)
     spec = resolve_model(directory, "llama", "causal_lm", tokenizer, SEQ, None, frozen=True)
-    adapters = lora_config(spec.model_class, spec.config, cfg.lora(), False, stages, cfg.partition)
+    adapters = lora_config(spec.model_class, spec.config, cfg.lora, False, stages, cfg.partition)
     engine = build_engine(cfg, spec, World(rank, world, rank, torch.device("cpu")), 4 * MBS * MICRO * STEPS, STEPS,
                           adapters)
     replicas = world // stages

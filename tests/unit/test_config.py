@@ -429,3 +429,36 @@ def test_param_dtype_bfloat16_names_the_optimizer_options_it_cannot_take(tmp_pat
         run(["--deepspeed_config", str(path), "--param_dtype", "bfloat16"], monkeypatch)
     assert "param_dtype=bfloat16 with optimizer params amsgrad: expected only betas, eps and weight_decay" in \
         capsys.readouterr().err
+
+
+def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_settings_still_resume(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """LoRA's settings are a section now ("lora.rank", a config file's "lora" block): a printed file with them in
+    its run block reads the same, and a checkpoint with flat lora_* keys and no chat settings (one conversation a
+    sample, a micro-batch's mean loss) resumes with those, and is refused with others, naming them."""
+    from aqpipe import checkpoint
+    from pipeline.adapters import LoraSettings
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"run": {"lora_rank": 4, "lora_target_modules": ["q_proj"]}}))
+    assert run(["--deepspeed_config", str(path)], monkeypatch).lora == LoraSettings(4, target_modules=("q_proj",))
+    flags = ["--output_dir", str(tmp_path / "out"), "--lora_rank", "4", "--lora_alpha", "16"]
+    cfg = run([*flags, "--loss_average", "micro_batches"], monkeypatch).for_run(24, 8)
+    new = checkpoint.fingerprint(cfg)
+    assert (new["lora.rank"], new["lora.alpha"]) == (4, 16)
+    older = {k.replace("lora.", "lora_"): v for k, v in new.items()
+             if k not in ("loss_average", "packing", "packing_overflow", "chat_template")}
+    step = tmp_path / "out" / "checkpoints" / "step_00000008"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT, "fingerprint": older}))
+    (tmp_path / "out" / "checkpoints" / "latest").write_text(step.name)
+    resumed = run([*flags, "--loss_average", "micro_batches", "--resume"], monkeypatch)
+    assert resumed.lora.rank == 4 and resumed.loss_average == "micro_batches" and not resumed.packing
+    out = ["--output_dir", str(tmp_path / "out"), "--resume"]
+    for other, says in ((["--lora_rank", "4", "--lora_alpha", "16", "--loss_average", "tokens"],
+                         "loss_average='micro_batches' in the checkpoint, 'tokens' in this run"),
+                        (["--lora_rank", "4", "--lora_alpha", "8", "--loss_average", "micro_batches"],
+                         "lora.alpha=16.0 in the checkpoint, 8.0 in this run")):
+        with pytest.raises(SystemExit):
+            run([*out, *other], monkeypatch)
+        assert says in capsys.readouterr().err
