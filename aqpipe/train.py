@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import data_parallel
-from pipeline import Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from pipeline.lora import add_lora, lora_config
 
 from . import checkpoint, preflight
@@ -248,13 +248,14 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     if world.rank == 0 and grid.stages == 1 and (idle := idle_codecs(cfg)):
         print(f"{idle}: one stage has no boundary to compress, so they send nothing in this run "
               "(--pipeline_stages 2 or more to use them)", file=sys.stderr)
-    return PipelineEngine(
-        stage, groups, optimizer, compression=cfg.compression, num_samples=num_samples, seq_len=cfg.seq_len,
-        lr_scheduler=build_scheduler(cfg, optimizer, total_steps), gradient_clipping=cfg.gradient_clipping,
-        schedule=cfg.schedule, ties=ties, device=world.device, bf16=cfg.bf16, seed=cfg.seed,
-        data_parallel=algorithm, skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
-        loss_average=cfg.loss_average,
-    )
+    return PipelineEngine(stage, groups, optimizer,
+                          EngineSettings(num_samples=num_samples, seq_len=cfg.seq_len,
+                                         gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule,
+                                         device=world.device, bf16=cfg.bf16, seed=cfg.seed,
+                                         skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
+                                         loss_average=cfg.loss_average),
+                          compression=cfg.compression, lr_scheduler=build_scheduler(cfg, optimizer, total_steps),
+                          ties=ties, data_parallel=algorithm)
 
 
 def missing_dirs(directory: str | os.PathLike) -> list[Path]:

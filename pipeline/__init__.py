@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from .compression_config import BUFFER_DTYPES, CompressionConfig
+from .engine_settings import EngineSettings
 from .engine import PipelineEngine, StepCounters, StepMetrics, followed_parameters, owned_parameters
 from .step_run import LOSS_AVERAGES
 from .schedule import SCHEDULES, Action, gpipe, in_flight, one_f_one_b, simulate, train_schedule
@@ -29,7 +30,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BUFFER_DTYPES", "LOSS_AVERAGES", "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "Grid", "Groups",
+    "BUFFER_DTYPES", "LOSS_AVERAGES", "SCHEDULES", "TIE_MODES", "Action", "CompressionConfig", "EngineSettings",
+    "Grid", "Groups",
     "PipelineEngine",
     "PipelineStage", "StageOutput", "StepCounters", "StepMetrics", "Tie", "build_groups", "followed_parameters",
     "gpipe", "in_flight", "merge_into",

@@ -34,7 +34,8 @@ from . import schedule as sched
 from .auto_bits import DIRECTIONS, AutoBitsController
 from .compression_config import CompressionConfig
 from .step_guard import StepGuard
-from .step_run import LOSS_AVERAGES, StageRuntime, StepRun
+from .engine_settings import EngineSettings
+from .step_run import StageRuntime, StepRun
 from .step_table import PARAM_GRAD, Row, StepCounters, StepTable, StepTotals, sum_over_job
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
@@ -120,38 +121,32 @@ class PipelineEngine:
     """
 
     def __init__(
-        self, stage: Stage, groups: Groups, optimizer: torch.optim.Optimizer, *,
-        compression: CompressionConfig | None = None, num_samples: int, seq_len: int,
-        lr_scheduler: Any = None, gradient_clipping: float = 0.0, schedule: str = "1f1b",
-        ties: dict[str, Tie] | None = None, device: torch.device | str = "cpu", bf16: bool = False,
-        seed: int = 0, data_parallel: Any = None, skip_nonfinite: bool = False, link_latency_s: float = 0.0,
-        loss_average: str = "tokens",
+        self, stage: Stage, groups: Groups, optimizer: torch.optim.Optimizer, settings: EngineSettings, *,
+        compression: CompressionConfig | None = None, lr_scheduler: Any = None, ties: dict[str, Tie] | None = None,
+        data_parallel: Any = None,
     ) -> None:
-        """`loss_average`: how a causal LM's step averages its loss: `tokens` (HF Trainer's: the sum over every
-        target token of the step, over its micro-batches and replicas, divided by their count) or `micro_batches`
-        (the mean of the micro-batches' means). Equal where every micro-batch holds as many targets (LM blocks)."""
-        if schedule not in sched.SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(sched.SCHEDULES)}")
-        if loss_average not in LOSS_AVERAGES:
-            raise ValueError(f"loss_average={loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
-        self.per_token = loss_average == "tokens"
+        """Its parts (the stage, its place in the process grid, the optimizer and its LR schedule, the boundaries'
+        codecs, the tied weights, the replicas' algorithm) and what it does with them (`settings`)."""
+        self.settings = settings
+        self.per_token = settings.loss_average == "tokens"
         self.stage, self.groups, self.optimizer, self.lr_scheduler = stage, groups, optimizer, lr_scheduler
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
-        self.gradient_clipping, self.schedule, self.skip_nonfinite = gradient_clipping, schedule, skip_nonfinite
+        self.gradient_clipping, self.schedule = settings.gradient_clipping, settings.schedule
+        self.skip_nonfinite = settings.skip_nonfinite
         self.compression = (compression or CompressionConfig()).validate()
         if self.compression.first_visits_compressed() and self.compression.first_visit == "auto":
             raise ValueError("first_visit_compress=auto: expected it resolved for the run first "
                              "(CompressionConfig.for_visits)")
-        self.device, self.seed = torch.device(device), seed
-        self.num_samples = num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
+        self.device, self.seed = settings.device, settings.seed
+        self.num_samples = settings.num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
         # bf16 weights beside float32 ones (a frozen bf16 base under float32 LoRA adapters, or float32 under bf16
         # ones) multiply only under autocast
         dtypes = {p.dtype for p in stage.parameters() if p.is_floating_point()}
-        self.bf16 = bf16 or (torch.bfloat16 in dtypes and len(dtypes) > 1)
+        self.bf16 = settings.bf16 or (torch.bfloat16 in dtypes and len(dtypes) > 1)
         # activations cross in bf16 under bf16 autocast or with bf16 weights (which compute in bf16), else float32
         self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
-        self.wire = Wire(latency_s=link_latency_s, transport=groups.transport)
+        self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport)
         c = self.compression
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
         trained = {k: p for k, p in stage.tied_parameters().items() if p.requires_grad}
@@ -159,12 +154,12 @@ class PipelineEngine:
                                 self.wire, groups.pipeline_rank_of,
                                 channel=lambda src, dst: groups.channel(TIE, src, dst),
                                 mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
-                                seed=seed * 100 + groups.replica)
+                                seed=self.seed * 100 + groups.replica)
         self.global_step = self.skipped_steps = 0
-        self.auto_bits = AutoBitsController(c, groups.grid, stage.hidden_size, schedule, self.wire_dtype) \
+        self.auto_bits = AutoBitsController(c, groups.grid, stage.hidden_size, self.schedule, self.wire_dtype) \
             if c.auto() else None
-        self.prev = self._boundary(groups.stage - 1, seq_len) if not stage.is_first else None
-        self.next = self._boundary(groups.stage, seq_len) if not stage.is_last else None
+        self.prev = self._boundary(groups.stage - 1, settings.seq_len) if not stage.is_first else None
+        self.next = self._boundary(groups.stage, settings.seq_len) if not stage.is_last else None
 
     def _boundary(self, index: int, seq_len: int) -> Boundary:
         """The codecs of boundary `index` (between stages index and index+1), on this side of it."""

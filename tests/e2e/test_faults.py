@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from aqpipe import faults
 from tests.helpers.processes import ROOT, checkout_env, free_port, spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
@@ -47,8 +47,9 @@ def nonfinite(rank, world):
 
     def make(skip, compression=AQSGD):
         stage = toy_stages(world)[groups.stage]
-        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.01), compression=compression,
-                                num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), skip_nonfinite=skip)
+        engine = PipelineEngine(stage, groups, torch.optim.Adam(stage.parameters(), lr=0.01),
+                                EngineSettings(num_samples=SAMPLES, seq_len=SEQ, skip_nonfinite=skip),
+                                compression=compression, ties=toy_ties(world))
 
         def hook(module, inputs, out):
             if not poison["on"]:

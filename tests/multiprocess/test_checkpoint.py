@@ -10,7 +10,7 @@ import torch
 
 import data_parallel
 from tests.helpers.processes import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from pipeline.adapters import LoraSettings
 from aqpipe import checkpoint
 from aqpipe.storage import Storage
@@ -54,9 +54,9 @@ def _engine(groups, grid, name, compression=AQSGD):
     comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
     algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
     optimizer = algo.wrap_optimizer(torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02))
-    return PipelineEngine(stage, groups, optimizer, compression=compression,
-                          num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ, ties=toy_ties(2),
-                          data_parallel=algo, seed=3,
+    return PipelineEngine(stage, groups, optimizer,
+                          EngineSettings(num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ, seed=3),
+                          compression=compression, ties=toy_ties(2), data_parallel=algo,
                           lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
 
 
@@ -134,7 +134,7 @@ def _single_engine():
     grid = Grid.for_world(1, 1)
     stage = toy_stages(1)[0]
     return PipelineEngine(stage, build_groups(grid, 0), torch.optim.SGD(stage.parameters(), lr=0.1),
-                          num_samples=SAMPLES, seq_len=SEQ)
+                          EngineSettings(num_samples=SAMPLES, seq_len=SEQ))
 
 
 def _cfg(tmp_path, **kw):

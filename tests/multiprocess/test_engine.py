@@ -4,7 +4,7 @@ import torch
 
 from compression import SampleBuffer
 from tests.helpers.processes import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from pipeline.compression_config import AUTO_GROUP_SIZE
 from tests.helpers.toy import VOCAB, ToyStage, toy_batches, toy_stages, toy_ties
 
@@ -17,9 +17,10 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
     grid = Grid.for_world(world, world)
     groups = build_groups(grid, rank)
     stage = stages[groups.stage]
-    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
-                            num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world), schedule=schedule,
-                            gradient_clipping=1.0, bf16=bf16)
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5),
+                            EngineSettings(num_samples=SAMPLES, seq_len=SEQ, schedule=schedule, gradient_clipping=1.0,
+                                           bf16=bf16),
+                            compression=compression, ties=toy_ties(world))
     log, collectives, all_reduce = [], [], torch.distributed.all_reduce
 
     def counted(*args, **kwargs):  # every collective the engine calls goes through dist.all_reduce
@@ -177,8 +178,9 @@ def recorded_aqsgd(rank, world, epochs=2, buffer_bits=None):
     """2 stages, AQ-SGD 2-bit forward, exact backward: the last step's notes, weights before it, the buffers."""
     stage = Recording(toy_stages(world)[rank])
     groups = build_groups(Grid.for_world(world, world), rank)
-    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), num_samples=SAMPLES,
-                            seq_len=SEQ, ties=toy_ties(world), compression=CompressionConfig(
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5),
+                            EngineSettings(num_samples=SAMPLES, seq_len=SEQ), ties=toy_ties(world),
+                            compression=CompressionConfig(
                                 forward="aqsgd", forward_bits=2, backward="none", tie="none",
                                 buffer_bits=buffer_bits))
     batches = [(epoch, mbs) for epoch in range(epochs) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch)]
@@ -247,8 +249,8 @@ def channels_in_use(rank, world):
 
     groups = build_groups(Grid.for_world(world, world), rank)
     stage = toy_stages(world)[groups.stage]
-    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.1), num_samples=SAMPLES,
-                            seq_len=SEQ, ties=toy_ties(world))
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.1),
+                            EngineSettings(num_samples=SAMPLES, seq_len=SEQ), ties=toy_ties(world))
     mine = {key: g for key, g in groups.channels.items() if groups.stage in key[1:]}
     boundary = engine.next or engine.prev
     link = engine.tied.links[0].boundary

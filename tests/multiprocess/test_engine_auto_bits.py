@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
@@ -16,8 +16,9 @@ def engine(rank: int, world: int, compression: CompressionConfig) -> PipelineEng
     torch.set_num_threads(1)
     stage = toy_stages(world, hidden=HIDDEN)[rank]
     groups = build_groups(Grid.for_world(world, world), rank)
-    return PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
-                          num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(world))
+    return PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5),
+                          EngineSettings(num_samples=SAMPLES, seq_len=SEQ), compression=compression,
+                          ties=toy_ties(world))
 
 
 def batches(epochs: int) -> list[tuple[int, list]]:

@@ -4,7 +4,7 @@ import torch
 
 import data_parallel
 from tests.helpers.processes import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from aqpipe import data
 from tests.helpers.toy import toy_batches, toy_dataset, toy_stages, toy_ties
 
@@ -21,8 +21,8 @@ def train(rank, world, stages, algorithm, options, steps=4):
         algo = data_parallel.create(algorithm, owned_parameters(stage, toy_ties(stages)), comm, **options)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.5)
     engine = PipelineEngine(stage, groups, algo.wrap_optimizer(optimizer) if algo else optimizer,
-                            compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(stages),
-                            data_parallel=algo)
+                            EngineSettings(num_samples=SAMPLES, seq_len=SEQ), compression=CompressionConfig(),
+                            ties=toy_ties(stages), data_parallel=algo)
     per_replica = MICRO * 2 // grid.replicas  # the global batch is always 2 x MICRO micro-batches
     log = []
     for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO * 2, 0):
@@ -84,7 +84,7 @@ def every_algorithm(rank, world, steps=10):
             algo.after_backward = after_backward
         optimizer = torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02)
         engine = PipelineEngine(stage, groups, algo.wrap_optimizer(optimizer) if algo else optimizer,
-                                compression=CompressionConfig(), num_samples=SAMPLES, seq_len=SEQ,
+                                EngineSettings(num_samples=SAMPLES, seq_len=SEQ), compression=CompressionConfig(),
                                 ties=toy_ties(2), data_parallel=algo)
         log = []
         for epoch in range(steps):
@@ -170,8 +170,8 @@ def aqsgd_on_shards(rank, world, epochs=3, first_visit="none", first_visit_bits=
     cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
                             first_visit=first_visit, first_visit_bits=first_visit_bits)
     engine = PipelineEngine(stage, groups, torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02),
-                            compression=cfg, num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ,
-                            ties=toy_ties(2), data_parallel=algo)
+                            EngineSettings(num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ),
+                            compression=cfg, ties=toy_ties(2), data_parallel=algo)
     log = []
     for epoch in range(epochs):
         for mbs in data.micro_batches(toy_dataset(SAMPLES, SEQ), MBS, MICRO, epoch, seed=5,

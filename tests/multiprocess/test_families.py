@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from pipeline.loading import build_stage
 from tests.helpers.files import stored_dtypes
 from tests.helpers.processes import spawn
@@ -87,9 +87,10 @@ def train_every_family(rank, world, checkpoints, exports):
         config = transformers.AutoConfig.from_pretrained(directory)
         stage, ties, missing = build_stage(cls, config, groups.stage, world, checkpoint=directory)
         optimizer, scheduler = optimizer_and_schedule(owned_parameters(stage, ties))
-        engine = PipelineEngine(stage, groups, optimizer, num_samples=MBS * MICRO * STEPS, seq_len=SEQ, ties=ties,
-                                compression=CompressionConfig(), gradient_clipping=1.0, lr_scheduler=scheduler,
-                                schedule=SCHEDULES[n % len(SCHEDULES)])
+        engine = PipelineEngine(stage, groups, optimizer,
+                                EngineSettings(num_samples=MBS * MICRO * STEPS, seq_len=SEQ, gradient_clipping=1.0,
+                                               schedule=SCHEDULES[n % len(SCHEDULES)]),
+                                ties=ties, compression=CompressionConfig(), lr_scheduler=scheduler)
         log = [engine.train_batch(mbs).record() for mbs in batches(name, config)]
         if name in EXPORTED:
             export(engine, name, config, groups, rank, world, f"{exports}/{name}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compression import quantizer
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
@@ -19,8 +19,9 @@ def reads_per_step(rank: int, world: int, micro: int, compression: CompressionCo
     torch.set_num_threads(1)
     groups = build_groups(Grid.for_world(world, world), rank)
     stage = toy_stages(world)[groups.stage]
-    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5), compression=compression,
-                            num_samples=32, seq_len=8, ties=toy_ties(world), gradient_clipping=0.5)
+    engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5),
+                            EngineSettings(num_samples=32, seq_len=8, gradient_clipping=0.5), compression=compression,
+                            ties=toy_ties(world))
     first, second = list(toy_batches(32, 8, 2, micro, 0))[:2]
     engine.train_batch(first)  # the first step's one-time work (receive buffers, optimizer state) is not counted
     counts: collections.Counter = collections.Counter()

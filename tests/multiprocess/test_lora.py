@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import data_parallel
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from pipeline.loading import build_stage
 from pipeline.adapters import adapter_state_dict, seed_adapters
 from pipeline.lora import LoraSettings, add_lora, lora_config
@@ -53,9 +53,9 @@ def train_each_case(rank, world, checkpoints):
     for name, directory in checkpoints.items():
         stage, ties = stage_with_adapters(name, directory, groups.stage, world)
         base = {k: v.clone() for k, v in stage.named_parameters(remove_duplicate=False) if not v.requires_grad}
-        engine = PipelineEngine(stage, groups, optimizer(owned_parameters(stage, ties)), ties=ties,
-                                num_samples=MBS * MICRO * STEPS, seq_len=SEQ, compression=CompressionConfig(),
-                                gradient_clipping=1.0)
+        engine = PipelineEngine(stage, groups, optimizer(owned_parameters(stage, ties)),
+                                EngineSettings(num_samples=MBS * MICRO * STEPS, seq_len=SEQ, gradient_clipping=1.0),
+                                ties=ties, compression=CompressionConfig())
         log = [engine.train_batch(mbs).record() for mbs in batches("Classification" in CASES[name][0])]
         state = engine.state_dict()
         del state["model"][next(iter(state["model"]))]  # a saved state lacking a weight that trains
@@ -167,9 +167,9 @@ def engine_with_adapters(directory, groups, grid, name, options):
     algorithm = data_parallel.create(name, owned, data_parallel.Comm(groups.data_parallel,
                                                                      grid.data_parallel_ranks(groups.stage)),
                                      **options)
-    return PipelineEngine(stage, groups, algorithm.wrap_optimizer(optimizer(owned)), ties=ties,
-                          num_samples=2 * MBS * MICRO * STEPS, seq_len=SEQ, compression=CompressionConfig(),
-                          gradient_clipping=1.0, data_parallel=algorithm)
+    return PipelineEngine(stage, groups, algorithm.wrap_optimizer(optimizer(owned)),
+                          EngineSettings(num_samples=2 * MBS * MICRO * STEPS, seq_len=SEQ, gradient_clipping=1.0),
+                          ties=ties, compression=CompressionConfig(), data_parallel=algorithm)
 
 
 def every_algorithm_with_adapters(rank, world, directory):
@@ -232,7 +232,8 @@ def test_every_algorithm_moves_adapters_only_and_resumes_exactly(replicas, name)
 def one_stage_state(rank, world, directory):
     groups = build_groups(Grid.for_world(1, 1), rank)
     stage, ties = stage_with_adapters("llama_bf16", directory, 0, 1)
-    engine = PipelineEngine(stage, groups, optimizer(owned_parameters(stage, ties)), num_samples=8, seq_len=SEQ)
+    engine = PipelineEngine(stage, groups, optimizer(owned_parameters(stage, ties)),
+                            EngineSettings(num_samples=8, seq_len=SEQ))
     return sorted(engine.state_dict()["model"]), sorted(stage.state_dict())
 
 

@@ -3,7 +3,9 @@ import pytest
 import torch
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters, partition, tie_groups
+from pipeline import (
+    CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters, partition, tie_groups,
+)
 from tests.helpers.processes import spawn
 from tests.helpers.reference import train_reference
 from pipeline.compression_config import AUTO_GROUP_SIZE
@@ -64,8 +66,9 @@ def train(rank, world, family, compression, epochs, steps=None, hidden=64, zipf=
     groups = build_groups(Grid.for_world(world, world), rank)
     stage = stages[groups.stage]
     optimizer, scheduler = optimizer_and_schedule(owned_parameters(stage, ties))
-    engine = PipelineEngine(stage, groups, optimizer, compression=compression, num_samples=SAMPLES, seq_len=SEQ,
-                            ties=ties, gradient_clipping=1.0, schedule=schedule, lr_scheduler=scheduler)
+    engine = PipelineEngine(stage, groups, optimizer,
+                            EngineSettings(num_samples=SAMPLES, seq_len=SEQ, gradient_clipping=1.0, schedule=schedule),
+                            compression=compression, ties=ties, lr_scheduler=scheduler)
     log = []
     for epoch in range(epochs):
         for mbs in batches(epoch, family == "deberta", zipf):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import data_parallel
-from pipeline import CompressionConfig, Grid, PipelineEngine, build_groups, owned_parameters
+from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_stages, toy_ties, toy_tokens
 
@@ -38,9 +38,10 @@ def pipeline_steps(rank, world):
             owned = owned_parameters(stage, toy_ties(2))
             algo = data_parallel.create("allreduce", owned, data_parallel.Comm(
                 groups.data_parallel, grid.data_parallel_ranks(groups.stage)))
-            engine = PipelineEngine(stage, groups, torch.optim.SGD(owned, lr=LR), compression=CompressionConfig(),
-                                    num_samples=SAMPLES, seq_len=SEQ, ties=toy_ties(2), gradient_clipping=CLIP,
-                                    data_parallel=algo, loss_average=average)
+            engine = PipelineEngine(stage, groups, torch.optim.SGD(owned, lr=LR),
+                                    EngineSettings(num_samples=SAMPLES, seq_len=SEQ, gradient_clipping=CLIP,
+                                                   loss_average=average),
+                                    compression=CompressionConfig(), ties=toy_ties(2), data_parallel=algo)
             batches = step_batches(chat)
             per_replica = len(batches) // grid.replicas
             metrics = engine.train_batch(batches[groups.replica * per_replica:(groups.replica + 1) * per_replica])

@@ -1,0 +1,38 @@
+"""What an engine does with its parts, apart from the parts themselves: the sizes of the data its AQ-SGD buffers
+index, the schedule, clipping, where and in what precision it computes, its seed, what it does with a non-finite
+step, an emulated link delay, and how a causal LM's step averages its loss. Checked as it is made."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compression.fields import check_int
+
+from .schedule import SCHEDULES
+from .step_run import LOSS_AVERAGES
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    num_samples: int  # rows of each AQ-SGD buffer: a training micro-batch's sample ids index them
+    seq_len: int  # tokens per sample: a boundary's activation is (rows, seq_len, hidden)
+    schedule: str = "1f1b"
+    gradient_clipping: float = 0.0  # the global gradient norm's cap (0: off)
+    device: torch.device | str = "cpu"
+    bf16: bool = False  # bfloat16 autocast and a bf16 wire
+    seed: int = 0  # of dropout masks and codecs' dither, per replica, step and micro-batch
+    skip_nonfinite: bool = False  # skip a step that found NaN/inf on any rank, instead of raising
+    link_latency_s: float = 0.0  # a one-way delay added to every receive (a distant link emulated on one machine)
+    loss_average: str = "tokens"  # a causal LM's step loss: per target token, or the micro-batches' mean
+
+    def __post_init__(self) -> None:
+        check_int("num_samples", self.num_samples, 1)
+        check_int("seq_len", self.seq_len, 1)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.loss_average not in LOSS_AVERAGES:
+            raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
+        if not self.link_latency_s >= 0:
+            raise ValueError(f"link latency {self.link_latency_s!r} s: expected >= 0")
+        object.__setattr__(self, "device", torch.device(self.device))
