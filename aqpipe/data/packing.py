@@ -15,7 +15,7 @@ import bisect
 
 import torch
 
-IGNORE = -100
+from .chat import IGNORE
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
