@@ -16,7 +16,6 @@ another stage count, model or codec config is refused before any process group s
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -29,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from .config import SECTIONS, RunConfig
+from .config import NAMED_ALONE, SECTIONS, RunConfig
 from .storage import Storage, broadcast, gather
 from .world import World, barrier
 
@@ -47,18 +46,19 @@ MAY_CHANGE = (
 )
 
 
-def _fingerprinted() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in MAY_CHANGE)
-
-
 def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
-    """The settings that must match for a checkpoint to continue this run exactly (JSON values)."""
+    """The settings that must match for a checkpoint to continue this run exactly (JSON values), one by one, so a
+    refusal names the one that differs: "seed", "compression.forward", and the once-flat sections' by their own
+    names ("seq_len", as checkpoints written before those sections have them)."""
     values = cfg.to_dict()
     values["compression"].pop("buffer_dir")
     flat = {}
-    for key in _fingerprinted():  # a section's settings one by one, so a refusal names the one that differs
-        section = values[key] if key in SECTIONS else None
-        flat.update({f"{key}.{k}": v for k, v in section.items()} if section is not None else {key: values[key]})
+    for key, value in values.items():
+        if key in SECTIONS:
+            flat.update({k if key in NAMED_ALONE else f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    flat = {k: v for k, v in flat.items() if k not in MAY_CHANGE}
     for key in ("max_train_samples", "max_eval_samples"):  # 0 and None both mean all of them
         if flat.get(key) == 0:
             flat[key] = None

@@ -1,35 +1,35 @@
-"""Run configuration: defaults < a DeepSpeed-style JSON file < command-line flags, validated up front, then frozen.
+"""Run configuration: defaults < a DeepSpeed-style JSON file < command-line flags, checked as made, then frozen.
 
-Each setting is declared once, as a field here or in the sections the engine (`pipeline.CompressionConfig`), the
-data-parallel algorithms (`data_parallel.DataParallelConfig`) and the adapters (`pipeline.adapters.LoraSettings`,
-which checks itself as it is made) take whole: its default, its help and its flag name live in the field, and the
-parser is built from the fields (flags.py). The file (config_file.py) uses DeepSpeed's keys plus aqpipe's
-"compression", "data_parallel", "lora" and "run" blocks. A task's defaults (tasks.py) hold only where it differs
-from these. `validate` checks every value and touches no file. Layering the sources, the checks that read files
-(`preflight.check`) and the command line live in settings.py, which imports this module and not the other way round.
+Pure data, one section per component, each checking itself as it is made (`__post_init__`: a ValueError naming the
+first bad value): the data (`DataSettings`), the optimizer (`OptimizationSettings`), checkpoints (`CheckpointSettings`),
+the processes (`DistributedSettings`), and the sections the engine (`pipeline.CompressionConfig`), the data-parallel
+algorithms (`data_parallel.DataParallelConfig`) and the adapters (`pipeline.adapters.LoraSettings`) take whole.
+`RunConfig` holds the run's own settings, the sections, and the checks across them. Each setting is declared once,
+as a field: its default, its help and its flag name live in the field, and the parser (flags.py) and the config
+file (config_file.py) are built from the fields; the command line stays flat (`--seq_len`, not `--data.seq_len`).
+A task's defaults (tasks.py) hold only where it differs from these. Nothing here touches a file: layering the
+sources, the checks that read files (`preflight.check`) and the command line live in settings.py, which imports
+this module and not the other way round.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from typing import Any, Iterator
 
+from compression.fields import check_int, is_int, setting
 from data_parallel import DataParallelConfig
-from pipeline import CompressionConfig
+from pipeline import LOSS_AVERAGES, CompressionConfig
 from pipeline.adapters import LoraSettings
-from pipeline import LOSS_AVERAGES
 from pipeline.schedule import SCHEDULES
 
 from .data.chat import OVERFLOWS
 from .placement import BACKENDS
 from .trainer_flags import HF_SCHEDULES
-from compression.fields import check_int
-from compression.fields import setting
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", *HF_SCHEDULES)  # DeepSpeed's, then transformers'
-SECTIONS = {"compression": CompressionConfig, "data_parallel": DataParallelConfig, "lora": LoraSettings}
-
 
 
 def _adamw() -> dict[str, Any]:
@@ -50,14 +50,21 @@ def _aqsgd() -> CompressionConfig:
                              first_visit="auto", first_visit_bits=3, first_visit_base="position")
 
 
+def _count_or_none(name: str, value: Any, low: int) -> None:
+    if value is not None:
+        check_int(name, value, low)
+
+
 @dataclass(frozen=True)
-class RunConfig:
-    task: str  # "causal_lm" or "classification"
-    model: str | None = setting(None, "HF hub name, local model directory, or a config.json (random init); "
-                                    "default: a tiny shape")
+class DataSettings:
+    """What the run reads and how it cuts it into samples (aqpipe/data)."""
+
     dataset: str | None = setting(None, "HF dataset name, local text/json/csv/parquet file, or a built-in name; "
                                       "default: built-in")
     dataset_config: str | None = setting(None, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1")
+    eval_dataset: str | None = setting(None, "a held-out evaluation set, read like --dataset (a local file whole, "
+                                             "a hub dataset's validation or test split); without it the last "
+                                             "--eval_fraction of --dataset")
     text_column: str | None = setting(None, "a local table's text column; default: GLUE's layouts (sentence, "
                                           "sentence1+sentence2, question+sentence, ..., text), for causal LM 'text' "
                                           "or the one string column")
@@ -74,35 +81,32 @@ class RunConfig:
     chat_template: str | None = setting(None, "chat data: the chat template, for a tokenizer without one or instead "
                                               "of its own: chatml, llama3 or a Jinja file; exported with the "
                                               "tokenizer")
-    # `ds`: where the setting lives in a DeepSpeed config file (config_file.py), where it has a place there
-    pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
-                                               "stages x replicas)", ds="pipeline.stages")
-    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule")
-    partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per "
-                                                      "stage", ds="pipeline.partition")
-    activation_checkpointing: bool = setting(False, "recompute blocks in backward",
-                                             ds="pipeline.activation_checkpoint_interval")
-    compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)")
-    dropout: float | None = setting(None, "every dropout probability of the model (embeddings, attention, residual, "
-                                        "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa")
-    micro_batch_size: int = setting(4, "samples per micro-batch", ds="train_micro_batch_size_per_gpu")
-    num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)",
-                                     ds="gradient_accumulation_steps")
-    epochs: int = setting(3, "passes over the training samples")
-    max_steps: int | None = setting(None, "stop after this many optimizer steps")
     max_train_samples: int | None = setting(None, "use at most the first N training samples (none or 0: all of "
                                                   "them; a cap that cuts is said at the start)")
     max_eval_samples: int | None = setting(None, "use at most the first N evaluation samples (none or 0: all)")
-    eval_dataset: str | None = setting(None, "a held-out evaluation set, read like --dataset (a local file whole, "
-                                             "a hub dataset's validation or test split); without it the last "
-                                             "--eval_fraction of --dataset")
     eval_fraction: float = setting(0.05, "the share of --dataset held out for evaluation without --eval_dataset")
-    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
+
+    def __post_init__(self) -> None:
+        check_int("seq_len", self.seq_len, 2, what="at least 2 tokens")
+        if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or \
+                not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction={self.eval_fraction!r}: expected a fraction in (0, 1)")
+        _count_or_none("max_train_samples", self.max_train_samples, 0)
+        _count_or_none("max_eval_samples", self.max_eval_samples, 0)
+        if self.packing_overflow not in OVERFLOWS:
+            raise ValueError(f"packing_overflow={self.packing_overflow!r}: expected one of {', '.join(OVERFLOWS)}")
+        for name in ("text_column", "text_pair_column", "label_column"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name}={value!r}: expected a column name")
+
+
+@dataclass(frozen=True)
+class OptimizationSettings:
+    """How the weights step: the optimizer and its schedule (DeepSpeed's blocks), the clipping, the weights' dtype
+    and the loss the gradients are taken of."""
+
     lr: float = setting(1e-3, "peak learning rate", ds="optimizer.params.lr")
-    seed: int = setting(42, "seed of model init, data order and codecs")
-    output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
-    report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
-                                   "(<output_dir>/tensorboard)")
     optimizer: dict[str, Any] = field(default_factory=_adamw, metadata={"ds": "optimizer"})  # its lr is `lr`
     scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay, metadata={"ds": "scheduler"})  # None:
     # a constant lr
@@ -112,17 +116,41 @@ class RunConfig:
                                         "a chat micro-batch of 5 assistant tokens as one of 500); the same for LM "
                                         "blocks")
     gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)", ds="gradient_clipping")
-    bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")
-    backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
-                                 "shared by several stages with tensors staged through host memory; TCP, the robust "
-                                 "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)")
-    dist_timeout: float = setting(45.0, "seconds a collective or receive may wait for a peer before the run stops "
-                                      "(then ~6 s to exit)")
-    peer_timeout: float = setting(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
-                                      "stops")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
+            raise ValueError(f"lr={self.lr!r}: expected a positive learning rate")
+        kind = self.optimizer.get("type")
+        if kind not in OPTIMIZERS:
+            raise ValueError(f"optimizer type {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.scheduler is not None and self.scheduler.get("type") not in SCHEDULERS:
+            raise ValueError(f"scheduler type {self.scheduler.get('type')!r}: expected one of "
+                             f"{', '.join(SCHEDULERS)}")
+        if self.loss_average not in LOSS_AVERAGES:
+            raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
+        if not self.gradient_clipping >= 0:
+            raise ValueError(f"gradient_clipping={self.gradient_clipping}: expected >= 0")
+        if self.param_dtype not in PARAM_DTYPES:
+            expected = "float32 or bfloat16" + (" (float16 weights need a loss scaler, which aqpipe does not have)"
+                                                if self.param_dtype == "float16" else "")
+            raise ValueError(f"param_dtype={self.param_dtype!r}: expected {expected}")
+        if self.param_dtype == "bfloat16" and kind not in ("Adam", "AdamW"):
+            raise ValueError(f"param_dtype=bfloat16 with optimizer {kind!r}: expected Adam or AdamW (their moments "
+                             "are kept in float32 beside bf16 weights)")
+        others = sorted(set(self.optimizer.get("params", {})) - {"betas", "eps", "weight_decay"})
+        if self.param_dtype == "bfloat16" and others:
+            raise ValueError(f"param_dtype=bfloat16 with optimizer params {', '.join(others)}: expected only betas, "
+                             "eps and weight_decay (bf16 weights step through aqpipe's own Adam)")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where the run's results go, how often it saves a resumable checkpoint, and where it resumes from."""
+
+    output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
     save_every: int = setting(0, "write a resumable checkpoint every N steps and at the end (0: never)")
     save_total_limit: int = setting(2, "keep only the N newest checkpoints (0: all)")
     overwrite_output_dir: bool = setting(False, "replace another run's results (summary, metrics, model, "
@@ -130,11 +158,96 @@ class RunConfig:
     resume: str | None = setting(None, "continue from a checkpoint: latest (under --output_dir; the default with no "
                                      "value), auto (latest if there is one, else start fresh), or a checkpoint "
                                      "directory", const="latest")
+
+    def __post_init__(self) -> None:
+        check_int("save_every", self.save_every, 0)
+        check_int("save_total_limit", self.save_total_limit, 0)
+        if self.overwrite_output_dir and self.resume is not None:
+            raise ValueError(f"--overwrite_output_dir with --resume {self.resume}: expected one of them (replace "
+                             "the results in output_dir, or continue the run that wrote them)")
+
+
+@dataclass(frozen=True)
+class DistributedSettings:
+    """The processes: how many stages a pipeline has, how its schedule and blocks are laid out, and how the
+    processes reach each other."""
+
+    pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
+                                               "stages x replicas)", ds="pipeline.stages")
+    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule")
+    partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per "
+                                                      "stage", ds="pipeline.partition")
+    backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
+                                 "shared by several stages with tensors staged through host memory; TCP, the robust "
+                                 "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)")
+    dist_timeout: float = setting(45.0, "seconds a collective or receive may wait for a peer before the run stops "
+                                      "(then ~6 s to exit)")
+    peer_timeout: float = setting(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
+                                      "stops")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pipeline_stages, str) and self.pipeline_stages != "auto":
+            raise ValueError(f"pipeline_stages={self.pipeline_stages!r}: expected a positive integer or auto")
+        if self.pipeline_stages != "auto":
+            check_int("pipeline_stages", self.pipeline_stages, 1)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.partition not in ("parameters", "uniform") and not (
+                isinstance(self.partition, list) and all(is_int(v) and v > 0 for v in self.partition)):
+            raise ValueError(f"partition={self.partition!r}: expected parameters, uniform, or block counts like 2,2")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        for name in ("dist_timeout", "peer_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: expected a positive number of seconds")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run's own settings (its task and model, its batches and length, precision, evaluation), and its
+    sections."""
+
+    task: str  # "causal_lm" or "classification"
+    model: str | None = setting(None, "HF hub name, local model directory, or a config.json (random init); "
+                                    "default: a tiny shape")
+    dropout: float | None = setting(None, "every dropout probability of the model (embeddings, attention, residual, "
+                                        "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa")
+    seed: int = setting(42, "seed of model init, data order and codecs")
+    micro_batch_size: int = setting(4, "samples per micro-batch", ds="train_micro_batch_size_per_gpu")
+    num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)",
+                                     ds="gradient_accumulation_steps")
+    epochs: int = setting(3, "passes over the training samples")
+    max_steps: int | None = setting(None, "stop after this many optimizer steps")
+    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
+    report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
+                                   "(<output_dir>/tensorboard)")
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward",
+                                             ds="pipeline.activation_checkpoint_interval")
+    compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)")
+    bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     skip_nonfinite: bool = setting(False, "skip a step whose loss, activations or gradients hold NaN/inf (on every "
                                         "rank) instead of stopping")
+    data: DataSettings = field(default_factory=DataSettings)
+    optimization: OptimizationSettings = field(default_factory=OptimizationSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    distributed: DistributedSettings = field(default_factory=DistributedSettings)
     compression: CompressionConfig = field(default_factory=_aqsgd)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
+
+    def __post_init__(self) -> None:
+        """The run's own values, and the checks that span sections."""
+        for name in ("micro_batch_size", "num_micro_batches", "epochs"):
+            check_int(name, getattr(self, name), 1)
+        check_int("eval_every", self.eval_every, 0)
+        _count_or_none("max_steps", self.max_steps, 1)
+        if self.dropout is not None and not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"dropout={self.dropout!r}: expected a probability in [0, 1)")
+        if self.data.packing and self.task != "causal_lm":
+            raise ValueError(f"packing with task {self.task}: expected causal-lm (chat or prompt/completion data)")
+        if self.compile and self.distributed.schedule == "zb1":
+            raise ValueError("compile=True with schedule='zb1': a compiled stage's backward is one step, which zb1's "
+                             "split would run twice; expected schedule 1f1b or gpipe with --compile")
 
     @property
     def replicas(self) -> int:
@@ -158,8 +271,46 @@ class RunConfig:
         return replace(cfg, data_parallel=replace(self.data_parallel, warmup_steps=steps))
 
 
+
+SECTIONS: dict[str, type] = {"data": DataSettings, "optimization": OptimizationSettings,
+                             "checkpoint": CheckpointSettings, "distributed": DistributedSettings,
+                             "compression": CompressionConfig, "data_parallel": DataParallelConfig,
+                             "lora": LoraSettings}
+# sections whose settings were once the run's own (flat in older config files' run blocks, task defaults and
+# checkpoints' fingerprints): a flat key by its flag name is read into its section; all but LoRA's keep their own
+# names where a setting is named alone (a checkpoint's fingerprint and its refusals: "seq_len", not "data.seq_len")
+NAMED_ALONE = ("data", "optimization", "checkpoint", "distributed")
+_ONCE_FLAT = (*NAMED_ALONE, "lora")
+
+
+def destinations() -> Iterator[tuple[str, Any]]:
+    """("field" or "section.field", the field) for every setting of a run, in order: the run's own, then each
+    section's."""
+    for f in fields(RunConfig):
+        if f.name in SECTIONS:
+            yield from ((f"{f.name}.{g.name}", g) for g in fields(SECTIONS[f.name]))
+        elif f.name != "task":
+            yield f.name, f
+
+
+FLAT_HOMES = {g.metadata.get("flag", g.name): (dest.split(".")[0], g.name) for dest, g in destinations()
+              if dest.split(".")[0] in _ONCE_FLAT}
+
+
+def nest(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings with the flat keys of the once-flat sections (`seq_len`, `lora_rank`, `optimizer`) moved into their
+    section (`{"data": {"seq_len": ...}}`); a key given both ways takes the section's."""
+    out = {k: (dict(v) if k in SECTIONS and not is_dataclass(v) else v) for k, v in values.items()
+           if k not in FLAT_HOMES}
+    for key in [k for k in values if k in FLAT_HOMES]:
+        section, name = FLAT_HOMES[key]
+        out.setdefault(section, {}).setdefault(name, values[key])
+    return out
+
+
 def build(task: str, values: dict[str, Any]) -> RunConfig:
-    """A RunConfig from merged settings; an unknown key is named with the block it came from."""
+    """A RunConfig from merged settings (flat or nested); an unknown key is named with the block it came from."""
+    values = nest(values)
     top = {f.name for f in fields(RunConfig)} - set(SECTIONS) - {"task"}
     unknown = sorted(set(values) - top - set(SECTIONS))
     if unknown:
@@ -168,105 +319,33 @@ def build(task: str, values: dict[str, Any]) -> RunConfig:
         moved = [f"{k} is {homes[k]}" for k in unknown if k in homes]  # a setting that lives in a section
         hint = f" ({'; '.join(moved)})" if moved else ""
         raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block{hint}")
+    defaults = RunConfig(task=task)
     sections = {}
     for name, kind in SECTIONS.items():
-        section = dict(values.get(name, {}))
-        unknown = sorted(set(section) - {f.name for f in fields(kind)})
+        section = values.get(name, {})  # a dict of its settings, or the section itself
+        unknown = [] if is_dataclass(section) else sorted(set(section) - {f.name for f in fields(kind)})
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's {name} block; expected "
                              f"{', '.join(f.name for f in fields(kind))}")
-        sections[name] = replace(getattr(RunConfig(task=task), name), **section)
+        sections[name] = section if is_dataclass(section) else replace(getattr(defaults, name), **section)
     return RunConfig(task=task, **{k: v for k, v in values.items() if k not in SECTIONS}, **sections)
 
 
-def _positive(cfg: RunConfig, name: str, allow_zero: bool = False) -> None:
-    value = getattr(cfg, name)
-    low = 0 if allow_zero else 1
-    check_int(name, value, low)
-
-
-def _stages(cfg: RunConfig, world_size: int) -> int:
-    """'auto' stages fill the launcher's world: every process is one stage of one of the replicas."""
-    if cfg.pipeline_stages != "auto":
-        return cfg.pipeline_stages
-    if world_size % cfg.replicas:
-        raise ValueError(f"replicas={cfg.replicas} does not divide the world size {world_size}")
-    return world_size // cfg.replicas
-
-
 def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
-    """Check every value against its range, reading no file; the config with `auto` stages resolved for
-    `world_size`. Raises ValueError naming the first bad value."""
+    """The config with `auto` stages resolved for `world_size` (every process is one stage of one of the replicas),
+    after the checks that need the stage count; reading no file. Raises ValueError naming the first bad value."""
     cfg.data_parallel.validate()
-    if isinstance(cfg.pipeline_stages, str) and cfg.pipeline_stages != "auto":
-        raise ValueError(f"pipeline_stages={cfg.pipeline_stages!r}: expected a positive integer or auto")
-    cfg = replace(cfg, pipeline_stages=_stages(cfg, world_size))
-    for name in ("seq_len", "pipeline_stages", "micro_batch_size", "num_micro_batches", "epochs"):
-        _positive(cfg, name)
-    _positive(cfg, "eval_every", allow_zero=True)
-    if isinstance(cfg.eval_fraction, bool) or not isinstance(cfg.eval_fraction, (int, float)) or \
-            not 0.0 < cfg.eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction={cfg.eval_fraction!r}: expected a fraction in (0, 1)")
-    for name in ("max_steps", "max_train_samples", "max_eval_samples"):
-        if getattr(cfg, name) is not None:
-            _positive(cfg, name, allow_zero=name != "max_steps")
-    if cfg.seq_len < 2:
-        raise ValueError(f"seq_len={cfg.seq_len}: expected at least 2 tokens")
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"schedule={cfg.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if cfg.packing_overflow not in OVERFLOWS:
-        raise ValueError(f"packing_overflow={cfg.packing_overflow!r}: expected one of {', '.join(OVERFLOWS)}")
-    if cfg.packing and cfg.task != "causal_lm":
-        raise ValueError(f"packing with task {cfg.task}: expected causal-lm (chat or prompt/completion data)")
-    if cfg.loss_average not in LOSS_AVERAGES:
-        raise ValueError(f"loss_average={cfg.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
-    if cfg.compile and cfg.schedule == "zb1":
-        raise ValueError("compile=True with schedule='zb1': a compiled stage's backward is one step, which zb1's "
-                         "split would run twice; expected schedule 1f1b or gpipe with --compile")
     cfg.compression.validate()
+    stages = cfg.distributed.pipeline_stages
+    if stages == "auto":
+        if world_size % cfg.replicas:
+            raise ValueError(f"replicas={cfg.replicas} does not divide the world size {world_size}")
+        stages = world_size // cfg.replicas
+        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_stages=stages))
     rates = cfg.compression.link_mbit
-    if rates is not None and len(rates) != cfg.pipeline_stages - 1:
-        raise ValueError(f"link_mbit={rates}: expected {cfg.pipeline_stages - 1} rates, one per boundary of "
-                         f"{cfg.pipeline_stages} stages")
-    if cfg.partition not in ("parameters", "uniform") and not (
-            isinstance(cfg.partition, list) and all(isinstance(v, int) and v > 0 for v in cfg.partition)):
-        raise ValueError(f"partition={cfg.partition!r}: expected parameters, uniform, or block counts like 2,2")
-    if isinstance(cfg.partition, list) and len(cfg.partition) != cfg.pipeline_stages:
-        raise ValueError(f"partition={cfg.partition}: expected {cfg.pipeline_stages} block counts, one per stage")
-    for name in ("text_column", "text_pair_column", "label_column"):
-        value = getattr(cfg, name)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ValueError(f"{name}={value!r}: expected a column name")
-    if not cfg.lr > 0:
-        raise ValueError(f"lr={cfg.lr}: expected a positive learning rate")
-    if cfg.dropout is not None and not (isinstance(cfg.dropout, (int, float)) and 0 <= cfg.dropout < 1):
-        raise ValueError(f"dropout={cfg.dropout!r}: expected a probability in [0, 1)")
-    if cfg.param_dtype not in PARAM_DTYPES:
-        expected = "float32 or bfloat16" + (" (float16 weights need a loss scaler, which aqpipe does not have)"
-                                            if cfg.param_dtype == "float16" else "")
-        raise ValueError(f"param_dtype={cfg.param_dtype!r}: expected {expected}")
-    if cfg.param_dtype == "bfloat16" and cfg.optimizer.get("type") not in ("Adam", "AdamW"):
-        raise ValueError(f"param_dtype=bfloat16 with optimizer {cfg.optimizer.get('type')!r}: expected Adam or AdamW "
-                         "(their moments are kept in float32 beside bf16 weights)")
-    others = sorted(set(cfg.optimizer.get("params", {})) - {"betas", "eps", "weight_decay"})
-    if cfg.param_dtype == "bfloat16" and others:
-        raise ValueError(f"param_dtype=bfloat16 with optimizer params {', '.join(others)}: expected only betas, eps "
-                         "and weight_decay (bf16 weights step through aqpipe's own Adam)")
-    if cfg.gradient_clipping < 0:
-        raise ValueError(f"gradient_clipping={cfg.gradient_clipping}: expected >= 0")
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"backend={cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
-    for name in ("dist_timeout", "peer_timeout"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name}={getattr(cfg, name)}: expected a positive number of seconds")
-    _positive(cfg, "save_every", allow_zero=True)
-    _positive(cfg, "save_total_limit", allow_zero=True)
-    if cfg.overwrite_output_dir and cfg.resume is not None:
-        raise ValueError(f"--overwrite_output_dir with --resume {cfg.resume}: expected one of them (replace the "
-                         "results in output_dir, or continue the run that wrote them)")
-    opt_type = cfg.optimizer.get("type")
-    if opt_type not in OPTIMIZERS:
-        raise ValueError(f"optimizer type {opt_type!r}: expected one of {', '.join(OPTIMIZERS)}")
-    if cfg.scheduler is not None and cfg.scheduler.get("type") not in SCHEDULERS:
-        raise ValueError(f"scheduler type {cfg.scheduler.get('type')!r}: expected one of {', '.join(SCHEDULERS)}")
+    if rates is not None and len(rates) != stages - 1:
+        raise ValueError(f"link_mbit={rates}: expected {stages - 1} rates, one per boundary of {stages} stages")
+    partition = cfg.distributed.partition
+    if isinstance(partition, list) and len(partition) != stages:
+        raise ValueError(f"partition={partition}: expected {stages} block counts, one per stage")
     return cfg

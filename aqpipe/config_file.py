@@ -1,24 +1,28 @@
-"""The config file: DeepSpeed's JSON keys plus aqpipe's `compression`, `data_parallel`, `lora` and `run` blocks, read
-into settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job.
+"""The config file: DeepSpeed's JSON keys plus a block per section of aqpipe's settings (`data`, `optimization`,
+`checkpoint`, `distributed`, `compression`, `data_parallel`, `lora`) and a `run` block for the run's own, read into
+settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job.
 
 Where a setting lives in DeepSpeed's file is its field's `ds` metadata (config.py): a top-level key, or
 `pipeline.<key>`, copied as it is; the others with a `ds` place (lr inside the optimizer, bf16's "enabled",
-activation checkpointing as an interval) are translated below; every other setting goes in the "run" block."""
+activation checkpointing as an interval) are translated below; every other setting goes in its section's block, or
+the "run" block. Files printed before the sections had blocks, with those settings flat in the run block, read the
+same (config.nest)."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields
 from typing import Any
 
-from .config import SECTIONS, RunConfig
+from .config import SECTIONS, RunConfig, destinations
 
-_PLACES = {f.name: f.metadata["ds"] for f in fields(RunConfig) if "ds" in f.metadata}
+# a DeepSpeed-placed setting's name -> its destination ("lr" -> "optimization.lr")
+_DESTS = {dest.rpartition(".")[2]: dest for dest, f in destinations() if "ds" in f.metadata}
+_PLACES = {name: f.metadata["ds"] for dest, f in destinations() if "ds" in f.metadata
+           for name in [dest.rpartition(".")[2]]}
 _SIMPLE = {place: name for name, place in _PLACES.items()
            if "." not in place and place not in ("optimizer", "scheduler")}  # copied as they are
 _PIPELINE = {place.split(".", 1)[1]: name for name, place in _PLACES.items()
              if place.startswith("pipeline.") and name != "activation_checkpointing"}
-_NOT_IN_RUN = {"task", *SECTIONS, *_PLACES}
 
 
 def read(path: str) -> dict[str, Any]:
@@ -50,10 +54,7 @@ def read(path: str) -> dict[str, Any]:
     if "activation_checkpoint_interval" in pipe:
         out["activation_checkpointing"] = bool(pipe["activation_checkpoint_interval"])
     out.update({section: dict(raw[section]) for section in SECTIONS if section in raw})
-    run = dict(raw.get("run", {}))
-    for key in [k for k in run if k.startswith("lora_")]:  # files printed before LoRA had a block of its own
-        out.setdefault("lora", {})[key.removeprefix("lora_")] = run.pop(key)
-    out.update(run)
+    out.update(raw.get("run", {}))
     if "train_batch_size" in raw:
         out["_train_batch_size"] = raw["train_batch_size"]
     return out
@@ -61,7 +62,8 @@ def read(path: str) -> dict[str, Any]:
 
 def write(cfg: RunConfig) -> dict[str, Any]:
     """The file that `read` turns back into `cfg`'s settings."""
-    values = cfg.to_dict()
+    nested = cfg.to_dict()
+    values = {name: _at(nested, dest) for name, dest in _DESTS.items()}  # the DeepSpeed-placed settings by name
     optimizer = {**values["optimizer"], "params": {"lr": values["lr"], **values["optimizer"].get("params", {})}}
     out: dict[str, Any] = {theirs: values[ours] for theirs, ours in _SIMPLE.items()}
     out.update(optimizer=optimizer, bf16={"enabled": values["bf16"]})
@@ -69,6 +71,12 @@ def write(cfg: RunConfig) -> dict[str, Any]:
         out["scheduler"] = values["scheduler"]
     out["pipeline"] = {theirs: values[ours] for theirs, ours in _PIPELINE.items()}
     out["pipeline"]["activation_checkpoint_interval"] = int(values["activation_checkpointing"])
-    out.update({section: values[section] for section in SECTIONS})
-    out["run"] = {k: v for k, v in values.items() if k not in _NOT_IN_RUN}
+    out.update({section: {k: v for k, v in nested[section].items() if k not in _PLACES} for section in SECTIONS})
+    out["run"] = {k: v for k, v in nested.items() if k not in ("task", *SECTIONS, *_PLACES)}
     return out
+
+
+def _at(values: dict[str, Any], dest: str) -> Any:
+    for key in dest.split("."):
+        values = values[key]
+    return values

@@ -170,7 +170,7 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
                 p.add_argument(f"--no_{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
     for name, (text, _) in SECTION_SHORTHANDS.items():
         p.add_argument(f"--{name}", type=int_or_word, help=text)
-    now = trainer_flags.shown(shown.optimizer, shown.scheduler) if shown is not None else {}
+    now = trainer_flags.shown(shown.optimization.optimizer, shown.optimization.scheduler) if shown is not None else {}
     for name, (parse, text) in trainer_flags.FLAGS.items():
         text += f" (default: {as_typed(now[name])})" if name in now else ""
         p.add_argument(f"--{name}", type=parse, help=text, metavar=name.upper())

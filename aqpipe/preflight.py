@@ -23,8 +23,8 @@ def check(cfg: "RunConfig") -> "RunConfig":
     if cfg.model is not None and not is_hub_name(cfg.model) and not os.path.exists(cfg.model):
         raise ValueError(f"model={cfg.model!r}: no such file or directory (expected an HF name, a model directory "
                          "or a config.json)")
-    if cfg.dataset is not None and not is_hub_name(cfg.dataset) and not os.path.exists(cfg.dataset):
-        raise ValueError(f"dataset={cfg.dataset!r}: no such file (expected an HF dataset name, a built-in name, "
+    if cfg.data.dataset is not None and not is_hub_name(cfg.data.dataset) and not os.path.exists(cfg.data.dataset):
+        raise ValueError(f"dataset={cfg.data.dataset!r}: no such file (expected an HF dataset name, a built-in name, "
                          "or a local text/json/csv/parquet file)")
     reporters.check(cfg.report_to)
     _check_hub(cfg)
@@ -32,7 +32,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
     configure_kernels()  # and AQPIPE_KERNELS, set for the run here, once
     link_latency_s()
-    _check_gpus(cfg.backend)
+    _check_gpus(cfg.distributed.backend)
     cfg = _resumed(cfg)
     _check_output_dir(cfg)
     return cfg
@@ -55,9 +55,10 @@ def previous_results(output_dir: str) -> list[str]:
 
 def _check_output_dir(cfg: "RunConfig") -> None:
     """Refuse to write over another run's results unless told to replace them or to continue that run."""
-    found = previous_results(cfg.output_dir)
-    if found and cfg.resume is None and not cfg.overwrite_output_dir:
-        raise ValueError(f"output_dir={cfg.output_dir!r} holds another run's results ({', '.join(found)}): expected "
+    found = previous_results(cfg.checkpoint.output_dir)
+    if found and cfg.checkpoint.resume is None and not cfg.checkpoint.overwrite_output_dir:
+        raise ValueError(f"output_dir={cfg.checkpoint.output_dir!r} holds another run's results "
+                         f"({', '.join(found)}): expected "
                          "--overwrite_output_dir to replace them, --resume to continue that run, or another "
                          "--output_dir")
 
@@ -130,27 +131,30 @@ def _check_model_shape(cfg: "RunConfig") -> None:
         if cfg.lora.enabled:  # targets resolved on the model's own modules (no weight read)
             from pipeline.lora import lora_config  # deferred: imports transformers, as above
 
-            lora_config(cls, config, cfg.lora, cfg.task == "classification", cfg.pipeline_stages, cfg.partition)
+            lora_config(cls, config, cfg.lora, cfg.task == "classification", cfg.distributed.pipeline_stages,
+                        cfg.distributed.partition)
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
         positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         name = repr(cfg.model)
-    if blocks is not None and cfg.pipeline_stages > blocks:
-        raise ValueError(f"pipeline_stages={cfg.pipeline_stages}: model {name} has {blocks} blocks; expected at most "
+    stages, partition = cfg.distributed.pipeline_stages, cfg.distributed.partition
+    if blocks is not None and stages > blocks:
+        raise ValueError(f"pipeline_stages={stages}: model {name} has {blocks} blocks; expected at most "
                          f"{blocks} stages (each stage holds at least one block)")
-    if blocks is not None and isinstance(cfg.partition, list) and sum(cfg.partition) != blocks:
-        raise ValueError(f"partition={cfg.partition}: sums to {sum(cfg.partition)}; expected the {blocks} blocks of "
+    if blocks is not None and isinstance(partition, list) and sum(partition) != blocks:
+        raise ValueError(f"partition={partition}: sums to {sum(partition)}; expected the {blocks} blocks of "
                          f"model {name}")
-    if positions is not None and cfg.seq_len > positions:
-        raise ValueError(f"seq_len={cfg.seq_len}: model {name} has {positions} positions; expected seq_len <= "
+    if positions is not None and cfg.data.seq_len > positions:
+        raise ValueError(f"seq_len={cfg.data.seq_len}: model {name} has {positions} positions; expected seq_len <= "
                          f"{positions}")
 
 
 def _resumed(cfg: "RunConfig") -> "RunConfig":
     """--resume resolved to a checkpoint directory whose settings match this run's (None: auto, nothing saved),
     with the values the run recorded when it started (an "auto" data-parallel warm-up's number)."""
-    if cfg.resume is None:
+    if cfg.checkpoint.resume is None:
         return cfg
-    found = checkpoint.find(cfg.resume, cfg.output_dir)
+    found = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.output_dir)
     if found is None:
-        return replace(cfg, resume=None)
-    return replace(checkpoint.check_compatible(found, cfg), resume=str(found))
+        return replace(cfg, checkpoint=replace(cfg.checkpoint, resume=None))
+    cfg = checkpoint.check_compatible(found, cfg)
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume=str(found)))

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from . import config_file, preflight, trainer_flags
-from .config import SECTIONS, RunConfig, build, validate
+from .config import SECTIONS, RunConfig, build, nest, validate
 from .environment import launch
 from .flags import build_parser, given, parse_text
 from .speech import speaks
@@ -23,17 +23,18 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
-    """The layers merged (later wins; text parsed as its flag parses it), the trainer's optimizer and schedule
+    """The layers merged (each nested: a once-flat key such as seq_len into its section; later wins; text parsed as
+    its flag parses it), the trainer's optimizer and schedule
     flags applied to the merged blocks (trainer_flags.py), and DeepSpeed's train_batch_size apart: a key checked
     against the batch, not a setting."""
     edits: dict[str, Any] = {}
     for layer in layers:
         edits.update(trainer_flags.split(layer)[1])
-    values = _merge(*(parse_text(RunConfig, trainer_flags.split(layer)[0]) for layer in layers))
+    values = _merge(*(parse_text(RunConfig, nest(trainer_flags.split(layer)[0])) for layer in layers))
     if edits:
-        defaults = RunConfig(task="causal_lm")
-        values["optimizer"], values["scheduler"] = trainer_flags.apply(
-            values.get("optimizer", defaults.optimizer), values.get("scheduler", defaults.scheduler), edits)
+        defaults, optim = RunConfig(task="causal_lm").optimization, values.setdefault("optimization", {})
+        optim["optimizer"], optim["scheduler"] = trainer_flags.apply(
+            optim.get("optimizer", defaults.optimizer), optim.get("scheduler", defaults.scheduler), edits)
     return values, values.pop("_train_batch_size", None)
 
 
@@ -43,12 +44,12 @@ def settle(task: str, layers: list[dict[str, Any]]) -> RunConfig:
     values, batch = _layered(layers)
     world = launch().world_size
     cfg = validate(build(task, values), world)
-    if world % cfg.pipeline_stages:
-        raise ValueError(f"pipeline_stages={cfg.pipeline_stages} does not divide the launcher's {world} "
+    if world % cfg.distributed.pipeline_stages:
+        raise ValueError(f"pipeline_stages={cfg.distributed.pipeline_stages} does not divide the launcher's {world} "
                          "processes: expected world size = pipeline_stages x replicas")
-    if cfg.pipeline_stages * cfg.replicas != world:
-        raise ValueError(f"pipeline_stages={cfg.pipeline_stages} x replicas={cfg.replicas} needs "
-                         f"{cfg.pipeline_stages * cfg.replicas} processes; the launcher started {world}")
+    if cfg.distributed.pipeline_stages * cfg.replicas != world:
+        raise ValueError(f"pipeline_stages={cfg.distributed.pipeline_stages} x replicas={cfg.replicas} needs "
+                         f"{cfg.distributed.pipeline_stages * cfg.replicas} processes; the launcher started {world}")
     if batch is not None and batch != cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas:
         raise ValueError(f"train_batch_size={batch}: expected micro_batch_size x num_micro_batches x replicas = "
                          f"{cfg.micro_batch_size} x {cfg.num_micro_batches} x {cfg.replicas}")

@@ -47,27 +47,28 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
     """Tokenizer, train and eval datasets (from `data`, a user's `datasets.Dataset`, where given); local rank 0
     builds the caches first, the others read them."""
     def build() -> tuple[Any, Any, Any]:
-        source = data if data is not None else cfg.dataset or task.default_dataset
+        source = data if data is not None else cfg.data.dataset or task.default_dataset
         # a model directory or hub name brings its own tokenizer; a config.json or the built-in shape does not
         own = cfg.model if cfg.model is not None and not os.path.isfile(cfg.model) else None
         corpus = None if own is not None and os.path.isdir(own) else datalib.fetch_shakespeare()
         tokenizer = datalib.apply_chat_template_setting(
-            datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification"), cfg.chat_template)
+            datalib.load_tokenizer(own, corpus, cls_sep=task.kind == "classification"), cfg.data.chat_template)
         # without --eval_dataset the last eval_fraction of the source is held out; with one, each is used whole
-        held = {"eval_fraction": 0.0 if cfg.eval_dataset else cfg.eval_fraction}
-        held_out = (cfg.eval_dataset, {"eval_fraction": 1.0}) if cfg.eval_dataset else (source, held)
+        held = {"eval_fraction": 0.0 if cfg.data.eval_dataset else cfg.data.eval_fraction}
+        held_out = (cfg.data.eval_dataset, {"eval_fraction": 1.0}) if cfg.data.eval_dataset else (source, held)
         if task.kind == "causal_lm":
-            kw = {"dataset_config": cfg.dataset_config, "text_column": cfg.text_column, "packing": cfg.packing,
-                  "packing_overflow": cfg.packing_overflow}
+            kw = {"dataset_config": cfg.data.dataset_config, "text_column": cfg.data.text_column,
+                  "packing": cfg.data.packing,
+                  "packing_overflow": cfg.data.packing_overflow}
             make = datalib.lm_dataset
         else:
-            kw = {"seed": cfg.seed, "text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
-                  "label_column": cfg.label_column}
+            kw = {"seed": cfg.seed, "text_column": cfg.data.text_column, "text_pair_column": cfg.data.text_pair_column,
+                  "label_column": cfg.data.label_column}
             make = datalib.classification_dataset
-        train = make(source, tokenizer, cfg.seq_len, split="train", **held, **kw)
-        evaluation = make(held_out[0], tokenizer, cfg.seq_len, split="eval", **held_out[1], **kw)
-        limited = datalib.limit(train, cfg.max_train_samples or None), \
-            datalib.limit(evaluation, cfg.max_eval_samples or None)  # 0: all
+        train = make(source, tokenizer, cfg.data.seq_len, split="train", **held, **kw)
+        evaluation = make(held_out[0], tokenizer, cfg.data.seq_len, split="eval", **held_out[1], **kw)
+        limited = datalib.limit(train, cfg.data.max_train_samples or None), \
+            datalib.limit(evaluation, cfg.data.max_eval_samples or None)  # 0: all
         if world.rank == 0:
             print(data_line(cfg, len(train), len(evaluation), *map(len, limited), getattr(train, "cut", 0)),
                   file=sys.stderr)
@@ -86,9 +87,10 @@ def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept
     def part(kept: int, total: int, flag: str) -> str:
         return f"{kept} of {total} samples (--{flag} {kept})" if kept < total else f"{total} samples"
 
-    held = f"--eval_dataset {cfg.eval_dataset}" if cfg.eval_dataset else f"the last {cfg.eval_fraction:g} of it"
-    packed = " (packed)" if cfg.packing else ""
-    cuts = f"; {cut} rows longer than seq_len={cfg.seq_len} cut to fit (--packing_overflow error refuses them)" \
+    held = f"--eval_dataset {cfg.data.eval_dataset}" if cfg.data.eval_dataset else \
+        f"the last {cfg.data.eval_fraction:g} of it"
+    packed = " (packed)" if cfg.data.packing else ""
+    cuts = f"; {cut} rows longer than seq_len={cfg.data.seq_len} cut to fit (--packing_overflow error refuses them)" \
         if cut else ""
     return (f"data: train {part(kept_train, train, 'max_train_samples')}, eval "
             f"{part(kept_eval, evaluation, 'max_eval_samples')}{packed} from {held}{cuts}")
@@ -100,40 +102,41 @@ FUSED = ("Adam", "AdamW", "SGD")  # torch's optimizers with a fused CUDA kernel
 def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
     """The run's optimizer over `params`: torch's by name (fused on a GPU unless the config says fused/foreach),
     or bf16 weights' own."""
-    kind = cfg.optimizer["type"]
-    kwargs = {k: v for k, v in cfg.optimizer.get("params", {}).items() if k != "lr"}
+    kind = cfg.optimization.optimizer["type"]
+    kwargs = {k: v for k, v in cfg.optimization.optimizer.get("params", {}).items() if k != "lr"}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if cfg.param_dtype == "bfloat16":  # bf16 weights: float32 moments, stochastic rounding (optim.py)
+    if cfg.optimization.param_dtype == "bfloat16":  # bf16 weights: float32 moments, stochastic rounding (optim.py)
         kwargs.setdefault("weight_decay", 1e-2 if kind == "AdamW" else 0.0)
-        return LowPrecisionAdamW(params, lr=cfg.lr, decoupled=kind == "AdamW", seed=cfg.seed, **kwargs)
+        return LowPrecisionAdamW(params, lr=cfg.optimization.lr, decoupled=kind == "AdamW", seed=cfg.seed, **kwargs)
     params = list(params)
     if kind in FUSED and not {"fused", "foreach"} & set(kwargs) and params and \
             all(p.device.type == "cuda" for p in params):
         kwargs["fused"] = True  # one kernel for every parameter's update: torch's fastest, on a GPU
-    return getattr(torch.optim, kind)(params, lr=cfg.lr, **kwargs)
+    return getattr(torch.optim, kind)(params, lr=cfg.optimization.lr, **kwargs)
 
 
 def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> PlannedLR | None:
     """The run's LR plan (lr_plan.py) from DeepSpeed's schedulers, "auto" filled from the run (total steps, peak lr),
     or transformers' by their --lr_scheduler_type names (optimizer step k runs at the schedule's step k - 1, as in
     HF's Trainer)."""
-    if cfg.scheduler is None:
+    if cfg.optimization.scheduler is None:
         return None
-    kind, params = cfg.scheduler["type"], dict(cfg.scheduler.get("params", {}))
+    kind, params = cfg.optimization.scheduler["type"], dict(cfg.optimization.scheduler.get("params", {}))
     if kind in HF_SCHEDULES:
         from transformers import get_scheduler  # deferred: transformers' import is seconds; only this path needs it
 
         def schedule(opt: torch.optim.Optimizer, total: int) -> Any:
             return get_scheduler(kind, opt, num_training_steps=total, num_warmup_steps=warmup_steps(params, total))
-        return PlannedLR(optimizer, schedule, total_steps, cfg.lr)
+        return PlannedLR(optimizer, schedule, total_steps, cfg.optimization.lr)
     if not torch.cuda.is_available():  # tell DeepSpeed what we know, or it probes and warns that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime import lr_schedules
 
     def deepspeed_schedule(opt: torch.optim.Optimizer, total: int) -> Any:
         filled = dict(params)
-        fills = {"total_num_steps": total + 1, "warmup_max_lr": cfg.lr, "warmup_num_steps": max(1, total // 10)}
+        fills = {"total_num_steps": total + 1, "warmup_max_lr": cfg.optimization.lr,
+                 "warmup_num_steps": max(1, total // 10)}
         for key, value in fills.items():
             if filled.get(key) == "auto" or (key == "total_num_steps" and key not in filled and kind != "WarmupLR"):
                 filled[key] = value
@@ -142,7 +145,7 @@ def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_step
         scheduler = getattr(lr_schedules, kind)(opt, last_batch_iteration=0, **filled)
         scheduler.step()
         return scheduler
-    return PlannedLR(optimizer, deepspeed_schedule, total_steps, cfg.lr)
+    return PlannedLR(optimizer, deepspeed_schedule, total_steps, cfg.optimization.lr)
 
 
 def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> dict[str, float]:
@@ -158,19 +161,20 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> 
 
 def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -> dict[str, Any]:
     """One run; in a multi-process run any failure ends this process with a line naming rank and stage. `data`: a
-    `datasets.Dataset` / `DatasetDict` given in place of `cfg.dataset`."""
+    `datasets.Dataset` / `DatasetDict` given in place of `cfg.data.dataset`."""
     prog = prog or Path(sys.argv[0]).name or "aqpipe"  # the name failure lines start with
     try:
         world = init_world(cfg)
     except RuntimeError as exc:  # a peer that never came (it stopped on bad input of its own, or never started)
         raise SystemExit(f"{prog}: error: rank {launch().rank} could not join the process group within "
-                         f"dist_timeout={cfg.dist_timeout:g} s: {(str(exc).strip().splitlines() or [''])[0][:200]}")
+                         f"dist_timeout={cfg.distributed.dist_timeout:g} s: "
+                         f"{(str(exc).strip().splitlines() or [''])[0][:200]}")
     watchdog = None
     with interrupts.caught():  # Ctrl-C and a launcher's SIGTERM: one line a rank, status 130
         try:
             if world.distributed:
                 watchdog = Watchdog(world.rank, world.size, describer(cfg), prog,
-                                    peer_timeout=cfg.peer_timeout).start()
+                                    peer_timeout=cfg.distributed.peer_timeout).start()
                 world = dataclasses.replace(world, watchdog=watchdog)
             summary = train(task, cfg, world, data)
             barrier(world)  # rank 0 may still be writing the merged model
@@ -190,18 +194,18 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
 def clear_previous_results(cfg: RunConfig, storage: Storage) -> None:
     """--overwrite_output_dir: one rank of each storage removes another run's results there, before anything is
     written (no rank wrote yet)."""
-    if cfg.overwrite_output_dir and storage.finalizer:
-        for name in preflight.previous_results(cfg.output_dir):
-            path = Path(cfg.output_dir) / name
+    if cfg.checkpoint.overwrite_output_dir and storage.finalizer:
+        for name in preflight.previous_results(cfg.checkpoint.output_dir):
+            path = Path(cfg.checkpoint.output_dir) / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def model_spec(cfg: RunConfig, task: Task, tokenizer: Any, train_set: Any) -> ModelSpec:
     """What every rank builds its stage from, sized to the tokenizer and labelled as the data is."""
     positions = model_positions(cfg.model)
-    if positions is not None and cfg.seq_len > positions:  # a hub model not cached when the config was checked
-        raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
-    return resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.seq_len,
+    if positions is not None and cfg.data.seq_len > positions:  # a hub model not cached when the config was checked
+        raise ValueError(f"seq_len={cfg.data.seq_len}: the model has {positions} positions")
+    return resolve_model(cfg.model, task.shape, task.kind, tokenizer, cfg.data.seq_len,
                          getattr(train_set, "num_labels", None), getattr(train_set, "label_names", None), cfg.dropout,
                          frozen=cfg.lora.enabled)
 
@@ -218,13 +222,14 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), with LoRA
     `adapters` (a PEFT LoraConfig: pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
     and LR schedule, its replicas' algorithm, and the engine that trains it."""
-    grid = Grid.for_world(world.size, cfg.pipeline_stages)
+    grid = Grid.for_world(world.size, cfg.distributed.pipeline_stages)
     groups = build_groups(grid, world.rank, world.transport)
-    trained = getattr(torch, cfg.param_dtype)
+    trained = getattr(torch, cfg.optimization.param_dtype)
     # the frozen base in its checkpoint's dtype, but float16's (which computes only with a loss scaler) in float32
     frozen = torch.float32 if spec.dtype == torch.float16 else spec.dtype
     try:
-        stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.partition, seed=cfg.seed,
+        stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.distributed.partition,
+                                          seed=cfg.seed,
                                           dtype=frozen if adapters is not None else trained, device=world.device,
                                           activation_checkpointing=cfg.activation_checkpointing)
     except ValueError as exc:  # the library names its argument; a user typed the flag (a hub model preflight
@@ -249,11 +254,12 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
         print(f"{idle}: one stage has no boundary to compress, so they send nothing in this run "
               "(--pipeline_stages 2 or more to use them)", file=sys.stderr)
     return PipelineEngine(stage, groups, optimizer,
-                          EngineSettings(num_samples=num_samples, seq_len=cfg.seq_len,
-                                         gradient_clipping=cfg.gradient_clipping, schedule=cfg.schedule,
+                          EngineSettings(num_samples=num_samples, seq_len=cfg.data.seq_len,
+                                         gradient_clipping=cfg.optimization.gradient_clipping,
+                                         schedule=cfg.distributed.schedule,
                                          device=world.device, bf16=cfg.bf16, seed=cfg.seed,
                                          skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
-                                         loss_average=cfg.loss_average),
+                                         loss_average=cfg.optimization.loss_average),
                           compression=cfg.compression, lr_scheduler=build_scheduler(cfg, optimizer, total_steps),
                           ties=ties, data_parallel=algorithm)
 
@@ -271,7 +277,7 @@ def missing_dirs(directory: str | os.PathLike) -> list[Path]:
 def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     """One run; one refused (bad data, a model that does not fit, ...) removes the folders it created while they
     are still empty."""
-    created = missing_dirs(cfg.output_dir)
+    created = missing_dirs(cfg.checkpoint.output_dir)
     try:
         return _train(task, cfg, world, data)
     except BaseException:
@@ -283,34 +289,36 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
 
 def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    storage = detect_storage(cfg.output_dir, world)  # which ranks write where this one writes
+    storage = detect_storage(cfg.checkpoint.output_dir, world)  # which ranks write where this one writes
     clear_previous_results(cfg, storage)
-    checkpoints = Path(cfg.output_dir) / "checkpoints"
-    resumed = checkpoint.agree(Path(cfg.resume) if cfg.resume else None, checkpoints, world)
-    cfg = dataclasses.replace(cfg, resume=str(resumed) if resumed is not None else None)
+    checkpoints = Path(cfg.checkpoint.output_dir) / "checkpoints"
+    resumed = checkpoint.agree(Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None, checkpoints, world)
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+        cfg.checkpoint, resume=str(resumed) if resumed is not None else None))
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
-    replicas = Grid.for_world(world.size, cfg.pipeline_stages).replicas  # the engine's grid, as build_engine makes it
+    stages = cfg.distributed.pipeline_stages
+    replicas = Grid.for_world(world.size, stages).replicas  # the engine's grid, as build_engine makes it
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps, per_epoch)
     adapters = None if not cfg.lora.enabled else lora_config(
-        spec.model_class, spec.config, cfg.lora, task.kind == "classification", cfg.pipeline_stages, cfg.partition)
+        spec.model_class, spec.config, cfg.lora, task.kind == "classification", stages, cfg.distributed.partition)
     engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
     progress = Progress()
-    if cfg.resume:  # last: the RNG states it restores are those of the saved run at that step
-        progress.load_state_dict(checkpoint.load(Path(cfg.resume), engine, cfg))
+    if cfg.checkpoint.resume:  # last: the RNG states it restores are those of the saved run at that step
+        progress.load_state_dict(checkpoint.load(Path(cfg.checkpoint.resume), engine, cfg))
     injector = faults.Injector(faults.from_env(), world.rank, engine.stage)
-    writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.resume else None, progress.elapsed)
+    writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.checkpoint.resume else None, progress.elapsed)
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * replicas
     started, saved = time.perf_counter() - progress.elapsed, progress.step
 
     def save() -> None:
         checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
-                        cfg.save_total_limit or None)
+                        cfg.checkpoint.save_total_limit or None)
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
@@ -330,13 +338,14 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
                 record.update(progress.evals)
             writer.write(record)
             # the last step's checkpoint waits for its evaluation, below
-            if cfg.save_every and progress.step % cfg.save_every == 0 and progress.step < total_steps:
+            every = cfg.checkpoint.save_every
+            if every and progress.step % every == 0 and progress.step < total_steps:
                 save()
                 saved = progress.step
     if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one
         progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
         writer.write({"step": progress.step, **progress.evals})
-    if cfg.save_every and saved != progress.step:
+    if cfg.checkpoint.save_every and saved != progress.step:
         save()  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs goes on
     writer.close()
     elapsed = time.perf_counter() - started
@@ -357,11 +366,11 @@ def summarize(cfg: RunConfig, world: World, progress: Progress, engine: Pipeline
         "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         **evals, **progress.totals, "seconds": elapsed,
         "samples_per_s": samples_per_step * step / elapsed if elapsed else None, "world_size": world.size,
-        "model_dir": model_dir, "skipped_steps": engine.skipped_steps, "resumed_from": cfg.resume,
+        "model_dir": model_dir, "skipped_steps": engine.skipped_steps, "resumed_from": cfg.checkpoint.resume,
         "config": cfg.to_dict(),
     }
     if world.rank == 0:
-        with open(Path(cfg.output_dir) / "summary.json", "w") as f:
+        with open(Path(cfg.checkpoint.output_dir) / "summary.json", "w") as f:
             json.dump(summary, f, indent=2, default=str)
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", *evals, "fwd_bytes", "bwd_bytes", "seconds")}))
     return summary

@@ -41,18 +41,18 @@ class World:
 
 
 def init_world(cfg: RunConfig) -> World:
-    """Join the process group the launcher described with the backend `cfg.backend` places this process on
+    """Join the process group the launcher described with the backend `cfg.distributed.backend` places this process on
     (placement.py), or run alone."""
     here = launch()  # config.resolve checked its world size is stages x replicas
     size, rank, local_rank = here.world_size, here.rank, here.local_rank
-    placed = place_here(cfg.backend)  # preflight checked it can run here
+    placed = place_here(cfg.distributed.backend)  # preflight checked it can run here
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here.local_world_size))
     keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch
     if placed.device.type == "cuda":
         torch.cuda.set_device(placed.device)
     if size > 1:
-        dist.init_process_group(placed.backend, timeout=timedelta(seconds=cfg.dist_timeout))
+        dist.init_process_group(placed.backend, timeout=timedelta(seconds=cfg.distributed.dist_timeout))
     return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s())
 
 
@@ -68,7 +68,7 @@ def barrier(world: World) -> None:
 
 
 def describer(cfg: RunConfig) -> Callable[[int], str]:
-    stages = int(cfg.pipeline_stages)
+    stages = int(cfg.distributed.pipeline_stages)
     return lambda rank: f"stage {rank % stages}, replica {rank // stages}"
 
 

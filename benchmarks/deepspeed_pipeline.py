@@ -71,7 +71,7 @@ def init_world(cfg: RunConfig) -> World:
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     if "OMP_NUM_THREADS" not in os.environ:  # as the recipe: share this machine's cores among its stages
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.dist_timeout))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.distributed.dist_timeout))
     deepspeed.init_distributed(dist_backend="gloo")
     return World(rank, size, local_rank, torch.device("cpu"))
 
@@ -92,8 +92,9 @@ def check_supported(cfg: RunConfig) -> None:
         raise ValueError("bf16: the DeepSpeed baseline is FP32 only")
     if cfg.activation_checkpointing:
         raise ValueError("activation_checkpointing: not reproduced by the DeepSpeed baseline")
-    if cfg.schedule != "1f1b":
-        raise ValueError(f"schedule={cfg.schedule!r}: DeepSpeed's pipeline engine runs its own 1F1B schedule")
+    if cfg.distributed.schedule != "1f1b":
+        raise ValueError(f"schedule={cfg.distributed.schedule!r}: DeepSpeed's pipeline engine runs its own 1F1B "
+                         "schedule")
 
 
 def count_every_stage_in_clip_norm(module: Any) -> None:
@@ -132,7 +133,7 @@ def ds_config(cfg: RunConfig) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.num_micro_batches,
         "train_batch_size": cfg.micro_batch_size * cfg.num_micro_batches,
-        "gradient_clipping": cfg.gradient_clipping,
+        "gradient_clipping": cfg.optimization.gradient_clipping,
         "steps_per_print": 10 ** 9,  # our metrics.jsonl is the log
         "wall_clock_breakdown": False,
     }
@@ -152,18 +153,19 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     tokenizer, train_set, _ = build_datasets(cfg, TASK, world)
     positions = model_positions(cfg.model)
-    if positions is not None and cfg.seq_len > positions:
-        raise ValueError(f"seq_len={cfg.seq_len}: the model has {positions} positions")
+    if positions is not None and cfg.data.seq_len > positions:
+        raise ValueError(f"seq_len={cfg.data.seq_len}: the model has {positions} positions")
     # the values our stages start from (per-stage loading or the seeded init), as one HF model
-    model = resolve_model(cfg.model, TASK.shape, TASK.kind, tokenizer, cfg.seq_len, None, dropout=cfg.dropout
+    model = resolve_model(cfg.model, TASK.shape, TASK.kind, tokenizer, cfg.data.seq_len, None, dropout=cfg.dropout
                           ).full_model(cfg.seed)
-    counts = stage_block_counts(model, cfg.pipeline_stages, cfg.partition)
+    counts = stage_block_counts(model, cfg.distributed.pipeline_stages, cfg.distributed.partition)
     specs, loss_fn, method = gpt2_layer_specs(model, counts)
-    module = PipelineModule(specs, num_stages=cfg.pipeline_stages, loss_fn=loss_fn, partition_method=method)
+    module = PipelineModule(specs, num_stages=cfg.distributed.pipeline_stages, loss_fn=loss_fn, partition_method=method)
     count_every_stage_in_clip_norm(module)
-    hidden_size, seq_len = model.config.n_embd, cfg.seq_len
+    hidden_size, seq_len = model.config.n_embd, cfg.data.seq_len
     # each holder of the tied wte sends its gradient into DeepSpeed's all-reduce, as ours counts it
-    tie_bytes = 2 * 4 * model.transformer.wte.weight.numel() if is_tied(model) and cfg.pipeline_stages > 1 else 0
+    tied = is_tied(model) and cfg.distributed.pipeline_stages > 1
+    tie_bytes = 2 * 4 * model.transformer.wte.weight.numel() if tied else 0
     del model, specs
 
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches)
@@ -177,8 +179,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         print("deepspeed_pipeline: DeepSpeed sends FP32 activations; compression settings ignored", flush=True)
 
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches
-    boundary_bytes = samples_per_step * seq_len * hidden_size * 4 * (cfg.pipeline_stages - 1)
-    writer = Metrics(Path(cfg.output_dir), active=world.rank == 0)
+    boundary_bytes = samples_per_step * seq_len * hidden_size * 4 * (cfg.distributed.pipeline_stages - 1)
+    writer = Metrics(Path(cfg.checkpoint.output_dir), active=world.rank == 0)
     losses: list[float] = []
     started = time.perf_counter()
     step = 0
@@ -194,7 +196,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             step += 1
             losses.append(loss)
             writer.write({"step": step, "epoch": epoch, "loss": loss, "lr": lr,
-                          "grad_norm": norms[-1] if cfg.gradient_clipping > 0 else None, "phase": "train",
+                          "grad_norm": norms[-1] if cfg.optimization.gradient_clipping > 0 else None, "phase": "train",
                           "fwd_bytes": boundary_bytes, "bwd_bytes": boundary_bytes, "tie_bytes": tie_bytes,
                           "seconds": seconds,
                           "samples_per_s": samples_per_step / seconds})
@@ -209,7 +211,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "block_counts": counts, "deepspeed_parts": [int(v) for v in engine.module.parts], "config": cfg.to_dict(),
     }
     if world.rank == 0:
-        (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        (Path(cfg.checkpoint.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "seconds", "samples_per_s")}), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -20,21 +20,23 @@ def settled(*layers):
 def test_flags_edit_the_blocks_a_config_file_set():
     file = {"optimizer": {"type": "SGD", "params": {"momentum": 0.9, "weight_decay": 0.0}}}
     cfg = settled(file, {"weight_decay": 0.1})
-    assert cfg.optimizer == {"type": "SGD", "params": {"momentum": 0.9, "weight_decay": 0.1}}
+    assert cfg.optimization.optimizer == {"type": "SGD", "params": {"momentum": 0.9, "weight_decay": 0.1}}
     cfg = settled(file, {"optim": "adamw", "adam_beta2": 0.95, "adam_epsilon": 1e-6})
     opt = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6 and group["weight_decay"] == 0.0
     cfg = settled({"lr_scheduler_type": "cosine", "warmup_ratio": 0.25})
-    assert cfg.scheduler == {"type": "cosine", "params": {"warmup_steps": 0, "warmup_ratio": 0.25}}
-    assert settled({"warmup_steps": 5}).scheduler == {"type": "linear", "params": {"warmup_steps": 5,
+    assert cfg.optimization.scheduler == {"type": "cosine", "params": {"warmup_steps": 0, "warmup_ratio": 0.25}}
+    assert settled({"warmup_steps": 5}).optimization.scheduler == {"type": "linear", "params": {"warmup_steps": 5,
                                                                                    "warmup_ratio": 0.0}}
     file = {"scheduler": {"type": "cosine", "params": {"warmup_steps": 7, "warmup_ratio": 0.0}}}
-    assert settled(file, {"lr_scheduler_type": "linear"}).scheduler["params"]["warmup_steps"] == 7  # kept
-    assert settled(file, {"warmup_ratio": 0.1}).scheduler["params"] == {"warmup_steps": 0, "warmup_ratio": 0.1}
+    assert settled(file, {"lr_scheduler_type": "linear"}).optimization.scheduler["params"]["warmup_steps"] == 7  # kept
+    assert settled(file, {"warmup_ratio": 0.1}).optimization.scheduler["params"] == {"warmup_steps": 0,
+                                                                                      "warmup_ratio": 0.1}
     cfg = settled({"adam_beta1": "0.8", "weight_decay": "0.2"})  # an API call's text, parsed as the flag's
-    assert cfg.optimizer["params"]["betas"] == [0.8, 0.999] and cfg.optimizer["params"]["weight_decay"] == 0.2
+    params = cfg.optimization.optimizer["params"]
+    assert params["betas"] == [0.8, 0.999] and params["weight_decay"] == 0.2
 
 
 @pytest.mark.parametrize("layer, said", [
@@ -73,4 +75,4 @@ def test_a_run_takes_transformers_schedule_step_by_step(tmp_path):
     assert lrs == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert lrs[0] == 0.0 and max(lrs) == pytest.approx(0.01)
     config = json.loads((out / "summary.json").read_text())["config"]
-    assert config["optimizer"]["params"]["weight_decay"] == 0.05
+    assert config["optimization"]["optimizer"]["params"]["weight_decay"] == 0.05

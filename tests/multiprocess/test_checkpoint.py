@@ -15,7 +15,7 @@ from pipeline.adapters import LoraSettings
 from aqpipe import checkpoint
 from aqpipe.storage import Storage
 from aqpipe.world import World
-from aqpipe.config import RunConfig, validate
+from aqpipe.config import build, validate
 from aqpipe import data
 from tests.helpers.toy import ToyStage, toy_dataset, toy_stages, toy_ties
 
@@ -138,8 +138,8 @@ def _single_engine():
 
 
 def _cfg(tmp_path, **kw):
-    return validate(RunConfig(task="causal_lm", output_dir=str(tmp_path / "out"),
-                              compression=CompressionConfig(), **kw))
+    return validate(build("causal_lm", {"output_dir": str(tmp_path / "out"), "compression": CompressionConfig(),
+                                        **kw}))
 
 
 def _save(tmp_path, engine, cfg, step):
@@ -151,13 +151,13 @@ def _save(tmp_path, engine, cfg, step):
 def test_a_damaged_or_unfinished_checkpoint_never_loads(tmp_path):
     engine, cfg = _single_engine(), _cfg(tmp_path)
     first = _save(tmp_path, engine, cfg, 1)
-    assert checkpoint.find("latest", cfg.output_dir) == first
+    assert checkpoint.find("latest", cfg.checkpoint.output_dir) == first
     # a crash after the files but before the manifest: 'latest' still names the complete one
     (first.parent / "step_00000002.partial").mkdir()
     (first.parent / "step_00000002.partial" / "stage0_replica0.pt").write_bytes(b"half")
-    assert checkpoint.find("latest", cfg.output_dir) == first
+    assert checkpoint.find("latest", cfg.checkpoint.output_dir) == first
     with pytest.raises(ValueError, match="no checkpoint"):
-        checkpoint.find(str(first.parent / "step_00000002.partial"), cfg.output_dir)
+        checkpoint.find(str(first.parent / "step_00000002.partial"), cfg.checkpoint.output_dir)
     # a file changed after it was written fails its checksum
     with open(first / "stage0_replica0.pt", "r+b") as f:
         f.seek(100)
@@ -177,9 +177,9 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
 def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tmp_path):
     engine, cfg = _single_engine(), _cfg(tmp_path)
     ckpt = _save(tmp_path, engine, cfg, 1)
-    other = validate(RunConfig(task="causal_lm", output_dir=str(tmp_path / "out"), seq_len=64,
-                               lora=LoraSettings(rank=8),
-                               compression=CompressionConfig(forward="direct", forward_bits=4)))
+    other = validate(build("causal_lm", {"output_dir": str(tmp_path / "out"), "seq_len": 64,
+                                         "lora": LoraSettings(rank=8),
+                                         "compression": CompressionConfig(forward="direct", forward_bits=4)}))
     with pytest.raises(ValueError) as info:
         checkpoint.check_compatible(ckpt, other)
     text = str(info.value)

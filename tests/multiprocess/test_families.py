@@ -69,13 +69,13 @@ def word_tokenizer():
 
 def export(engine, name, config, groups, rank, world, directory):
     """The trained stages written as the trainer writes them (aqpipe/export.py): a shard per stage."""
-    from aqpipe.config import RunConfig
+    from aqpipe.config import build
     from aqpipe.export import save_model
     from aqpipe.models import ModelSpec
     from aqpipe.world import World
 
     spec = ModelSpec(getattr(transformers, name), config, None, torch.bfloat16)
-    save_model(engine, spec, word_tokenizer(), RunConfig(task="causal_lm", output_dir=directory),
+    save_model(engine, spec, word_tokenizer(), build("causal_lm", {"output_dir": directory}),
                World(rank, world, rank, torch.device("cpu")), groups)
 
 

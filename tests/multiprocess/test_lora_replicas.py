@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from aqpipe.config import RunConfig
+from aqpipe.config import RunConfig, build
 from aqpipe.data import load_tokenizer
 from aqpipe.models import resolve_model
 from aqpipe.world import World
@@ -29,10 +29,10 @@ ALGORITHMS = {"allreduce": DataParallelConfig(replicas=2),
 
 
 def settings(directory: str, stages: int, dp: DataParallelConfig) -> RunConfig:
-    return RunConfig(task="causal_lm", model=directory, seq_len=SEQ, pipeline_stages=stages, lr=1e-2,
-                     lora=LoraSettings(rank=4, alpha=16), compression=CompressionConfig(), data_parallel=dp,
-                     micro_batch_size=MBS,
-                     num_micro_batches=MICRO, scheduler=None)
+    return build("causal_lm", {"model": directory, "seq_len": SEQ, "pipeline_stages": stages, "lr": 1e-2,
+                               "lora": LoraSettings(rank=4, alpha=16), "compression": CompressionConfig(),
+                               "data_parallel": dp, "micro_batch_size": MBS, "num_micro_batches": MICRO,
+                               "scheduler": None})
 
 
 def steps(vocab: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -47,7 +47,7 @@ def train(rank: int, world: int, directory: str, stages: int, dp: DataParallelCo
     cfg = settings(directory, stages, dp)
     tokenizer = load_tokenizer(directory)
     spec = resolve_model(directory, "llama", "causal_lm", tokenizer, SEQ, None, frozen=True)
-    adapters = lora_config(spec.model_class, spec.config, cfg.lora, False, stages, cfg.partition)
+    adapters = lora_config(spec.model_class, spec.config, cfg.lora, False, stages, cfg.distributed.partition)
     engine = build_engine(cfg, spec, World(rank, world, rank, torch.device("cpu")), 4 * MBS * MICRO * STEPS, STEPS,
                           adapters)
     replicas = world // stages

@@ -1,10 +1,12 @@
 """Run configuration: file < flags precedence, DeepSpeed keys, and one clear line for each bad value."""
 import json
+import re
 
 import pytest
 import torch
 
 from aqpipe import cli
+from aqpipe.config import CheckpointSettings, DataSettings, DistributedSettings, OptimizationSettings, RunConfig
 from aqpipe.settings import resolve
 from aqpipe.tasks import TASKS
 from pipeline.compression_config import AUTO_GROUP_SIZE
@@ -25,16 +27,18 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path, monkeypatch)
         "run": {"seq_len": 32, "epochs": 7},
     }))
     cfg = run(["--deepspeed_config", str(path), "--forward_bits", "4", "--lr", "0.01"], monkeypatch, world=2)
-    assert (cfg.micro_batch_size, cfg.num_micro_batches, cfg.pipeline_stages, cfg.schedule) == (3, 5, 2, "gpipe")
+    dist = cfg.distributed
+    assert (cfg.micro_batch_size, cfg.num_micro_batches, dist.pipeline_stages, dist.schedule) == (3, 5, 2, "gpipe")
     c = cfg.compression
     assert (c.forward, c.forward_bits, c.backward, c.tie, c.tie_bits) == ("direct", 4, "none", "none", 5)
-    assert (cfg.lr, cfg.optimizer["type"], cfg.seq_len, cfg.epochs) == (0.01, "SGD", 32, 7)
+    optim = cfg.optimization
+    assert (optim.lr, optim.optimizer["type"], cfg.data.seq_len, cfg.epochs) == (0.01, "SGD", 32, 7)
     assert cfg.activation_checkpointing
 
 
 @pytest.mark.parametrize("world,stages", [(1, 1), (2, 2), (3, 3)])
 def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
-    assert run([], monkeypatch, world=world).pipeline_stages == stages
+    assert run([], monkeypatch, world=world).distributed.pipeline_stages == stages
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -136,7 +140,7 @@ def test_data_parallel_block_of_the_config_file(tmp_path, monkeypatch):
     path.write_text(json.dumps({"data_parallel": {"replicas": 2, "algorithm": "allreduce", "bits": 4}}))
     cfg = run(["--deepspeed_config", str(path), "--pipeline_stages", "2"], monkeypatch, world=4)
     assert (cfg.replicas, cfg.data_parallel.algorithm, cfg.data_parallel.bits,
-            cfg.pipeline_stages) == (2, "allreduce", 4, 2)
+            cfg.distributed.pipeline_stages) == (2, "allreduce", 4, 2)
 
 
 def _model_config(tmp_path, layers=2, positions=64):
@@ -192,11 +196,11 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
         run(["--output_dir", str(out), "--resume", "latest"], monkeypatch)
     assert ("was written by a different run: pipeline_stages=2 in the checkpoint, 1 in this run"
             in capsys.readouterr().err)
-    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).resume == str(step)
+    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).checkpoint.resume == str(step)
     del manifest["fingerprint"]["compression.auto_bits_slack"]  # written before the setting existed: its default
     (step / "manifest.json").write_text(json.dumps(manifest))
-    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).resume == str(step)
-    assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).resume is None
+    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).checkpoint.resume == str(step)
+    assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).checkpoint.resume is None
 
 
 PRINTED = [[], ["--group_size", "none", "--partition", "1,1", "--buffer_dtype", "bfloat16", "--link_mbit", "5",
@@ -266,7 +270,7 @@ def test_a_setting_from_before_the_sections_names_its_new_place(tmp_path, monkey
 
 def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    assert run(["--output_dir", str(out)], monkeypatch).overwrite_output_dir is False  # absent: fine
+    assert run(["--output_dir", str(out)], monkeypatch).checkpoint.overwrite_output_dir is False  # absent: fine
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")
     run(["--output_dir", str(out)], monkeypatch)  # nothing a run writes: fine
@@ -278,7 +282,8 @@ def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, m
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert "holds another run's results (summary.json, model): expected --overwrite_output_dir" in err
     assert "--resume to continue that run" in err
-    assert run(["--output_dir", str(out), "--overwrite_output_dir"], monkeypatch).overwrite_output_dir is True
+    assert run(["--output_dir", str(out), "--overwrite_output_dir"],
+               monkeypatch).checkpoint.overwrite_output_dir is True
     with pytest.raises(SystemExit):  # auto: nothing saved to continue from, so it would start over them
         run(["--output_dir", str(out), "--resume", "auto"], monkeypatch)
     assert "holds another run's results" in capsys.readouterr().err
@@ -288,8 +293,8 @@ def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, m
 
 
 def test_checkpoints_keep_the_newest_two_by_default(monkeypatch):
-    assert run([], monkeypatch).save_total_limit == 2
-    assert run(["--save_total_limit", "0"], monkeypatch).save_total_limit == 0  # 0: keep all
+    assert run([], monkeypatch).checkpoint.save_total_limit == 2
+    assert run(["--save_total_limit", "0"], monkeypatch).checkpoint.save_total_limit == 0  # 0: keep all
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -340,14 +345,15 @@ def test_the_first_step_learns_and_the_schedule_says_nothing(name, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     cfg = resolve(TASKS[name].kind, [], "t", TASKS[name].defaults)
     param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([param], lr=cfg.lr)
+    optimizer = torch.optim.AdamW([param], lr=cfg.optimization.lr)
     scheduler = build_scheduler(cfg, optimizer, total_steps=40)
     lrs = []
     for _ in range(40):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert 0 < lrs[0] < lrs[1] < lrs[3] == pytest.approx(cfg.lr)  # a 4-step warm-up (a tenth of 40), then decay
+    # a 4-step warm-up (a tenth of 40), then decay
+    assert 0 < lrs[0] < lrs[1] < lrs[3] == pytest.approx(cfg.optimization.lr)
     assert lrs[-1] > 0 and lrs[-1] < lrs[-2]
     out = capfd.readouterr()
     assert "Attempting to get learning rate" not in out.out + out.err
@@ -408,7 +414,7 @@ def test_fp16_compute_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_param_dtype_takes_float32_or_bfloat16_with_adam(tmp_path, monkeypatch, capsys):
-    assert run(["--param_dtype", "bfloat16"], monkeypatch).param_dtype == "bfloat16"
+    assert run(["--param_dtype", "bfloat16"], monkeypatch).optimization.param_dtype == "bfloat16"
     for flags, says in ((["--param_dtype", "float16"], "param_dtype='float16': expected float32 or bfloat16 "
                                                        "(float16 weights need a loss scaler"),
                         (["--param_dtype", "int8"], "param_dtype='int8': expected float32 or bfloat16\n")):
@@ -453,7 +459,7 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT, "fingerprint": older}))
     (tmp_path / "out" / "checkpoints" / "latest").write_text(step.name)
     resumed = run([*flags, "--loss_average", "micro_batches", "--resume"], monkeypatch)
-    assert resumed.lora.rank == 4 and resumed.loss_average == "micro_batches" and not resumed.packing
+    assert resumed.lora.rank == 4 and resumed.optimization.loss_average == "micro_batches" and not resumed.data.packing
     out = ["--output_dir", str(tmp_path / "out"), "--resume"]
     for other, says in ((["--lora_rank", "4", "--lora_alpha", "16", "--loss_average", "tokens"],
                          "loss_average='micro_batches' in the checkpoint, 'tokens' in this run"),
@@ -462,3 +468,51 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
         with pytest.raises(SystemExit):
             run([*out, *other], monkeypatch)
         assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, values, says", [
+    (DataSettings, {"seq_len": 1}, "seq_len=1: expected at least 2 tokens"),
+    (DataSettings, {"packing_overflow": "drop"}, "packing_overflow='drop': expected one of"),
+    (OptimizationSettings, {"lr": 0.0}, "lr=0.0: expected a positive learning rate"),
+    (OptimizationSettings, {"optimizer": {"type": "Lion"}}, "optimizer type 'Lion': expected one of"),
+    (CheckpointSettings, {"save_every": -1}, "save_every=-1: expected an integer >= 0"),
+    (CheckpointSettings, {"overwrite_output_dir": True, "resume": "latest"}, "--overwrite_output_dir with --resume"),
+    (DistributedSettings, {"schedule": "interleaved"}, "schedule='interleaved': expected one of"),
+    (DistributedSettings, {"pipeline_stages": 0}, "pipeline_stages=0: expected an integer >= 1"),
+])
+def test_each_section_checks_itself_as_it_is_made(section, values, says):
+    """No validate() to forget: a section made with a bad value (by a script, a test, the settings) raises naming
+    it, and its defaults pass."""
+    section()
+    with pytest.raises(ValueError, match=re.escape(says)):
+        section(**values)
+
+
+def test_the_checks_across_sections_run_as_the_run_config_is_made():
+    with pytest.raises(ValueError, match="packing with task classification: expected causal-lm"):
+        RunConfig(task="classification", data=DataSettings(packing=True))
+    with pytest.raises(ValueError, match="compile=True with schedule='zb1'"):
+        RunConfig(task="causal_lm", compile=True, distributed=DistributedSettings(schedule="zb1"))
+
+
+def test_a_file_printed_before_the_sections_reads_as_the_file_printed_now(tmp_path, monkeypatch, capsys):
+    """The sections are blocks of the printed file, and a file with their settings flat in its run block (as files
+    were printed before) gives the same run."""
+    flags = ["--seq_len", "32", "--packing", "--loss_average", "micro_batches", "--save_every", "3", "--backend",
+             "gloo", "--peer_timeout", "9", "--max_eval_samples", "5"]
+    with pytest.raises(SystemExit):
+        run([*flags, "--print_config"], monkeypatch)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["data"]["seq_len"] == 32 and printed["data"]["packing"] is True
+    assert printed["optimization"]["loss_average"] == "micro_batches"
+    assert (printed["checkpoint"]["save_every"], printed["distributed"]["peer_timeout"]) == (3, 9.0)
+    assert not {"seq_len", "save_every", "backend", "loss_average"} & set(printed["run"])
+    old = {k: v for k, v in printed.items() if k not in ("data", "optimization", "checkpoint", "distributed")}
+    old["run"] = {**printed["run"], **{k: v for section in ("data", "optimization", "checkpoint", "distributed")
+                                       for k, v in printed[section].items()}}
+    (tmp_path / "new.json").write_text(json.dumps(printed))
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    new_cfg = run(["--deepspeed_config", str(tmp_path / "new.json")], monkeypatch)
+    old_cfg = run(["--deepspeed_config", str(tmp_path / "old.json")], monkeypatch)
+    assert old_cfg == new_cfg == run(flags, monkeypatch)
+    assert new_cfg.data.max_eval_samples == 5 and new_cfg.distributed.backend == "gloo"

@@ -264,15 +264,16 @@ def test_run_config_takes_the_flags_and_the_run_block_keys(tmp_path, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert all(f"--{name}" in build_parser(RunConfig, "t").format_help() for name in COLUMN_FLAGS)
     default = resolve("classification", [], "t")
-    assert (default.text_column, default.text_pair_column, default.label_column) == (None, None, None)
+    columns = ("text_column", "text_pair_column", "label_column")
+    assert [getattr(default.data, name) for name in columns] == [None, None, None]
     flags = resolve("classification", ["--text_column", "review", "--text_pair_column", "context",
                                        "--label_column", "stars"], "t")
-    assert (flags.text_column, flags.text_pair_column, flags.label_column) == ("review", "context", "stars")
+    assert [getattr(flags.data, name) for name in columns] == ["review", "context", "stars"]
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"run": {"text_column": "body", "text_pair_column": "title", "label_column": "y"}}))
     filed = resolve("classification", ["--deepspeed_config", str(config), "--label_column", "stars"], "t")
-    assert (filed.text_column, filed.text_pair_column, filed.label_column) == ("body", "title", "stars")
-    assert filed.to_dict()["text_column"] == "body"
+    assert [getattr(filed.data, name) for name in columns] == ["body", "title", "stars"]  # a run block's, as before
+    assert filed.to_dict()["data"]["text_column"] == "body"
     config.write_text(json.dumps({"run": {"text_column": ""}}))
     with pytest.raises(SystemExit) as exit_:
         resolve("classification", ["--deepspeed_config", str(config)], "t")

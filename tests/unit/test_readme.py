@@ -62,7 +62,7 @@ def test_each_readme_command_resolves(command, monkeypatch, tmp_path, capsys):
             resolve(TASKS[task].kind, ["--print_config"], "readme", TASKS[task].defaults)
         (tmp_path / flags[flags.index("--deepspeed_config") + 1]).write_text(capsys.readouterr().out)
     cfg = resolve(TASKS[task].kind, flags, "readme", TASKS[task].defaults)
-    samples = cfg.max_train_samples or 1024  # all of a user's data: any count shows the plan
+    samples = cfg.data.max_train_samples or 1024  # all of a user's data: any count shows the plan
     steps = samples // (cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas) * cfg.epochs
     if cfg.data_parallel.algorithm == "qadam":  # the example must show the effect it names
         assert cfg.data_parallel.warmup_for(steps) < steps
