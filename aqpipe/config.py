@@ -334,8 +334,6 @@ def build(task: str, values: dict[str, Any]) -> RunConfig:
 def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     """The config with `auto` stages resolved for `world_size` (every process is one stage of one of the replicas),
     after the checks that need the stage count; reading no file. Raises ValueError naming the first bad value."""
-    cfg.data_parallel.validate()
-    cfg.compression.validate()
     stages = cfg.distributed.pipeline_stages
     if stages == "auto":
         if world_size % cfg.replicas:

@@ -1,4 +1,4 @@
-"""The data-parallel section of a run's settings, checked without building anything.
+"""The data-parallel section of a run's settings, checked as it is made, without building anything.
 
 One object holds the replica count, the algorithm and every algorithm's options; `create` passes
 each algorithm the options it takes (`Algorithm.OPTIONS`), so a trainer forwards the section as is.
@@ -36,8 +36,8 @@ class DataParallelConfig:
     peer_selection: str = setting("shift_one", "decentralized: shift_one or all", "dp_peer_selection")
     interval: int = setting(1, "decentralized: communicate every N steps", "dp_interval")
 
-    def validate(self) -> "DataParallelConfig":
-        """Every value against its range (one line naming it); no I/O."""
+    def __post_init__(self) -> None:
+        """Every value against its range as the section is made (one line naming it); no I/O."""
         check_int("replicas", self.replicas, 1)
         if self.algorithm not in REGISTRY:
             raise ValueError(f"dp_algorithm={self.algorithm!r}: expected one of {', '.join(sorted(REGISTRY))}")
@@ -63,7 +63,6 @@ class DataParallelConfig:
         if pairs and self.replicas > 1 and self.replicas % 2:
             raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "
                              "expected an even count")
-        return self
 
     def warmup_for(self, total_steps: int) -> int:
         """QAdam's warm-up in steps: as given, or for "auto" a tenth of the run (at least 1), like the LR

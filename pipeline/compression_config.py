@@ -81,8 +81,9 @@ class CompressionConfig:
     link_mbit: list[float] | None = setting(None, "known link rates, Mbit/s, one per boundary (comma-separated): "
                                                 "auto decides from them instead of probing")
 
-    def validate(self) -> "CompressionConfig":
-        """Every value against its range, one line naming the setting as its flag does; no I/O."""
+    def __post_init__(self) -> None:
+        """Every value against its range as the section is made, one line naming the setting as its flag does; no
+        I/O."""
         if self.forward not in FORWARD_MODES:
             raise ValueError(f"forward_compress={self.forward!r}: expected one of {', '.join(FORWARD_MODES)}")
         if self.backward not in BACKWARD_MODES:
@@ -126,7 +127,6 @@ class CompressionConfig:
                              "or none for rows in buffer_dtype")
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic={self.stochastic!r}: expected true or false")
-        return self
 
     def for_visits(self, visits: float) -> "CompressionConfig":
         """`first_visit` auto resolved for a run that visits each sample `visits` times (steps x samples per step /

@@ -133,7 +133,7 @@ class PipelineEngine:
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
         self.gradient_clipping, self.schedule = settings.gradient_clipping, settings.schedule
         self.skip_nonfinite = settings.skip_nonfinite
-        self.compression = (compression or CompressionConfig()).validate()
+        self.compression = compression or CompressionConfig()
         if self.compression.first_visits_compressed() and self.compression.first_visit == "auto":
             raise ValueError("first_visit_compress=auto: expected it resolved for the run first "
                              "(CompressionConfig.for_visits)")

@@ -7,6 +7,8 @@ import torch
 
 from aqpipe import cli
 from aqpipe.config import CheckpointSettings, DataSettings, DistributedSettings, OptimizationSettings, RunConfig
+from data_parallel import DataParallelConfig
+from pipeline import CompressionConfig
 from aqpipe.settings import resolve
 from aqpipe.tasks import TASKS
 from pipeline.compression_config import AUTO_GROUP_SIZE
@@ -479,6 +481,8 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     (CheckpointSettings, {"overwrite_output_dir": True, "resume": "latest"}, "--overwrite_output_dir with --resume"),
     (DistributedSettings, {"schedule": "interleaved"}, "schedule='interleaved': expected one of"),
     (DistributedSettings, {"pipeline_stages": 0}, "pipeline_stages=0: expected an integer >= 1"),
+    (CompressionConfig, {"forward": "zip"}, "forward_compress='zip': expected one of"),
+    (DataParallelConfig, {"replicas": 2, "algorithm": "gossip"}, "dp_algorithm='gossip': expected one of"),
 ])
 def test_each_section_checks_itself_as_it_is_made(section, values, says):
     """No validate() to forget: a section made with a bad value (by a script, a test, the settings) raises naming

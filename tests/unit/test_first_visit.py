@@ -121,15 +121,15 @@ def test_bad_first_visit_settings_are_named():
 def test_auto_first_visits_are_compressed_only_in_a_run_that_visits_each_sample_once():
     from pipeline import CompressionConfig
 
-    auto = CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="auto", first_visit_bits=3).validate()
+    auto = CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="auto", first_visit_bits=3)
     assert auto.for_visits(1).first_visit == "hadamard" and auto.for_visits(0.5).first_visit == "hadamard"
     assert auto.for_visits(1.01).first_visit == "none" and auto.for_visits(3).first_visit == "none"
     assert CompressionConfig(first_visit="direct", first_visit_bits=4).for_visits(3).first_visit == "direct"
     with pytest.raises(ValueError, match=r"^first_visit_compress='hadamart': expected auto or one of none, direct"):
-        CompressionConfig(first_visit="hadamart").validate()
+        CompressionConfig(first_visit="hadamart")
     with pytest.raises(ValueError, match=r"^first_visit_bits=None: expected an integer from 1 to 8"):
-        CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="hadamard").validate()
-    CompressionConfig(forward="direct", forward_bits=2, first_visit="hadamard").validate()  # no first visits: unused
+        CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="hadamard")
+    CompressionConfig(forward="direct", forward_bits=2, first_visit="hadamard")  # no first visits: unused
 
 
 def test_the_trainer_resolves_auto_by_the_runs_epochs():
