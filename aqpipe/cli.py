@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 def finetune(task: Task, argv: list[str], description: str | None = None, prog: str | None = None) -> dict[str, Any]:
     """Resolve the settings (task defaults < a --deepspeed_config file < flags) and run."""
     from .settings import resolve  # deferred: `aqpipe --help` answers before torch and transformers load
-    from .train import run  # deferred: as above
 
     cfg = resolve(task.kind, argv, description or task.summary, defaults=task.defaults, prog=prog)
+    from .train import run  # deferred: a bad flag or value, --help and --print_config answer before transformers loads
     try:
         return run(task, cfg, prog)  # a multi-process run handles its own failures (world.stop_after_failure)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM in one process (a multi-process run ends in stop_after_failure)
