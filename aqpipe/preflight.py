@@ -1,7 +1,7 @@
 """The checks that read files or the environment, run once before any process group starts.
 
-`config.validate` checks values against ranges; what needs a look outside the settings lives here:
-the model and data paths, the model's own config (stages against blocks, seq_len against positions),
+The sections (config.py) check values against ranges as they are made; what needs a look outside the settings
+lives here: the model and data paths, the model's own config (stages against blocks, seq_len against positions),
 a checkpoint to resume from (its manifest against this run's settings) and a fault drill's variable.
 """
 from __future__ import annotations

@@ -1,16 +1,74 @@
 """Settings as a run gets them: defaults < a DeepSpeed-style JSON file < command-line flags (or an API call's
-settings), layered, validated for the launcher's world (config.py), then the checks that read files (preflight.py),
-frozen from here on. A bad value exits with status 2 and one line naming it."""
+settings), layered and built into the sections of config.py (each checking itself as it is made), resolved for the
+launcher's world, then the checks that read files (preflight.py), frozen from here on. A bad value exits with status 2
+and one line naming it."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 from . import config_file, preflight, trainer_flags
-from .config import SECTIONS, RunConfig, build, nest, validate
+from .config import ONCE_FLAT, SECTIONS, RunConfig, destinations
 from .environment import launch
 from .flags import build_parser, given, parse_text
 from .speech import speaks
+
+
+FLAT_HOMES = {g.metadata.get("flag", g.name): (dest.split(".")[0], g.name) for dest, g in destinations()
+              if dest.split(".")[0] in ONCE_FLAT}
+
+
+def nest(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings with the flat keys of the once-flat sections (`seq_len`, `lora_rank`, `optimizer`) moved into their
+    section (`{"data": {"seq_len": ...}}`); a key given both ways takes the section's."""
+    out = {k: (dict(v) if k in SECTIONS and not is_dataclass(v) else v) for k, v in values.items()
+           if k not in FLAT_HOMES}
+    for key in [k for k in values if k in FLAT_HOMES]:
+        section, name = FLAT_HOMES[key]
+        out.setdefault(section, {}).setdefault(name, values[key])
+    return out
+
+
+def build(task: str, values: dict[str, Any]) -> RunConfig:
+    """A RunConfig from merged settings (flat or nested); an unknown key is named with the block it came from."""
+    values = nest(values)
+    top = {f.name for f in fields(RunConfig)} - set(SECTIONS) - {"task"}
+    unknown = sorted(set(values) - top - set(SECTIONS))
+    if unknown:
+        homes = {f.metadata.get("flag", f.name): f"{name} block key {f.name}"
+                 for name, kind in SECTIONS.items() for f in fields(kind)}
+        moved = [f"{k} is {homes[k]}" for k in unknown if k in homes]  # a setting that lives in a section
+        hint = f" ({'; '.join(moved)})" if moved else ""
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block{hint}")
+    defaults = RunConfig(task=task)
+    sections = {}
+    for name, kind in SECTIONS.items():
+        section = values.get(name, {})  # a dict of its settings, or the section itself
+        unknown = [] if is_dataclass(section) else sorted(set(section) - {f.name for f in fields(kind)})
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's {name} block; expected "
+                             f"{', '.join(f.name for f in fields(kind))}")
+        sections[name] = section if is_dataclass(section) else replace(getattr(defaults, name), **section)
+    return RunConfig(task=task, **{k: v for k, v in values.items() if k not in SECTIONS}, **sections)
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
+    """The config with `auto` stages resolved for `world_size` (every process is one stage of one of the replicas),
+    after the checks that need the stage count; reading no file. Raises ValueError naming the first bad value."""
+    stages = cfg.distributed.pipeline_stages
+    if stages == "auto":
+        if world_size % cfg.replicas:
+            raise ValueError(f"replicas={cfg.replicas} does not divide the world size {world_size}")
+        stages = world_size // cfg.replicas
+        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_stages=stages))
+    rates = cfg.compression.link_mbit
+    if rates is not None and len(rates) != stages - 1:
+        raise ValueError(f"link_mbit={rates}: expected {stages - 1} rates, one per boundary of {stages} stages")
+    partition = cfg.distributed.partition
+    if isinstance(partition, list) and len(partition) != stages:
+        raise ValueError(f"partition={partition}: expected {stages} block counts, one per stage")
+    return cfg
 
 
 def _merge(*layers: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aqpipe.config import RunConfig, build
+from aqpipe.config import RunConfig
+from aqpipe.settings import build
 from aqpipe.flags import build_parser, given
 from benchmarks.convergence_plot import plot_model
 from benchmarks.recipe_runs import ROOT, read_run, run_recipe

@@ -15,7 +15,7 @@ from pipeline.adapters import LoraSettings
 from aqpipe import checkpoint
 from aqpipe.storage import Storage
 from aqpipe.world import World
-from aqpipe.config import build, validate
+from aqpipe.settings import build, validate
 from aqpipe import data
 from tests.helpers.toy import ToyStage, toy_dataset, toy_stages, toy_ties
 

@@ -69,7 +69,7 @@ def word_tokenizer():
 
 def export(engine, name, config, groups, rank, world, directory):
     """The trained stages written as the trainer writes them (aqpipe/export.py): a shard per stage."""
-    from aqpipe.config import build
+    from aqpipe.settings import build
     from aqpipe.export import save_model
     from aqpipe.models import ModelSpec
     from aqpipe.world import World

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from aqpipe.config import RunConfig, build
+from aqpipe.config import RunConfig
+from aqpipe.settings import build
 from aqpipe.data import load_tokenizer
 from aqpipe.models import resolve_model
 from aqpipe.world import World
