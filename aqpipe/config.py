@@ -1,8 +1,9 @@
 """Run configuration: defaults < a DeepSpeed-style JSON file < command-line flags, checked as made, then frozen.
 
 Pure data, one section per component, each checking itself as it is made (`__post_init__`: a ValueError naming the
-first bad value): the data (`DataSettings`), the optimizer (`OptimizationSettings`), checkpoints (`CheckpointSettings`),
-the processes (`DistributedSettings`), and the sections the engine (`pipeline.CompressionConfig`), the data-parallel
+first bad value): the data (`DataSettings`), the optimizer (`OptimizationSettings`), checkpoints and results
+(`CheckpointingSettings`; not "checkpoint", which is a block of DeepSpeed's own file), the processes
+(`DistributedSettings`), and the sections the engine (`pipeline.CompressionConfig`), the data-parallel
 algorithms (`data_parallel.DataParallelConfig`) and the adapters (`pipeline.adapters.LoraSettings`) take whole.
 `RunConfig` holds the run's own settings, the sections, and the checks across them. Each setting is declared once,
 as a field: its default, its help and its flag name live in the field, and the parser (flags.py) and the config
@@ -88,7 +89,9 @@ class DataSettings:
     eval_fraction: float = setting(0.05, "the share of --dataset held out for evaluation without --eval_dataset")
 
     def __post_init__(self) -> None:
-        check_int("seq_len", self.seq_len, 2, what="at least 2 tokens")
+        check_int("seq_len", self.seq_len, 1)
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len}: expected at least 2 tokens")
         if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or \
                 not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={self.eval_fraction!r}: expected a fraction in (0, 1)")
@@ -125,15 +128,6 @@ class OptimizationSettings:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
             raise ValueError(f"lr={self.lr!r}: expected a positive learning rate")
         kind = self.optimizer.get("type")
-        if kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer type {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
-        if self.scheduler is not None and self.scheduler.get("type") not in SCHEDULERS:
-            raise ValueError(f"scheduler type {self.scheduler.get('type')!r}: expected one of "
-                             f"{', '.join(SCHEDULERS)}")
-        if self.loss_average not in LOSS_AVERAGES:
-            raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
-        if not self.gradient_clipping >= 0:
-            raise ValueError(f"gradient_clipping={self.gradient_clipping}: expected >= 0")
         if self.param_dtype not in PARAM_DTYPES:
             expected = "float32 or bfloat16" + (" (float16 weights need a loss scaler, which aqpipe does not have)"
                                                 if self.param_dtype == "float16" else "")
@@ -145,10 +139,19 @@ class OptimizationSettings:
         if self.param_dtype == "bfloat16" and others:
             raise ValueError(f"param_dtype=bfloat16 with optimizer params {', '.join(others)}: expected only betas, "
                              "eps and weight_decay (bf16 weights step through aqpipe's own Adam)")
+        if kind not in OPTIMIZERS:
+            raise ValueError(f"optimizer type {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.scheduler is not None and self.scheduler.get("type") not in SCHEDULERS:
+            raise ValueError(f"scheduler type {self.scheduler.get('type')!r}: expected one of "
+                             f"{', '.join(SCHEDULERS)}")
+        if self.loss_average not in LOSS_AVERAGES:
+            raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
+        if not self.gradient_clipping >= 0:
+            raise ValueError(f"gradient_clipping={self.gradient_clipping}: expected >= 0")
 
 
 @dataclass(frozen=True)
-class CheckpointSettings:
+class CheckpointingSettings:
     """Where the run's results go, how often it saves a resumable checkpoint, and where it resumes from."""
 
     output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
@@ -230,7 +233,7 @@ class RunConfig:
                                         "rank) instead of stopping")
     data: DataSettings = field(default_factory=DataSettings)
     optimization: OptimizationSettings = field(default_factory=OptimizationSettings)
-    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    checkpointing: CheckpointingSettings = field(default_factory=CheckpointingSettings)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     compression: CompressionConfig = field(default_factory=_aqsgd)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
@@ -274,13 +277,13 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {"data": DataSettings, "optimization": OptimizationSettings,
-                             "checkpoint": CheckpointSettings, "distributed": DistributedSettings,
+                             "checkpointing": CheckpointingSettings, "distributed": DistributedSettings,
                              "compression": CompressionConfig, "data_parallel": DataParallelConfig,
                              "lora": LoraSettings}
 # sections whose settings were once the run's own (flat in older config files' run blocks, task defaults and
 # checkpoints' fingerprints): a flat key by its flag name is read into its section; all but LoRA's keep their own
 # names where a setting is named alone (a checkpoint's fingerprint and its refusals: "seq_len", not "data.seq_len")
-NAMED_ALONE = ("data", "optimization", "checkpoint", "distributed")
+NAMED_ALONE = ("data", "optimization", "checkpointing", "distributed")
 ONCE_FLAT = (*NAMED_ALONE, "lora")
 
 

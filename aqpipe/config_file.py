@@ -1,12 +1,12 @@
 """The config file: DeepSpeed's JSON keys plus a block per section of aqpipe's settings (`data`, `optimization`,
-`checkpoint`, `distributed`, `compression`, `data_parallel`, `lora`) and a `run` block for the run's own, read into
+`checkpointing`, `distributed`, `compression`, `data_parallel`, `lora`) and a `run` block for the run's own, read into
 settings and written back from a RunConfig (`--print_config`), so a printed file runs the same job.
 
 Where a setting lives in DeepSpeed's file is its field's `ds` metadata (config.py): a top-level key, or
 `pipeline.<key>`, copied as it is; the others with a `ds` place (lr inside the optimizer, bf16's "enabled",
 activation checkpointing as an interval) are translated below; every other setting goes in its section's block, or
 the "run" block. Files printed before the sections had blocks, with those settings flat in the run block, read the
-same (config.nest)."""
+same: settings.nest moves them into their sections as it layers the file."""
 from __future__ import annotations
 
 import json

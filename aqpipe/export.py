@@ -94,7 +94,7 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
 
     A stage whose rank shares rank 0's storage (`storage`: storage.py; default: every rank does) writes its shard
     there itself; another streams its tensors to rank 0 (stream.py), which writes the shard."""
-    out = Path(cfg.checkpoint.output_dir)
+    out = Path(cfg.checkpointing.output_dir)
     partial, target = out / "model.partial", out / "model"
     stages = groups.grid.stages
     storage = storage or Storage(world.rank, tuple(range(world.size)))
@@ -146,7 +146,7 @@ def save_adapter(engine: PipelineEngine, config: Any, cfg: RunConfig, world: Wor
     entries = _gathered({k: v.to("cpu").contiguous() for k, v in tensors.items()}, world)
     if world.rank != 0:
         return None
-    out = Path(cfg.checkpoint.output_dir)
+    out = Path(cfg.checkpointing.output_dir)
     partial, target = out / "adapter.partial", out / "adapter"
     _fresh(partial)
     _write_shard({k: v for entry in entries for k, v in sorted(entry.items())}, partial / ADAPTER_WEIGHTS)

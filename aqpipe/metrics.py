@@ -23,7 +23,7 @@ class MetricsWriter:
         """`resumed_step`: keep the records up to that step (a resumed run appends from there)."""
         self.active = world.rank == 0
         self.start = time.perf_counter() - elapsed  # times continue across a resume
-        self.path = Path(cfg.checkpoint.output_dir) / "metrics.jsonl"
+        self.path = Path(cfg.checkpointing.output_dir) / "metrics.jsonl"
         if self.active:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = self._records_until(resumed_step) if resumed_step is not None else []
@@ -31,7 +31,7 @@ class MetricsWriter:
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
             # TensorBoard forgets what a crashed run logged past the checkpoint, as metrics.jsonl does
-            self.reporter = reporter(cfg.report_to, cfg.checkpoint.output_dir,
+            self.reporter = reporter(cfg.report_to, cfg.checkpointing.output_dir,
                                      None if resumed_step is None else resumed_step + 1)
             self.bar = tqdm(total=total_steps, initial=resumed_step or 0, desc="train", unit="step",
                             dynamic_ncols=True)

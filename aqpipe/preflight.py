@@ -55,9 +55,9 @@ def previous_results(output_dir: str) -> list[str]:
 
 def _check_output_dir(cfg: "RunConfig") -> None:
     """Refuse to write over another run's results unless told to replace them or to continue that run."""
-    found = previous_results(cfg.checkpoint.output_dir)
-    if found and cfg.checkpoint.resume is None and not cfg.checkpoint.overwrite_output_dir:
-        raise ValueError(f"output_dir={cfg.checkpoint.output_dir!r} holds another run's results "
+    found = previous_results(cfg.checkpointing.output_dir)
+    if found and cfg.checkpointing.resume is None and not cfg.checkpointing.overwrite_output_dir:
+        raise ValueError(f"output_dir={cfg.checkpointing.output_dir!r} holds another run's results "
                          f"({', '.join(found)}): expected "
                          "--overwrite_output_dir to replace them, --resume to continue that run, or another "
                          "--output_dir")
@@ -151,10 +151,10 @@ def _check_model_shape(cfg: "RunConfig") -> None:
 def _resumed(cfg: "RunConfig") -> "RunConfig":
     """--resume resolved to a checkpoint directory whose settings match this run's (None: auto, nothing saved),
     with the values the run recorded when it started (an "auto" data-parallel warm-up's number)."""
-    if cfg.checkpoint.resume is None:
+    if cfg.checkpointing.resume is None:
         return cfg
-    found = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.output_dir)
+    found = checkpoint.find(cfg.checkpointing.resume, cfg.checkpointing.output_dir)
     if found is None:
-        return replace(cfg, checkpoint=replace(cfg.checkpoint, resume=None))
+        return replace(cfg, checkpointing=replace(cfg.checkpointing, resume=None))
     cfg = checkpoint.check_compatible(found, cfg)
-    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume=str(found)))
+    return replace(cfg, checkpointing=replace(cfg.checkpointing, resume=str(found)))

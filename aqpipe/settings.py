@@ -26,7 +26,10 @@ def nest(values: dict[str, Any]) -> dict[str, Any]:
            if k not in FLAT_HOMES}
     for key in [k for k in values if k in FLAT_HOMES]:
         section, name = FLAT_HOMES[key]
-        out.setdefault(section, {}).setdefault(name, values[key])
+        given = out.setdefault(section, {})
+        if is_dataclass(given):  # every one of its values is given: which would win is not the caller's to guess
+            raise ValueError(f"{key} given beside the {section} section given whole: expected it inside the section")
+        given.setdefault(name, values[key])
     return out
 
 

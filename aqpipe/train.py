@@ -194,9 +194,9 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
 def clear_previous_results(cfg: RunConfig, storage: Storage) -> None:
     """--overwrite_output_dir: one rank of each storage removes another run's results there, before anything is
     written (no rank wrote yet)."""
-    if cfg.checkpoint.overwrite_output_dir and storage.finalizer:
-        for name in preflight.previous_results(cfg.checkpoint.output_dir):
-            path = Path(cfg.checkpoint.output_dir) / name
+    if cfg.checkpointing.overwrite_output_dir and storage.finalizer:
+        for name in preflight.previous_results(cfg.checkpointing.output_dir):
+            path = Path(cfg.checkpointing.output_dir) / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
@@ -277,7 +277,7 @@ def missing_dirs(directory: str | os.PathLike) -> list[Path]:
 def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     """One run; one refused (bad data, a model that does not fit, ...) removes the folders it created while they
     are still empty."""
-    created = missing_dirs(cfg.checkpoint.output_dir)
+    created = missing_dirs(cfg.checkpointing.output_dir)
     try:
         return _train(task, cfg, world, data)
     except BaseException:
@@ -289,12 +289,12 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
 
 def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    storage = detect_storage(cfg.checkpoint.output_dir, world)  # which ranks write where this one writes
+    storage = detect_storage(cfg.checkpointing.output_dir, world)  # which ranks write where this one writes
     clear_previous_results(cfg, storage)
-    checkpoints = Path(cfg.checkpoint.output_dir) / "checkpoints"
-    resumed = checkpoint.agree(Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None, checkpoints, world)
-    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
-        cfg.checkpoint, resume=str(resumed) if resumed is not None else None))
+    checkpoints = Path(cfg.checkpointing.output_dir) / "checkpoints"
+    resumed = checkpoint.agree(Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None, checkpoints, world)
+    cfg = dataclasses.replace(cfg, checkpointing=dataclasses.replace(
+        cfg.checkpointing, resume=str(resumed) if resumed is not None else None))
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
     stages = cfg.distributed.pipeline_stages
@@ -309,16 +309,17 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
     progress = Progress()
-    if cfg.checkpoint.resume:  # last: the RNG states it restores are those of the saved run at that step
-        progress.load_state_dict(checkpoint.load(Path(cfg.checkpoint.resume), engine, cfg))
+    if cfg.checkpointing.resume:  # last: the RNG states it restores are those of the saved run at that step
+        progress.load_state_dict(checkpoint.load(Path(cfg.checkpointing.resume), engine, cfg))
     injector = faults.Injector(faults.from_env(), world.rank, engine.stage)
-    writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.checkpoint.resume else None, progress.elapsed)
+    writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.checkpointing.resume else None,
+                           progress.elapsed)
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * replicas
     started, saved = time.perf_counter() - progress.elapsed, progress.step
 
     def save() -> None:
         checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
-                        cfg.checkpoint.save_total_limit or None)
+                        cfg.checkpointing.save_total_limit or None)
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
@@ -338,14 +339,14 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
                 record.update(progress.evals)
             writer.write(record)
             # the last step's checkpoint waits for its evaluation, below
-            every = cfg.checkpoint.save_every
+            every = cfg.checkpointing.save_every
             if every and progress.step % every == 0 and progress.step < total_steps:
                 save()
                 saved = progress.step
     if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one
         progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
         writer.write({"step": progress.step, **progress.evals})
-    if cfg.checkpoint.save_every and saved != progress.step:
+    if cfg.checkpointing.save_every and saved != progress.step:
         save()  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs goes on
     writer.close()
     elapsed = time.perf_counter() - started
@@ -366,11 +367,11 @@ def summarize(cfg: RunConfig, world: World, progress: Progress, engine: Pipeline
         "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         **evals, **progress.totals, "seconds": elapsed,
         "samples_per_s": samples_per_step * step / elapsed if elapsed else None, "world_size": world.size,
-        "model_dir": model_dir, "skipped_steps": engine.skipped_steps, "resumed_from": cfg.checkpoint.resume,
+        "model_dir": model_dir, "skipped_steps": engine.skipped_steps, "resumed_from": cfg.checkpointing.resume,
         "config": cfg.to_dict(),
     }
     if world.rank == 0:
-        with open(Path(cfg.checkpoint.output_dir) / "summary.json", "w") as f:
+        with open(Path(cfg.checkpointing.output_dir) / "summary.json", "w") as f:
             json.dump(summary, f, indent=2, default=str)
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", *evals, "fwd_bytes", "bwd_bytes", "seconds")}))
     return summary

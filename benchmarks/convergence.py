@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aqpipe.config import RunConfig
-from aqpipe.settings import build
+from aqpipe.settings import build, nest
 from aqpipe.flags import build_parser, given
 from benchmarks.convergence_plot import plot_model
 from benchmarks.recipe_runs import ROOT, read_run, run_recipe
@@ -205,8 +205,9 @@ def _steps_per_epoch(args: list[str]) -> int:
 
 def _same_config(run_dir: Path, args: list[str]) -> bool:
     """Whether a finished run used these flags (so --reuse never mixes settings): the flags parsed as the trainer
-    parses them, compared with the settings its summary recorded."""
-    config = json.loads((run_dir / "summary.json").read_text())["config"]
+    parses them, compared with the settings its summary recorded (one written before the settings had sections
+    nested as the trainer nests such a file)."""
+    config = nest(json.loads((run_dir / "summary.json").read_text())["config"])
     flags = given(build_parser(RunConfig, "").parse_known_args(args)[0])
     wanted = build(config["task"], flags).to_dict()
     for key, value in flags.items():

@@ -180,7 +180,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches
     boundary_bytes = samples_per_step * seq_len * hidden_size * 4 * (cfg.distributed.pipeline_stages - 1)
-    writer = Metrics(Path(cfg.checkpoint.output_dir), active=world.rank == 0)
+    writer = Metrics(Path(cfg.checkpointing.output_dir), active=world.rank == 0)
     losses: list[float] = []
     started = time.perf_counter()
     step = 0
@@ -211,7 +211,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "block_counts": counts, "deepspeed_parts": [int(v) for v in engine.module.parts], "config": cfg.to_dict(),
     }
     if world.rank == 0:
-        (Path(cfg.checkpoint.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        (Path(cfg.checkpointing.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "seconds", "samples_per_s")}), flush=True)
     dist.barrier()
     dist.destroy_process_group()

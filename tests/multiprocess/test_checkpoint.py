@@ -151,13 +151,13 @@ def _save(tmp_path, engine, cfg, step):
 def test_a_damaged_or_unfinished_checkpoint_never_loads(tmp_path):
     engine, cfg = _single_engine(), _cfg(tmp_path)
     first = _save(tmp_path, engine, cfg, 1)
-    assert checkpoint.find("latest", cfg.checkpoint.output_dir) == first
+    assert checkpoint.find("latest", cfg.checkpointing.output_dir) == first
     # a crash after the files but before the manifest: 'latest' still names the complete one
     (first.parent / "step_00000002.partial").mkdir()
     (first.parent / "step_00000002.partial" / "stage0_replica0.pt").write_bytes(b"half")
-    assert checkpoint.find("latest", cfg.checkpoint.output_dir) == first
+    assert checkpoint.find("latest", cfg.checkpointing.output_dir) == first
     with pytest.raises(ValueError, match="no checkpoint"):
-        checkpoint.find(str(first.parent / "step_00000002.partial"), cfg.checkpoint.output_dir)
+        checkpoint.find(str(first.parent / "step_00000002.partial"), cfg.checkpointing.output_dir)
     # a file changed after it was written fails its checksum
     with open(first / "stage0_replica0.pt", "r+b") as f:
         f.seek(100)

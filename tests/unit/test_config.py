@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aqpipe import cli
-from aqpipe.config import CheckpointSettings, DataSettings, DistributedSettings, OptimizationSettings, RunConfig
+from aqpipe.config import CheckpointingSettings, DataSettings, DistributedSettings, OptimizationSettings, RunConfig
 from data_parallel import DataParallelConfig
 from pipeline import CompressionConfig
 from aqpipe.settings import resolve
@@ -198,11 +198,11 @@ def test_resume_is_checked_before_starting(tmp_path, monkeypatch, capsys):
         run(["--output_dir", str(out), "--resume", "latest"], monkeypatch)
     assert ("was written by a different run: pipeline_stages=2 in the checkpoint, 1 in this run"
             in capsys.readouterr().err)
-    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).checkpoint.resume == str(step)
+    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).checkpointing.resume == str(step)
     del manifest["fingerprint"]["compression.auto_bits_slack"]  # written before the setting existed: its default
     (step / "manifest.json").write_text(json.dumps(manifest))
-    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).checkpoint.resume == str(step)
-    assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).checkpoint.resume is None
+    assert run(["--output_dir", str(out), "--resume", "latest"], monkeypatch, world=2).checkpointing.resume == str(step)
+    assert run(["--output_dir", str(tmp_path / "fresh"), "--resume", "auto"], monkeypatch).checkpointing.resume is None
 
 
 PRINTED = [[], ["--group_size", "none", "--partition", "1,1", "--buffer_dtype", "bfloat16", "--link_mbit", "5",
@@ -272,7 +272,7 @@ def test_a_setting_from_before_the_sections_names_its_new_place(tmp_path, monkey
 
 def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    assert run(["--output_dir", str(out)], monkeypatch).checkpoint.overwrite_output_dir is False  # absent: fine
+    assert run(["--output_dir", str(out)], monkeypatch).checkpointing.overwrite_output_dir is False  # absent: fine
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")
     run(["--output_dir", str(out)], monkeypatch)  # nothing a run writes: fine
@@ -285,7 +285,7 @@ def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, m
     assert "holds another run's results (summary.json, model): expected --overwrite_output_dir" in err
     assert "--resume to continue that run" in err
     assert run(["--output_dir", str(out), "--overwrite_output_dir"],
-               monkeypatch).checkpoint.overwrite_output_dir is True
+               monkeypatch).checkpointing.overwrite_output_dir is True
     with pytest.raises(SystemExit):  # auto: nothing saved to continue from, so it would start over them
         run(["--output_dir", str(out), "--resume", "auto"], monkeypatch)
     assert "holds another run's results" in capsys.readouterr().err
@@ -295,8 +295,8 @@ def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, m
 
 
 def test_checkpoints_keep_the_newest_two_by_default(monkeypatch):
-    assert run([], monkeypatch).checkpoint.save_total_limit == 2
-    assert run(["--save_total_limit", "0"], monkeypatch).checkpoint.save_total_limit == 0  # 0: keep all
+    assert run([], monkeypatch).checkpointing.save_total_limit == 2
+    assert run(["--save_total_limit", "0"], monkeypatch).checkpointing.save_total_limit == 0  # 0: keep all
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -474,11 +474,12 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
 
 @pytest.mark.parametrize("section, values, says", [
     (DataSettings, {"seq_len": 1}, "seq_len=1: expected at least 2 tokens"),
+    (DataSettings, {"seq_len": 0}, "seq_len=0: expected an integer >= 1"),
     (DataSettings, {"packing_overflow": "drop"}, "packing_overflow='drop': expected one of"),
     (OptimizationSettings, {"lr": 0.0}, "lr=0.0: expected a positive learning rate"),
     (OptimizationSettings, {"optimizer": {"type": "Lion"}}, "optimizer type 'Lion': expected one of"),
-    (CheckpointSettings, {"save_every": -1}, "save_every=-1: expected an integer >= 0"),
-    (CheckpointSettings, {"overwrite_output_dir": True, "resume": "latest"}, "--overwrite_output_dir with --resume"),
+    (CheckpointingSettings, {"save_every": -1}, "save_every=-1: expected an integer >= 0"),
+    (CheckpointingSettings, {"overwrite_output_dir": True, "resume": "latest"}, "--overwrite_output_dir with --resume"),
     (DistributedSettings, {"schedule": "interleaved"}, "schedule='interleaved': expected one of"),
     (DistributedSettings, {"pipeline_stages": 0}, "pipeline_stages=0: expected an integer >= 1"),
     (CompressionConfig, {"forward": "zip"}, "forward_compress='zip': expected one of"),
@@ -509,10 +510,10 @@ def test_a_file_printed_before_the_sections_reads_as_the_file_printed_now(tmp_pa
     printed = json.loads(capsys.readouterr().out)
     assert printed["data"]["seq_len"] == 32 and printed["data"]["packing"] is True
     assert printed["optimization"]["loss_average"] == "micro_batches"
-    assert (printed["checkpoint"]["save_every"], printed["distributed"]["peer_timeout"]) == (3, 9.0)
+    assert (printed["checkpointing"]["save_every"], printed["distributed"]["peer_timeout"]) == (3, 9.0)
     assert not {"seq_len", "save_every", "backend", "loss_average"} & set(printed["run"])
-    old = {k: v for k, v in printed.items() if k not in ("data", "optimization", "checkpoint", "distributed")}
-    old["run"] = {**printed["run"], **{k: v for section in ("data", "optimization", "checkpoint", "distributed")
+    old = {k: v for k, v in printed.items() if k not in ("data", "optimization", "checkpointing", "distributed")}
+    old["run"] = {**printed["run"], **{k: v for section in ("data", "optimization", "checkpointing", "distributed")
                                        for k, v in printed[section].items()}}
     (tmp_path / "new.json").write_text(json.dumps(printed))
     (tmp_path / "old.json").write_text(json.dumps(old))
@@ -520,3 +521,23 @@ def test_a_file_printed_before_the_sections_reads_as_the_file_printed_now(tmp_pa
     old_cfg = run(["--deepspeed_config", str(tmp_path / "old.json")], monkeypatch)
     assert old_cfg == new_cfg == run(flags, monkeypatch)
     assert new_cfg.data.max_eval_samples == 5 and new_cfg.distributed.backend == "gloo"
+
+
+def test_deepspeeds_own_checkpoint_block_is_left_to_deepspeed(tmp_path, monkeypatch):
+    """DeepSpeed's file has a "checkpoint" block of its own (tag_validation, ...): aqpipe's section is
+    "checkpointing", so a DeepSpeed file keeps working and its block sets nothing of aqpipe's."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"checkpoint": {"tag_validation": "Warn", "load_universal": False},
+                                "checkpointing": {"save_every": 5}}))
+    cfg = run(["--deepspeed_config", str(path)], monkeypatch)
+    assert cfg.checkpointing.save_every == 5 and cfg.checkpointing == CheckpointingSettings(save_every=5)
+
+
+def test_a_section_given_whole_beside_a_flat_setting_of_its_own_is_one_line():
+    from aqpipe.settings import build
+
+    cfg = build("causal_lm", {"data": DataSettings(seq_len=32, packing=True), "epochs": 2})
+    assert (cfg.data.seq_len, cfg.data.packing, cfg.epochs) == (32, True, 2)
+    with pytest.raises(ValueError, match="max_eval_samples given beside the data section given whole: expected it "
+                                         "inside the section"):
+        build("causal_lm", {"data": DataSettings(seq_len=32), "max_eval_samples": 5})
