@@ -67,8 +67,7 @@ def write(cfg: RunConfig) -> dict[str, Any]:
     optimizer = {**values["optimizer"], "params": {"lr": values["lr"], **values["optimizer"].get("params", {})}}
     out: dict[str, Any] = {theirs: values[ours] for theirs, ours in _SIMPLE.items()}
     out.update(optimizer=optimizer, bf16={"enabled": values["bf16"]})
-    if values["scheduler"] is not None:
-        out["scheduler"] = values["scheduler"]
+    out["scheduler"] = values["scheduler"]  # null: a constant rate (a file without the key takes the default's)
     out["pipeline"] = {theirs: values[ours] for theirs, ours in _PIPELINE.items()}
     out["pipeline"]["activation_checkpoint_interval"] = int(values["activation_checkpointing"])
     out.update({section: {k: v for k, v in nested[section].items() if k not in _PLACES} for section in SECTIONS})

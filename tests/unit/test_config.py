@@ -541,3 +541,15 @@ def test_a_section_given_whole_beside_a_flat_setting_of_its_own_is_one_line():
     with pytest.raises(ValueError, match="max_eval_samples given beside the data section given whole: expected it "
                                          "inside the section"):
         build("causal_lm", {"data": DataSettings(seq_len=32), "max_eval_samples": 5})
+
+
+def test_a_printed_constant_rate_stays_constant(tmp_path, monkeypatch):
+    """No scheduler (a constant rate) is printed as null: a file without the key would take the default's warm-up
+    and decay instead."""
+    from aqpipe import config_file
+    from aqpipe.settings import build
+
+    cfg = build("causal_lm", {"scheduler": None, "seq_len": 16})
+    path = tmp_path / "constant.json"
+    path.write_text(json.dumps(config_file.write(cfg)))
+    assert run(["--deepspeed_config", str(path)], monkeypatch).optimization.scheduler is None
