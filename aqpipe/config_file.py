@@ -14,11 +14,11 @@ import os
 from typing import Any
 
 from .config import SECTIONS, RunConfig, destinations
+from .flags import value_at
 
 # a DeepSpeed-placed setting's name -> its destination ("lr" -> "optimization.lr")
 _DESTS = {dest.rpartition(".")[2]: dest for dest, f in destinations() if "ds" in f.metadata}
-_PLACES = {name: f.metadata["ds"] for dest, f in destinations() if "ds" in f.metadata
-           for name in [dest.rpartition(".")[2]]}
+_PLACES = {dest.rpartition(".")[2]: f.metadata["ds"] for dest, f in destinations() if "ds" in f.metadata}
 _SIMPLE = {place: name for name, place in _PLACES.items()
            if "." not in place and place not in ("optimizer", "scheduler")}  # copied as they are
 _PIPELINE = {place.split(".", 1)[1]: name for name, place in _PLACES.items()
@@ -63,7 +63,7 @@ def read(path: str) -> dict[str, Any]:
 def write(cfg: RunConfig) -> dict[str, Any]:
     """The file that `read` turns back into `cfg`'s settings."""
     nested = cfg.to_dict()
-    values = {name: _at(nested, dest) for name, dest in _DESTS.items()}  # the DeepSpeed-placed settings by name
+    values = {name: value_at(cfg, dest) for name, dest in _DESTS.items()}  # the DeepSpeed-placed settings by name
     optimizer = {**values["optimizer"], "params": {"lr": values["lr"], **values["optimizer"].get("params", {})}}
     out: dict[str, Any] = {theirs: values[ours] for theirs, ours in _SIMPLE.items()}
     out.update(optimizer=optimizer, bf16={"enabled": values["bf16"]})
@@ -73,9 +73,3 @@ def write(cfg: RunConfig) -> dict[str, Any]:
     out.update({section: {k: v for k, v in nested[section].items() if k not in _PLACES} for section in SECTIONS})
     out["run"] = {k: v for k, v in nested.items() if k not in ("task", *SECTIONS, *_PLACES)}
     return out
-
-
-def _at(values: dict[str, Any], dest: str) -> Any:
-    for key in dest.split("."):
-        values = values[key]
-    return values

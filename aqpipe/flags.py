@@ -138,7 +138,8 @@ def as_typed(value: Any) -> str:
     return str(value).removeprefix("torch.")
 
 
-def _value_at(obj: Any, dest: str) -> Any:
+def value_at(obj: Any, dest: str) -> Any:
+    """The value at a dotted destination ("lr", "optimization.lr") of a config."""
     for name in dest.split("."):
         obj = getattr(obj, name)
     return obj
@@ -157,7 +158,7 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     for dest, f, tp in settings(config):
         name, text = f.metadata.get("flag", f.name), f.metadata["help"]
-        default = _value_at(shown, dest) if shown is not None else f.default
+        default = value_at(shown, dest) if shown is not None else f.default
         if default not in (None, MISSING) and not isinstance(default, bool) and "default" not in text:
             text += f" (default: {as_typed(default)})"
         parse = parser_for(tp)

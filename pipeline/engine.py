@@ -127,7 +127,6 @@ class PipelineEngine:
     ) -> None:
         """Its parts (the stage, its place in the process grid, the optimizer and its LR schedule, the boundaries'
         codecs, the tied weights, the replicas' algorithm) and what it does with them (`settings`)."""
-        self.settings = settings
         self.per_token = settings.loss_average == "tokens"
         self.stage, self.groups, self.optimizer, self.lr_scheduler = stage, groups, optimizer, lr_scheduler
         self.data_parallel = data_parallel  # a data_parallel.Algorithm over this stage's replicas, or None
