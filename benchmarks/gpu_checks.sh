@@ -36,6 +36,7 @@ python3 -c "import torch, triton, transformers, numpy; print(torch.__version__, 
 step gpu_tests 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ${GPU_TESTS:+-k "$GPU_TESTS"}
 step bench_quantize 120 python3 -m benchmarks.bench_quantize --device cuda --backends triton,torch --shape 16,1024,1600 --bits 2,4,8 \
     --sweep 2048x4,2048x8,4096x4,4096x8,8192x8
+step aqsgd_messages 90 python3 -m benchmarks.aqsgd_messages --device cuda --shape 4,1024,2048 --micro_batches 4 --layers 8
 step step_overhead 240 python3 -m benchmarks.step_overhead --device cuda --shape 1b --bf16 --micro_batch_size 4 \
     --num_micro_batches 4 --seq_len 1024 --steps 10 --variants ",--param_dtype=bfloat16,--compile" --json "$out/step_overhead.json"
 export -f dp_rows

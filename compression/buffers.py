@@ -11,13 +11,18 @@ float32 min and step, rounded to nearest. Rounding is deterministic, so both sid
 same values, hold the same bytes; what a row loses to rounding returns in the next change the
 sender computes against it. At 8 bits a GPT-2 row costs (1 + 8/hidden) bytes per value, about
 half of float16; at 4 bits about a quarter.
+
+Rows live in host memory (a dataset's worth does not fit a GPU). A pipeline step `defer`s its buffers' writes so
+that no message waits for the GPU: rows read for a GPU travel through pinned memory without a host sync, rows
+written are copied back the same way and land in the buffer at `settle`, once the step's schedule is done, with
+the range check (the first row that overflows the buffer's dtype, as a BufferRangeError to report, not raise).
 """
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
@@ -90,6 +95,38 @@ def check_storable(ids: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) ->
     return stored
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, for a GPU through pinned memory and without waiting for it (the caching host
+    allocator keeps the pinned copy until the transfer is done)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _pinned_like(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+
+class Prepared(NamedTuple):
+    """What `prepare` makes of rows about to be stored: `stored`, the buffer's own form (what `store` writes);
+    `held`, the rows as the buffer will then hold them; `peaks`, each row's largest magnitude (inf where a
+    quantized row's range passes float32), kept by a deferred buffer for `settle`'s range check, else None."""
+
+    stored: torch.Tensor
+    held: torch.Tensor
+    peaks: torch.Tensor | None = None
+
+
+class _Write(NamedTuple):
+    """A deferred write: the rows' host copy, their peaks, and the event after which both are there (None on CPU)."""
+
+    ids: torch.Tensor
+    stored: torch.Tensor
+    peaks: torch.Tensor
+    ready: Any
+
+
 class SampleBuffer:
     """m[ξ] (one row of `sample_shape` per sample) and the seen bit of each sample.
 
@@ -123,6 +160,14 @@ class SampleBuffer:
             row_shape, storage = (QuantizedTensor.wire_nbytes(shape, bits),), torch.uint8
         self.values = self._allocate(row_shape, storage)
         self.seen = torch.zeros(num_samples, dtype=torch.bool)
+        self._writes: list[_Write] | None = None  # deferred writes (defer); None: each written at once
+        self._overflow: BufferRangeError | None = None  # the first a landed write found since the last settle
+
+    def defer(self) -> None:
+        """From now on rows are written at `settle` (seen bits at once): for a caller that calls it after each step's
+        schedule and undoes a step whose settle reports an overflow. Nothing then waits for the GPU per message."""
+        if self._writes is None:
+            self._writes = []
 
     @property
     def nbytes(self) -> int:
@@ -151,9 +196,15 @@ class SampleBuffer:
     def rows(self, ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
         """The rows of `ids` as the buffer holds them (quantized rows decoded to float32), on `device` (default:
         the buffer's): quantized rows travel there as their codes and are decoded there."""
-        held = self.values.index_select(0, ids)
-        if device is not None:
-            held = held.to(device)
+        self._land(ids)
+        if device is not None and torch.device(device).type == "cuda" and self.values.device.type == "cpu":
+            held = torch.index_select(self.values, 0, ids, out=_pinned_like((ids.numel(), *self.values.shape[1:]),
+                                                                            self.values.dtype))
+            held = held.to(device, non_blocking=True)
+        else:
+            held = self.values.index_select(0, ids)
+            if device is not None:
+                held = held.to(device)
         if self.bits is None:
             return held
         n, g = ids.numel(), self._groups
@@ -163,28 +214,76 @@ class SampleBuffer:
                             torch.Size((n, *self.sample_shape)), torch.float32, self.bits)
         return dequantize(q)
 
-    def prepare(self, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what `store` writes for `rows`, the rows as the buffer will then hold them), on rows' device.
-        BufferRangeError before anything changes when a row does not fit (float16 beyond 65504)."""
+    def prepare(self, ids: torch.Tensor, rows: torch.Tensor) -> Prepared:
+        """`rows` (one per id) made ready to store, on rows' device. At once: BufferRangeError before anything
+        changes when a row does not fit (float16 beyond 65504). Deferred: no check here, which would read the
+        device; the rows' peaks go with them to `settle`."""
+        deferred = self._writes is not None
+        peaks = rows.detach().flatten(1).abs().amax(dim=1).float() if deferred and rows.shape[0] else None
         if self.bits is None:
-            stored = check_storable(ids, rows, self.dtype)
-            return stored, stored
-        check_storable(ids, rows, torch.float32)
-        q = quantize(rows.float(), self.bits, stochastic=False)  # groups: vectors of the last dimension
+            stored = rows.to(self.dtype) if deferred else check_storable(ids, rows, self.dtype)
+            return Prepared(stored, stored, peaks)
+        if not deferred:
+            check_storable(ids, rows, torch.float32)
+        q = quantize(rows.float(), self.bits, stochastic=False, check=not deferred)  # groups: last-dim vectors
         n, g = rows.shape[0], self._groups
+        if peaks is not None:  # a group whose range passes float32 stores garbage: report it as an overflow
+            peaks = torch.where(torch.isfinite(q.steps.view(n, g)).all(dim=1), peaks, float("inf"))
         packed = torch.cat([q.mins.view(torch.uint8).view(n, 4 * g), q.steps.view(torch.uint8).view(n, 4 * g),
                             q.codes.view(n, self.values.shape[1] - 8 * g)], dim=1)
-        return packed, dequantize(q)
+        return Prepared(packed, dequantize(q), peaks)
 
-    def store(self, ids: torch.Tensor, stored: torch.Tensor) -> None:
-        """Write rows in the buffer's own form (`prepare`'s first result; for a float buffer, rows in any dtype)."""
-        if ids.numel():
+    def store(self, ids: torch.Tensor, prepared: Prepared | torch.Tensor) -> None:
+        """Write rows in the buffer's own form (`prepare`'s result; for a float buffer, rows in any dtype): at once,
+        or, deferred, a host copy of them (from a GPU: pinned, without waiting for it) kept until `settle`."""
+        if not ids.numel():
+            return
+        stored = prepared.stored if isinstance(prepared, Prepared) else prepared
+        peaks = prepared.peaks if isinstance(prepared, Prepared) else None
+        self.seen[ids] = True
+        if self._writes is None or peaks is None:
+            self._land(ids)  # a write at once comes after the deferred ones of the same rows
             self.values.index_copy_(0, ids, stored.to(device="cpu", dtype=self.values.dtype))
-            self.seen[ids] = True
+            return
+        ready = None
+        if stored.device.type == "cuda":
+            stored = _pinned_like(stored.shape, stored.dtype).copy_(stored, non_blocking=True)
+            peaks = _pinned_like(peaks.shape, peaks.dtype).copy_(peaks, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(prepared.stored.device))
+        self._writes.append(_Write(ids, stored, peaks, ready))
+
+    def settle(self) -> BufferRangeError | None:
+        """Land every deferred write, in order (waiting for the GPU's copies once), and return the first row that
+        overflows the buffer's dtype, or None. An overflowing row lands too (as inf): the caller undoes the step."""
+        self._land(None)
+        found, self._overflow = self._overflow, None
+        return found
+
+    def _land(self, ids: torch.Tensor | None) -> None:
+        """Write the deferred writes, in order, noting the first overflow: all, or those up to the last that touches
+        `ids` (a step's sample ids are distinct, so within a step that is none)."""
+        if not self._writes:
+            return
+        count = len(self._writes)
+        if ids is not None:
+            touching = [i for i, write in enumerate(self._writes) if bool(torch.isin(write.ids, ids).any())]
+            count = touching[-1] + 1 if touching else 0
+        landing, self._writes = self._writes[:count], self._writes[count:]
+        for write in landing:
+            if write.ready is not None:
+                write.ready.synchronize()
+            if self._overflow is None:
+                bad = ~torch.isfinite(write.peaks.to(self.dtype))
+                if bool(bad.any()):
+                    at = int(bad.nonzero()[0, 0])
+                    self._overflow = BufferRangeError(int(write.ids[at]), float(write.peaks[at]), self.dtype)
+            self.values.index_copy_(0, write.ids, write.stored.to(self.values.dtype))
 
     def state_dict(self) -> dict[str, Any]:
         """References to the rows and seen bits (as torch's state_dicts do: save, don't mutate). A buffer kept in
         a file leaves its rows there (`values` None): `write_rows` / `read_rows` copy them as bytes."""
+        self._land(None)
         return {"values": None if self.path is not None else self.values, "seen": self.seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -200,6 +299,7 @@ class SampleBuffer:
             raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
         if values is None and self.path is None:
             raise ValueError("buffer state without rows: only a buffer kept in a file leaves its rows out")
+        self._land(None)
         if values is not None:
             self.values.copy_(values)
         self.seen.copy_(seen)
@@ -207,6 +307,7 @@ class SampleBuffer:
     def write_rows(self, f: BinaryIO, chunk_bytes: int = 4 << 20) -> None:
         """Every row's bytes, in order, to a binary file, a few MB at a time: how a checkpoint copies a buffer
         too big for memory."""
+        self._land(None)
         row_bytes = self.nbytes // self.num_samples
         step = max(1, chunk_bytes // row_bytes)
         for start in range(0, self.num_samples, step):
@@ -218,17 +319,21 @@ class SampleBuffer:
         size = Path(source).stat().st_size
         if size != self.nbytes:
             raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes, the buffer {self.nbytes}")
+        self._land(None)
         saved = torch.from_file(str(source), shared=False, size=self.values.numel(), dtype=self.values.dtype)
         self.values.copy_(saved.view(self.values.shape))
 
     def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of the rows and seen bits of `ids`, to undo a step that must leave no trace."""
         ids = ids.to(device="cpu", dtype=torch.int64)
+        self._land(ids)
         return ids, self.values.index_select(0, ids).clone(), self.seen[ids].clone()
 
     def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Put back what `snapshot` copied (undo in reverse order when ids repeat across snapshots)."""
         ids, rows, seen = snapshot
+        self._land(None)
+        self._overflow = None  # the step that overflowed is being undone
         if ids.numel():
             self.values.index_copy_(0, ids, rows)
             self.seen[ids] = seen

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .buffers import SampleBuffer
+from .buffers import BufferRangeError, SampleBuffer, to_device
 from .hadamard import block_size, random_signs, rotate, unrotate
 from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
 from .running_base import BASES, RunningBase
@@ -66,6 +66,12 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _from_raw(buf: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return buf.clone().view(dtype).view(shape)  # clone: the view needs the dtype's alignment
+
+
+def _positions(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The indices where a host mask is set, on `device` without a host sync (a mask indexing a GPU tensor would
+    read its count back)."""
+    return to_device(mask.nonzero().squeeze(1), device)
 
 
 def _check_payload(message: Message, expected: int, why: str) -> None:
@@ -328,17 +334,17 @@ class ForwardCodec(_Codec):
         BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype."""
         buf, device = self.buffer, moved.device
         whole_ids, delta_ids = ids[whole], ids[delta]
-        stored, updated = buf.prepare(delta_ids, moved)
+        changed = buf.prepare(delta_ids, moved)
         if whole_ids.numel():
-            buf.store(whole_ids, buf.prepare(whole_ids, rows)[0])
-        buf.store(delta_ids, stored)
+            buf.store(whole_ids, buf.prepare(whole_ids, rows))
+        buf.store(delta_ids, changed)
         if not whole_ids.numel():  # the steady state: every sample sent as a change
-            return updated.to(dtype)
+            return changed.held.to(dtype)
         if not delta_ids.numel():  # first visits
             return rows.to(dtype)
         out = torch.empty((ids.numel(), *buf.sample_shape), dtype=dtype, device=device)
-        out[whole.to(device)] = rows.to(dtype)
-        out[delta.to(device)] = updated.to(dtype)
+        out.index_copy_(0, _positions(whole, device), rows.to(dtype))
+        out.index_copy_(0, _positions(delta, device), changed.held.to(dtype))
         return out
 
     # ------------------------------------------------------------------ public API
@@ -350,10 +356,10 @@ class ForwardCodec(_Codec):
         ids, whole, delta = self._split(sample_ids, x.shape, refresh)
         x = x.detach()
         self._check_finite(x, "activation")
-        steady = not bool(whole.any())  # every sample sent as a change: no masks to apply
-        rows = x[:0] if steady else x[whole.to(x.device)]
+        steady = not bool(whole.any())  # every sample sent as a change: no masks to apply (host bits, no sync)
+        rows = x[:0] if steady else x.index_select(0, _positions(whole, x.device))
         m = self.buffer.rows(ids[delta], x.device).float()
-        moved = (x if steady else x[delta.to(x.device)]).float()
+        moved = (x if steady else x.index_select(0, _positions(delta, x.device))).float()
         change = moved - m
         self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
                          self._squares[1] + torch.linalg.vector_norm(moved).square())
@@ -396,9 +402,17 @@ class ForwardCodec(_Codec):
         return out
 
     def defer_checks(self) -> None:
+        """As the other codecs', and the buffer's writes wait for `settle` (SampleBuffer.defer)."""
         super().defer_checks()
         if self.first is not None:
             self.first.defer_checks()
+        if self.buffer is not None:
+            self.buffer.defer()
+
+    def settle(self) -> BufferRangeError | None:
+        """After a step's schedule: the buffer's deferred writes landed; the first row its dtype could not hold (both
+        sides find the same), for the caller to report and undo, or None."""
+        return self.buffer.settle() if self.buffer is not None else None
 
     def take_checks(self) -> list[torch.Tensor]:
         return super().take_checks() + (self.first.take_checks() if self.first is not None else [])

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from compression import BufferRangeError, SampleIds
+from compression import SampleIds
 
 from . import schedule as sched
 from . import split_backward
@@ -108,6 +108,7 @@ class StepRun:
         self.schedule_seconds = time.perf_counter() - began
         self.staging_seconds = e.wire.staging.take_seconds()
         self.settle()
+        self.settle_buffers()
         return self
 
     def settle(self) -> None:
@@ -126,6 +127,20 @@ class StepRun:
         if len(counts) == len(self.losses):  # float64 products of float32 losses and integer counts: exact
             self.token_loss_sum = sum(loss * count for loss, count in zip(host[:len(counts)], counts))
         self.guard.findings.settle(host[n:])
+
+    def settle_buffers(self) -> None:
+        """The AQ-SGD buffers' writes of the step landed (they waited for no GPU inside the schedule). A row beyond a
+        buffer's dtype is reported by the side that sent it (its peer holds the same row and finds the same)."""
+        e = self.runtime
+        if e.prev is not None:
+            e.prev.forward.settle()
+        found = [e.next.forward.settle() if e.next is not None else None, e.tied.settle()]
+        overflow = next((f for f in found if f is not None), None)
+        if overflow is not None:
+            mb = next((i for i, ids in enumerate(self.ids) if ids is not None and overflow.sample_id in
+                       getattr(ids, "tensor", ids)), 0)
+            self.guard.note(BUFFER_RANGE, mb)
+            self.guard.findings.overflow = self.guard.findings.overflow or overflow
 
     def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
                ) -> StepTotals:
@@ -174,12 +189,7 @@ class StepRun:
         out = self.outputs[mb] if self.training else self.outputs.pop(mb)
         x = self.guard.zeros_unless(out.detach().to(e.wire_dtype), ACTIVATION, mb)  # never send NaN/inf
         self._remember(e.next, mb)
-        try:
-            self.counters.fwd_bytes += e.next.send_activation(x, self.ids[mb], self.phase)
-        except BufferRangeError as exc:  # nothing stored or sent yet: the peer gets zeros, the step stops
-            self.guard.note(BUFFER_RANGE, mb)
-            self.guard.findings.overflow = self.guard.findings.overflow or exc
-            self.counters.fwd_bytes += e.next.send_activation(torch.zeros_like(x), self.ids[mb], self.phase)
+        self.counters.fwd_bytes += e.next.send_activation(x, self.ids[mb], self.phase)
         for step in e.next.take_checks():  # its encoding's largest step: finite where the message is
             self.guard.findings.check_value(ACTIVATION, mb, step)
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from compression import BackwardCodec, ForwardCodec
+from compression import BackwardCodec, BufferRangeError, ForwardCodec
 
 from .step_guard import finite_or_zeros
 from .transport import Boundary, Wire
@@ -260,6 +260,13 @@ class TiedWeights:
             else:
                 link.param.grad = None
             link.incoming = []
+
+
+    def settle(self) -> BufferRangeError | None:
+        """After the schedule: every link's AQ-SGD row buffers' writes landed; the first overflow of rows this stage
+        sent (its owner's), or None."""
+        found = [link.boundary.forward.settle() for link in self.links]
+        return next((f for f, link in zip(found, self.links) if f is not None and link.owner), None)
 
 
 def _add_rows(param: torch.nn.Parameter, rows: torch.Tensor, values: torch.Tensor) -> None:
