@@ -14,13 +14,15 @@ half of float16; at 4 bits about a quarter.
 
 Rows live in host memory (a dataset's worth does not fit a GPU). A pipeline step `defer`s its buffers' writes so
 that no message waits for the GPU: rows read for a GPU travel through pinned memory without a host sync, rows
-written are copied back the same way and land in the buffer at `settle`, once the step's schedule is done, with
-the range check (the first row that overflows the buffer's dtype, as a BufferRangeError to report, not raise).
+written are copied back the same way and are checked at `settle`, once the step's schedule is done (the first row
+that overflows the buffer's dtype, as a BufferRangeError to report, not raise); rows from a GPU then land in the
+buffer on a worker thread while the next step computes, and a read of them waits for that.
 """
 from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -95,6 +97,17 @@ def check_storable(ids: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) ->
     return stored
 
 
+_LANDER: ThreadPoolExecutor | None = None
+
+
+def _lander() -> ThreadPoolExecutor:
+    """The one worker thread that lands rows copied from a GPU (torch's copies release the GIL)."""
+    global _LANDER
+    if _LANDER is None:
+        _LANDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aqsgd-buffer")
+    return _LANDER
+
+
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`, for a GPU through pinned memory and without waiting for it (the caching host
     allocator keeps the pinned copy until the transfer is done)."""
@@ -162,6 +175,7 @@ class SampleBuffer:
         self.seen = torch.zeros(num_samples, dtype=torch.bool)
         self._writes: list[_Write] | None = None  # deferred writes (defer); None: each written at once
         self._overflow: BufferRangeError | None = None  # the first a landed write found since the last settle
+        self._landing: tuple[Future, torch.Tensor] | None = None  # settled rows still landing on the worker, their ids
 
     def defer(self) -> None:
         """From now on rows are written at `settle` (seen bits at once): for a caller that calls it after each step's
@@ -254,31 +268,61 @@ class SampleBuffer:
         self._writes.append(_Write(ids, stored, peaks, ready))
 
     def settle(self) -> BufferRangeError | None:
-        """Land every deferred write, in order (waiting for the GPU's copies once), and return the first row that
-        overflows the buffer's dtype, or None. An overflowing row lands too (as inf): the caller undoes the step."""
-        self._land(None)
+        """Check every deferred write (waiting for the GPU's copies once) and land them, in order; the first row that
+        overflows the buffer's dtype, or None. An overflowing row lands too (as inf): the caller undoes the step.
+        Rows copied from a GPU land on a worker thread, overlapping the next step's compute: a later read of them
+        (or any read of every row) waits for it first."""
+        self._wait_landing(None)
+        writes = self._writes or []
+        if self._writes is not None:
+            self._writes = []
+        for write in writes:
+            self._check(write)
+        if any(write.ready is not None for write in writes):
+            self._landing = (_lander().submit(self._copy, writes), torch.cat([write.ids for write in writes]))
+        else:
+            self._copy(writes)
         found, self._overflow = self._overflow, None
         return found
 
+    def _check(self, write: _Write) -> None:
+        """Wait for a write's copy from the GPU and note its first row beyond the buffer's dtype (the first found)."""
+        if write.ready is not None:
+            write.ready.synchronize()
+        if self._overflow is None:
+            bad = ~torch.isfinite(write.peaks.to(self.dtype))
+            if bool(bad.any()):
+                at = int(bad.nonzero()[0, 0])
+                self._overflow = BufferRangeError(int(write.ids[at]), float(write.peaks[at]), self.dtype)
+
+    def _copy(self, writes: list[_Write]) -> None:
+        for write in writes:
+            self.values.index_copy_(0, write.ids, write.stored.to(self.values.dtype))
+
+    def _wait_landing(self, ids: torch.Tensor | None) -> None:
+        """Wait for the worker's landing if it holds any of `ids` (or at all, for None)."""
+        if self._landing is not None:
+            future, landing = self._landing
+            if ids is None or bool(torch.isin(ids, landing).any()):
+                future.result()
+                self._landing = None
+
     def _land(self, ids: torch.Tensor | None) -> None:
-        """Write the deferred writes, in order, noting the first overflow: all, or those up to the last that touches
-        `ids` (a step's sample ids are distinct, so within a step that is none)."""
+        """Land deferred writes at once, in order, noting the first overflow: all, or those up to the last that
+        touches `ids` (a step's sample ids are distinct, so within a step that is none)."""
+        self._wait_landing(ids)
         if not self._writes:
             return
         count = len(self._writes)
         if ids is not None:
             touching = [i for i, write in enumerate(self._writes) if bool(torch.isin(write.ids, ids).any())]
             count = touching[-1] + 1 if touching else 0
+        if count:
+            self._wait_landing(None)  # an earlier step's rows land before these
         landing, self._writes = self._writes[:count], self._writes[count:]
         for write in landing:
-            if write.ready is not None:
-                write.ready.synchronize()
-            if self._overflow is None:
-                bad = ~torch.isfinite(write.peaks.to(self.dtype))
-                if bool(bad.any()):
-                    at = int(bad.nonzero()[0, 0])
-                    self._overflow = BufferRangeError(int(write.ids[at]), float(write.peaks[at]), self.dtype)
-            self.values.index_copy_(0, write.ids, write.stored.to(self.values.dtype))
+            self._check(write)
+        self._copy(landing)
 
     def state_dict(self) -> dict[str, Any]:
         """References to the rows and seen bits (as torch's state_dicts do: save, don't mutate). A buffer kept in

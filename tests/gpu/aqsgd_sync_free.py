@@ -1,0 +1,70 @@
+"""Run by test_cuda_path in a process of its own, where Triton compiles (the suite's runs interpret it, which copies
+every tensor to the host): a boundary's AQ-SGD codecs, checks deferred as every pipeline boundary sets them, encode
+and decode first visits, mixed micro-batches and changes on the GPU with no synchronizing call (torch's sync debug
+mode raises at one), the two sides' buffers landing bit-identical; the same codecs with their checks read at once do
+sync. Prints `no sync: <case> <messages>` per buffer kind; raises at the first failure."""
+from __future__ import annotations
+
+import torch
+
+from compression import ForwardCodec, Message
+
+STEPS = [[[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 8, 9], [2, 3, 10, 11]], [[4, 5, 6, 7], [8, 9, 10, 11]]]
+
+
+def _strict(fn):
+    """`fn()` with every synchronizing CUDA call an error."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def check(buffer_bits: int | None) -> int:
+    kw = {"num_samples": 12, "sample_shape": (64, 256), "buffer_bits": buffer_bits, "first_visit": "direct",
+          "first_visit_bits": 4}
+    send, recv = ForwardCodec("aqsgd", 2, seed=3, **kw), ForwardCodec("aqsgd", 2, **kw)
+    send.defer_checks()
+    recv.defer_checks()
+    gen, messages = torch.Generator().manual_seed(0), 0
+    for step, micro_batches in enumerate(STEPS):
+        xs = [torch.randn(4, 64, 256, generator=gen).cuda() for _ in micro_batches]
+        ids = [torch.tensor(mb) for mb in micro_batches]
+        torch.cuda.synchronize()
+
+        def schedule():
+            sent, got = [], []
+            for x, mb in zip(xs, ids):
+                msg = send.encode(x, mb)
+                sent.append(msg.decoded)
+                got.append(recv.decode(Message(msg.payload.clone(), msg.shape, msg.dtype), mb))
+            return sent, got, send.take_checks() + recv.take_checks()
+
+        sent, got, checks = _strict(schedule)
+        messages += len(sent)
+        assert send.settle() is None and recv.settle() is None
+        assert all(torch.equal(a, b) for a, b in zip(sent, got)), f"step {step}: the receiver decoded otherwise"
+        assert len(checks) >= len(micro_batches) and all(bool(torch.isfinite(c)) for c in checks), checks
+        # rows landing on the worker thread overlap the next step; a read of every row waits for them
+        assert torch.equal(send.buffer.state_dict()["values"], recv.buffer.state_dict()["values"]), \
+            f"step {step}: the two buffers differ"
+    held = recv.buffer.rows(ids[-1], "cuda")  # the last step's changes: computed with the rows both now hold
+    assert torch.equal(held, got[-1].to(held.dtype)), "the receiver computed with other rows than it holds"
+    immediate = ForwardCodec("aqsgd", 2, **kw)
+    try:
+        _strict(lambda: immediate.encode(xs[0], ids[0]))
+    except RuntimeError as exc:
+        assert "synchroniz" in str(exc), exc
+    else:
+        raise AssertionError("a codec reading its checks at once made no synchronizing call: the mode caught nothing")
+    return messages
+
+
+def main() -> None:
+    for name, bits in (("float16-rows", None), ("8-bit-rows", 8)):
+        print(f"no sync: {name} {check(bits)}")
+
+
+if __name__ == "__main__":
+    main()
