@@ -105,6 +105,8 @@ class StepRun:
             else:
                 getattr(self, op)(mb)
         e.wire.flush()
+        if e.prev is not None:
+            e.prev.check_order()
         self.schedule_seconds = time.perf_counter() - began
         self.staging_seconds = e.wire.staging.take_seconds()
         self.settle()

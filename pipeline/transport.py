@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from compression import BackwardCodec, ForwardCodec, Message, SampleIds
+from compression.buffers import to_device
 from compression.staging import HostStaging
 
 PROBE_REPEATS = 2  # round trips per size in a link probe; the faster counts
@@ -91,7 +92,7 @@ def _ids_tensor(ids: torch.Tensor | SampleIds) -> torch.Tensor:
 
 
 def _ids_bytes(ids: torch.Tensor | SampleIds, device: torch.device) -> torch.Tensor:
-    return _ids_tensor(ids).to(device=device, dtype=torch.int64).contiguous().view(torch.uint8)
+    return to_device(_ids_tensor(ids).to(torch.int64).contiguous(), device).view(torch.uint8)
 
 
 class Boundary:
@@ -113,6 +114,7 @@ class Boundary:
         self.forward, self.backward = forward, backward
         # full precision during warm-up epochs (aqsgd uses refresh instead, which also fills its buffer)
         self.fallback_forward, self.fallback_backward = fallback_forward, fallback_backward
+        self._arrived: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids as received, as loaded) to check_order
         for codec in self._codecs():  # a step reads its codecs' checks with its other flags, after the schedule
             codec.defer_checks()
 
@@ -152,17 +154,29 @@ class Boundary:
         return Posted(incoming, nbytes, shape, dtype, phase, sample_ids)
 
     def take_activation(self, posted: "Posted") -> torch.Tensor:
-        """Wait for a posted activation, check its sample ids, decode it."""
+        """Wait for a posted activation and decode it; its sample ids are kept for `check_order`."""
         buf, nbytes, ids = posted.incoming.wait(), posted.nbytes, posted.sample_ids
-        sent_ids = buf[nbytes:].clone().view(torch.int64).cpu() if self.send_ids else None
-        loaded = _ids_tensor(ids).cpu().to(torch.int64) if ids is not None else None
-        if sent_ids is not None and not torch.equal(sent_ids, loaded):
-            raise RuntimeError(
-                f"received sample ids {sent_ids.tolist()} but this stage loaded {loaded.tolist()}: "
-                "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
-            )
+        if self.send_ids:
+            self._arrived.append((buf[nbytes:].clone().view(torch.int64),  # clone: int64's alignment
+                                  _ids_tensor(ids).cpu().to(torch.int64)))
         codec, kw = self._forward_codec(posted.phase)
         return codec.decode(Message(buf[:nbytes], posted.shape, posted.dtype), ids, **kw)
+
+    def check_order(self) -> None:
+        """After a step's schedule: the sample ids that came with its activations, read in one transfer (on a GPU,
+        a read per message would wait for the compute queued before it), against the ids this stage loaded.
+        A RuntimeError naming both where they differ: the stages' data orders differ, and the step decoded its
+        activations into the wrong samples' buffer rows."""
+        if not self._arrived:
+            return
+        arrived, self._arrived = self._arrived, []
+        sent = torch.cat([a for a, _ in arrived]).cpu().split([a.numel() for a, _ in arrived])
+        for got, (_, loaded) in zip(sent, arrived):
+            if not torch.equal(got, loaded):
+                raise RuntimeError(
+                    f"received sample ids {got.tolist()} but this stage loaded {loaded.tolist()}: "
+                    "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
+                )
 
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
         msg = self._backward_codec(phase).encode(g)

@@ -12,7 +12,7 @@ SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
 
 def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16, bf16=False,
-          weights=torch.float32):
+          weights=torch.float32, relabel_stage=None):
     stages = [s.to(weights) for s in toy_stages(world, hidden=hidden)]
     grid = Grid.for_world(world, world)
     groups = build_groups(grid, rank)
@@ -31,6 +31,8 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
     try:
         for epoch in range(epochs):
             for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
+                if rank == relabel_stage:  # the same tokens under other sample ids
+                    mbs = [{**mb, "sample_id": (mb["sample_id"] + 1) % SAMPLES} for mb in mbs]
                 collectives.append(0)
                 log.append(engine.train_batch(mbs, epoch).record())
         collectives.append(0)
@@ -141,6 +143,14 @@ def test_hadamard_boundaries_send_directs_bytes_and_learn(single):
 def test_stages_with_different_data_orders_fail_loudly():
     with pytest.raises(RuntimeError, match="data orders differ"):
         spawn(train, 2, CompressionConfig(), 1, "1f1b", 1, timeout=120)  # imports are slow on a loaded machine
+
+
+def test_activations_under_other_sample_ids_are_refused_naming_both():
+    """The same tokens (so the tied rows agree) under other ids: the ids that travel with each activation, read
+    together after the schedule, catch it."""
+    with pytest.raises(RuntimeError, match=r"received sample ids \[\d+, \d+, \d+, \d+\] but this stage loaded"):
+        spawn(train, 2, CompressionConfig(forward="aqsgd", forward_bits=2), 1, "1f1b", None, 16, False, torch.float32,
+              1, timeout=120)
 
 
 def test_bf16_halves_the_boundary_bytes_and_tracks_fp32(single):
