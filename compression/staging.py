@@ -6,6 +6,10 @@ copies a payload to the transport's device (into pinned memory, which the GPU co
 allocates a receive buffer there, `arrived` moves a received buffer to where the stage computes. Where the two
 devices are one (CPU under gloo, a GPU under NCCL) each is the identity, so callers stage unconditionally.
 `seconds` is the time spent copying, which a step reports as its staging share.
+
+A GPU's copies run on a side stream: an outgoing copy waits for the work that made its tensor (an event) and the
+host waits for that copy alone, not for everything queued on the compute stream; an arriving copy overlaps the
+compute queued before it, and the compute stream waits for it (an event) only where it reads the tensor.
 """
 from __future__ import annotations
 
@@ -21,19 +25,35 @@ class HostStaging:
     def __init__(self, transport: torch.device | str = "cpu") -> None:
         self.transport = torch.device(transport)
         self.seconds = 0.0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # a GPU's side stream for its copies
 
     def _pinned(self, device: torch.device) -> bool:
         return self.transport.type == "cpu" and device.type == "cuda"
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def outgoing(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the transport's device (a new tensor the caller keeps alive until the send completes)."""
         if t.device == self.transport:
             return t
-        if t.device.type == "cuda":  # the copy waits for the work that makes t: that wait is compute, not staging
-            torch.cuda.current_stream(t.device).synchronize()
-        start = time.perf_counter()
         out = torch.empty(t.shape, dtype=t.dtype, device=self.transport, pin_memory=self._pinned(t.device))
-        out.copy_(t)  # synchronous from a GPU: the bytes are in host memory before gloo reads them
+        if t.device.type != "cuda" or not out.is_pinned():
+            start = time.perf_counter()
+            out.copy_(t)
+            self.seconds += time.perf_counter() - start
+            return out
+        made, side = torch.cuda.Event(), self._side(t.device)
+        made.record(torch.cuda.current_stream(t.device))
+        made.synchronize()  # the work that makes t: compute, not staging
+        start = time.perf_counter()
+        with torch.cuda.stream(side):
+            side.wait_event(made)
+            out.copy_(t, non_blocking=True)
+        t.record_stream(side)  # t's memory is read there: not reused before the copy is done
+        side.synchronize()  # the bytes are in host memory before gloo reads them
         self.seconds += time.perf_counter() - start
         return out
 
@@ -47,7 +67,14 @@ class HostStaging:
         if buf.device == device:
             return buf
         start = time.perf_counter()
-        out = buf.to(device, non_blocking=self._pinned(device))
+        if device.type != "cuda" or not buf.is_pinned():
+            out = buf.to(device)
+        else:
+            side, compute = self._side(device), torch.cuda.current_stream(device)
+            with torch.cuda.stream(side):
+                out = buf.to(device, non_blocking=True)
+            compute.wait_stream(side)  # later kernels on the compute stream see it complete; the host does not wait
+            out.record_stream(compute)  # made on the side stream, read on the compute one
         self.seconds += time.perf_counter() - start
         return out
 
