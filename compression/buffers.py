@@ -235,7 +235,8 @@ class SampleBuffer:
         deferred = self._writes is not None
         peaks = rows.detach().flatten(1).abs().amax(dim=1).float() if deferred and rows.shape[0] else None
         if self.bits is None:
-            stored = rows.to(self.dtype) if deferred else check_storable(ids, rows, self.dtype)
+            # deferred: a copy, never `rows` itself (same dtype), which the caller computes with until the rows land
+            stored = rows.to(self.dtype, copy=True) if deferred else check_storable(ids, rows, self.dtype)
             return Prepared(stored, stored, peaks)
         if not deferred:
             check_storable(ids, rows, torch.float32)
@@ -307,6 +308,13 @@ class SampleBuffer:
                 future.result()
                 self._landing = None
 
+    def _discard(self) -> None:
+        """Drop the deferred writes and their overflow (rows about to be replaced whole: a checkpoint's)."""
+        self._wait_landing(None)
+        if self._writes is not None:
+            self._writes = []
+        self._overflow = None
+
     def _land(self, ids: torch.Tensor | None) -> None:
         """Land deferred writes at once, in order, noting the first overflow: all, or those up to the last that
         touches `ids` (a step's sample ids are distinct, so within a step that is none)."""
@@ -343,7 +351,7 @@ class SampleBuffer:
             raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
         if values is None and self.path is None:
             raise ValueError("buffer state without rows: only a buffer kept in a file leaves its rows out")
-        self._land(None)
+        self._discard()
         if values is not None:
             self.values.copy_(values)
         self.seen.copy_(seen)
@@ -363,7 +371,7 @@ class SampleBuffer:
         size = Path(source).stat().st_size
         if size != self.nbytes:
             raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes, the buffer {self.nbytes}")
-        self._land(None)
+        self._discard()
         saved = torch.from_file(str(source), shared=False, size=self.values.numel(), dtype=self.values.dtype)
         self.values.copy_(saved.view(self.values.shape))
 

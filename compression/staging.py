@@ -7,9 +7,9 @@ allocates a receive buffer there, `arrived` moves a received buffer to where the
 devices are one (CPU under gloo, a GPU under NCCL) each is the identity, so callers stage unconditionally.
 `seconds` is the time spent copying, which a step reports as its staging share.
 
-A GPU's copies run on a side stream: an outgoing copy waits for the work that made its tensor (an event) and the
-host waits for that copy alone, not for everything queued on the compute stream; an arriving copy overlaps the
-compute queued before it, and the compute stream waits for it (an event) only where it reads the tensor.
+A GPU's copies run on a side stream. An outgoing copy still has the host wait for the work that made its tensor
+(gloo reads host memory), which in a schedule is all the compute queued before the send; an arriving copy overlaps
+the compute queued before it on the copy engine, and only the compute stream waits for it (an event), not the host.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ class HostStaging:
         with torch.cuda.stream(side):
             side.wait_event(made)
             out.copy_(t, non_blocking=True)
-        t.record_stream(side)  # t's memory is read there: not reused before the copy is done
         side.synchronize()  # the bytes are in host memory before gloo reads them
         self.seconds += time.perf_counter() - start
         return out

@@ -227,7 +227,11 @@ class PipelineEngine:
         self.stage.train()
         guard = StepGuard(self.codecs())
         actions = sched.train_schedule(self.schedule, self.groups.stage, self.groups.grid.stages, m)
-        run = StepRun(self._runtime(), micro_batches, phase, True, guard).run(actions)
+        try:
+            run = StepRun(self._runtime(), micro_batches, phase, True, guard).run(actions)
+        except BaseException:  # stopped short (a peer lost, a data-order error, an interrupt): no trace of it stays
+            guard.undo()
+            raise
         self.tied.finish()  # the owner's tied gradient is whole from here
         table = StepTable.exchange(self.groups, Row(guard.findings, self._grad_squares(guard),
                                                     run.totals(self._sent_change(), link)))

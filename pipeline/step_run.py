@@ -92,6 +92,8 @@ class StepRun:
 
     def run(self, actions: list[sched.Action]) -> "StepRun":
         e = self.runtime
+        if e.prev is not None:
+            e.prev.forget_order()
         self.posted = self._post_receives(actions)
         self.counters.tie_bytes += e.tied.start(self.micro_batches, self.phase, self.training, self.restores)
         began = time.perf_counter()

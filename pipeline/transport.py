@@ -162,6 +162,10 @@ class Boundary:
         codec, kw = self._forward_codec(posted.phase)
         return codec.decode(Message(buf[:nbytes], posted.shape, posted.dtype), ids, **kw)
 
+    def forget_order(self) -> None:
+        """Drop the ids kept for `check_order` (a step that stopped short is not checked by the next)."""
+        self._arrived = []
+
     def check_order(self) -> None:
         """After a step's schedule: the sample ids that came with its activations, read in one transfer (on a GPU,
         a read per message would wait for the compute queued before it), against the ids this stage loaded.

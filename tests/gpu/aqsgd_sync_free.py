@@ -21,17 +21,25 @@ def _strict(fn):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _activation(ids: list[int], step: int) -> torch.Tensor:
+    """Each sample's activation, drifting a little each step: the change AQ-SGD sends is small against it."""
+    rows = [torch.randn(64, 256, generator=torch.Generator().manual_seed(i))
+            + 0.02 * step * torch.randn(64, 256, generator=torch.Generator().manual_seed(100 + 10 * i + step))
+            for i in ids]
+    return torch.stack(rows)
+
+
 def check(buffer_bits: int | None) -> int:
     kw = {"num_samples": 12, "sample_shape": (64, 256), "buffer_bits": buffer_bits, "first_visit": "direct",
           "first_visit_bits": 4}
     send, recv = ForwardCodec("aqsgd", 2, seed=3, **kw), ForwardCodec("aqsgd", 2, **kw)
     send.defer_checks()
     recv.defer_checks()
-    gen, messages = torch.Generator().manual_seed(0), 0
-    for step, micro_batches in enumerate(STEPS):
-        xs = [torch.randn(4, 64, 256, generator=gen).cuda() for _ in micro_batches]
+    messages, host = 0, [ForwardCodec("aqsgd", 2, seed=3, **kw), ForwardCodec("aqsgd", 2, **kw)]  # checks at once
+    inputs = [[_activation(mb, step).cuda() for mb in micro_batches] for step, micro_batches in enumerate(STEPS)]
+    torch.cuda.synchronize()
+    for step, (micro_batches, xs) in enumerate(zip(STEPS, inputs)):
         ids = [torch.tensor(mb) for mb in micro_batches]
-        torch.cuda.synchronize()
 
         def schedule():
             sent, got = [], []
@@ -46,9 +54,13 @@ def check(buffer_bits: int | None) -> int:
         assert send.settle() is None and recv.settle() is None
         assert all(torch.equal(a, b) for a, b in zip(sent, got)), f"step {step}: the receiver decoded otherwise"
         assert len(checks) >= len(micro_batches) and all(bool(torch.isfinite(c)) for c in checks), checks
-        # rows landing on the worker thread overlap the next step; a read of every row waits for them
-        assert torch.equal(send.buffer.state_dict()["values"], recv.buffer.state_dict()["values"]), \
-            f"step {step}: the two buffers differ"
+        for x, mb, y in zip(xs, ids, got):  # the same codecs on the CPU: a change taken against a row not yet
+            ref = host[1].decode(host[0].encode(x.cpu(), mb), mb)  # landed (zeros) would err by far more
+            gap = float((y.cpu() - ref).abs().mean())
+            assert gap < 1e-3, f"step {step}, samples {mb.tolist()}: {gap} from the CPU's decode"
+    # the rows of each step landed on the worker thread while the next step ran (its reads of them waited for it);
+    # a read of every row waits for the last landing
+    assert torch.equal(send.buffer.state_dict()["values"], recv.buffer.state_dict()["values"]), "the buffers differ"
     held = recv.buffer.rows(ids[-1], "cuda")  # the last step's changes: computed with the rows both now hold
     assert torch.equal(held, got[-1].to(held.dtype)), "the receiver computed with other rows than it holds"
     immediate = ForwardCodec("aqsgd", 2, **kw)
