@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from aqpipe import faults
+from tests.helpers.killed_recipe import FLAGS, RECIPE, run_on_one_machine
 from tests.helpers.processes import ROOT, checkout_env, free_port, spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
@@ -175,18 +176,7 @@ def test_fault_specs_are_checked():
 
 
 # ---------------------------------------------------------------------- the recipe, killed and resumed
-RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
-FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
-         "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "3", "--forward_compress", "aqsgd",
-         "--forward_bits", "2", "--backward_compress", "direct", "--backward_bits", "4", "--peer_timeout", "20"]
 ENV = checkout_env()
-
-
-def _torchrun(out, *flags):
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), RECIPE, *FLAGS,
-           "--output_dir", str(out), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _by_hand(out, *flags, fault):
@@ -209,17 +199,16 @@ def _by_hand(out, *flags, fault):
     return [(p.returncode, p.stderr.read(), t) for p, t in zip(procs, ended)]
 
 
-def test_a_rank_killed_mid_run_stops_its_peer_and_the_run_resumes_exactly(tmp_path):
-    _torchrun(tmp_path / "ref")
+def test_a_rank_killed_mid_run_stops_its_peer_and_the_run_resumes_exactly(tmp_path, reference_run):
     out, buffers = tmp_path / "run", str(tmp_path / "buffers")
-    (rc0, err0, t0), (rc1, _, t1) = _by_hand(out, "--buffer_dir", buffers, fault="kill:1:5")
+    (rc0, err0, t0), (rc1, _, t1) = _by_hand(out, "--save_every", "3", "--buffer_dir", buffers, fault="kill:1:5")
     assert rc1 == -9 and rc0 == 1, err0[-2000:]
     assert "stopping: rank 1 (stage 1, replica 0)" in err0 and "Traceback" not in err0
     assert t0 - t1 < 20, f"rank 0 took {t0 - t1:.1f} s to stop after rank 1 died"  # measured: about 6 s
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    _torchrun(out, "--buffer_dir", buffers, "--resume")
+    run_on_one_machine(out, "--save_every", "3", "--buffer_dir", buffers, "--resume")
 
-    want = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines()]
     got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # six steps and the final eval, none twice
     for a, b in zip(want, got):
@@ -229,6 +218,6 @@ def test_a_rank_killed_mid_run_stops_its_peer_and_the_run_resumes_exactly(tmp_pa
                 assert b[key] == pytest.approx(a[key], rel=1e-6)
         assert (b.get("fwd_bytes"), b.get("bwd_bytes")) == (a.get("fwd_bytes"), a.get("bwd_bytes"))
     assert got[5]["fwd_bytes"] * 8 < got[0]["fwd_bytes"]  # step 6: deltas of samples seen before the kill
-    ref_w, res_w = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (tmp_path / "ref", out))
+    ref_w, res_w = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (reference_run, out))
     for key, value in ref_w.items():
         assert torch.allclose(res_w[key], value, rtol=1e-6, atol=0), key

@@ -12,19 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.netns import Network, can_build
-from tests.helpers.processes import ROOT, checkout_env, free_port
+from tests.helpers.killed_recipe import FLAGS, RECIPE
+from tests.helpers.processes import checkout_env, free_port
 
-RECIPE = str(ROOT / "recipes" / "finetune_gpt2.py")
-FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "8", "--micro_batch_size", "2",
-         "--num_micro_batches", "2", "--max_steps", "6", "--save_every", "2", "--peer_timeout", "20",
-         "--output_dir", "out"]
-
-
-def one_machine(directory):
-    directory.mkdir()
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), RECIPE, *FLAGS]
-    proc = subprocess.run(cmd, cwd=directory, env=checkout_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+MACHINE_FLAGS = [*FLAGS, "--save_every", "2", "--output_dir", "out"]  # each machine's own out/
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +43,7 @@ def two_machines(nodes, network, *flags, fault=""):
             env["GLOO_SOCKET_IFNAME"] = network.interface(i)
             prefix, master = network.exec_prefix(i), network.address(0)
         cmd = [*prefix, "torchrun", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1", "--master_addr",
-               master, "--master_port", str(port), RECIPE, *FLAGS, *flags]
+               master, "--master_port", str(port), RECIPE, *MACHINE_FLAGS, *flags]
         procs.append(subprocess.Popen(cmd, cwd=directory, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     deadline = time.monotonic() + 300
@@ -64,12 +55,12 @@ def two_machines(nodes, network, *flags, fault=""):
     return [(p.wait(), p.stderr.read()) for p in procs]
 
 
-def records(directory):
-    return [json.loads(line) for line in (directory / "out" / "metrics.jsonl").read_text().splitlines()]
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_on_node_0(tmp_path, network):
-    one_machine(tmp_path / "ref")
+def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_on_node_0(tmp_path, network,
+                                                                                         reference_run):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     (rc0, err0), (rc1, _) = two_machines(nodes, network, fault="kill:1:5")  # node 1's rank dies before step 5
     assert rc0 != 0 and rc1 != 0 and "stopping: rank 1 (stage 1, replica 0)" in err0, err0[-2000:]
@@ -88,15 +79,15 @@ def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_o
     (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--resume")
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "model: stage 1's" in err0 and "received from rank 1" in err0  # streamed, not read from a shared disk
-    want, got = records(tmp_path / "ref"), records(nodes[0])
+    want, got = records(reference_run), records(nodes[0] / "out")
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # resumed at step 2, the newest both machines hold
     for a, b in zip(want, got):
         for key in ("loss", "eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a, b)
     assert not (nodes[1] / "out" / "model").exists()
-    ref, merged = (AutoModelForCausalLM.from_pretrained(d / "out" / "model").state_dict()
-                   for d in (tmp_path / "ref", nodes[0]))
+    ref, merged = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict()
+                   for d in (reference_run, nodes[0] / "out"))
     assert set(ref) == set(merged)
     for key, value in ref.items():
         assert torch.allclose(merged[key], value, rtol=1e-6, atol=0), key
