@@ -1,6 +1,4 @@
 """`python -m aqpipe TASK [flags]`: see aqpipe.cli."""
-import sys
+from .cli import leave, main
 
-from .cli import main
-
-sys.exit(main())
+leave(main())

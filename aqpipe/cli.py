@@ -4,13 +4,15 @@
     torchrun --nproc_per_node 2 -m aqpipe deberta [flags]
     aqpipe gpt2 --help
 
-The recipes in the checkout (recipes/finetune_*.py) call `main` with their JSON config.
+The recipes in the checkout (recipes/finetune_*.py) call `finetune` with their task, then `leave`.
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import interrupts
 from .speech import let_rank_0_speak, speaks
@@ -37,6 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     rest.remove(task.name)
     finetune(task, rest, prog=f"aqpipe {task.name}")
     return 0
+
+
+def entry() -> NoReturn:
+    """The `aqpipe` command: `main`, then `leave`."""
+    leave(main())
+
+
+def leave(code: int) -> NoReturn:
+    """End the process of a command that has finished: its files are closed and, in a multi-process run, every peer
+    has passed the run's last barrier and said its last word to the store rank 0 holds (Watchdog.stop). What is left
+    is Python's teardown of torch's and transformers' module objects, a second a process that buys nothing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def finetune(task: Task, argv: list[str], description: str | None = None, prog: str | None = None) -> dict[str, Any]:

@@ -9,8 +9,9 @@ The installed package runs the same job from anywhere: `aqpipe gpt2` (or `python
 """
 import sys
 
-from aqpipe.cli import finetune
+from aqpipe.cli import finetune, leave
 from aqpipe.tasks import TASKS
 
 if __name__ == "__main__":
     finetune(TASKS["gpt2"], sys.argv[1:], __doc__)
+    leave(0)  # finished: skip Python's teardown of torch's and transformers' objects
