@@ -38,13 +38,21 @@ FAMILIES = {
 JOB = ["--seq_len", "128", "--micro_batch_size", "2", "--num_micro_batches", "4", "--max_steps", "3",
        "--max_train_samples", "64", "--max_eval_samples", "8"]
 # every rank's peak resident memory, written as it exits (not the launcher's: it has no RANK)
+# a finished command leaves by os._exit (aqpipe.cli.leave), which runs no atexit hook: that exit writes it too, in the
+# process that imported the hook only (a forked child leaves by os._exit as well)
 HOOK = """import atexit, os, resource
+_PID = os.getpid()
 def _peak():
     path = os.environ.get("AQPIPE_PEAK_DIR")
-    if path and ("RANK" in os.environ or os.environ.get("AQPIPE_PEAK_ALONE")):
+    if path and os.getpid() == _PID and ("RANK" in os.environ or os.environ.get("AQPIPE_PEAK_ALONE")):
         with open(os.path.join(path, "rank" + os.environ.get("RANK", "0") + ".kb"), "w") as f:
             f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 atexit.register(_peak)
+_exit = os._exit
+def _peak_then_exit(code):
+    _peak()
+    _exit(code)
+os._exit = _peak_then_exit
 """
 # Published configurations, for the extrapolation (hub config.json values)
 PUBLISHED = {
