@@ -260,12 +260,12 @@ class SampleBuffer:
             self._land(ids)  # a write at once comes after the deferred ones of the same rows
             self.values.index_copy_(0, ids, stored.to(device="cpu", dtype=self.values.dtype))
             return
-        ready = None
-        if stored.device.type == "cuda":
+        ready, device = None, stored.device
+        if device.type == "cuda":
             stored = _pinned_like(stored.shape, stored.dtype).copy_(stored, non_blocking=True)
             peaks = _pinned_like(peaks.shape, peaks.dtype).copy_(peaks, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(prepared.stored.device))
+            ready.record(torch.cuda.current_stream(device))
         self._writes.append(_Write(ids, stored, peaks, ready))
 
     def settle(self) -> BufferRangeError | None:
@@ -291,10 +291,10 @@ class SampleBuffer:
         if write.ready is not None:
             write.ready.synchronize()
         if self._overflow is None:
-            bad = ~torch.isfinite(write.peaks.to(self.dtype))
-            if bool(bad.any()):
-                at = int(bad.nonzero()[0, 0])
-                self._overflow = BufferRangeError(int(write.ids[at]), float(write.peaks[at]), self.dtype)
+            try:  # a row fits exactly where its largest magnitude does
+                check_storable(write.ids, write.peaks, self.dtype)
+            except BufferRangeError as exc:
+                self._overflow = exc
 
     def _copy(self, writes: list[_Write]) -> None:
         for write in writes:

@@ -331,7 +331,8 @@ class ForwardCodec(_Codec):
         """Both sides: store whole rows, and `moved` (m + change) for the others.
 
         Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`.
-        BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype."""
+        BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype (deferred checks: the
+        buffer's `settle` reports it instead)."""
         buf, device = self.buffer, moved.device
         whole_ids, delta_ids = ids[whole], ids[delta]
         changed = buf.prepare(delta_ids, moved)

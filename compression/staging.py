@@ -7,9 +7,9 @@ allocates a receive buffer there, `arrived` moves a received buffer to where the
 devices are one (CPU under gloo, a GPU under NCCL) each is the identity, so callers stage unconditionally.
 `seconds` is the time spent copying, which a step reports as its staging share.
 
-A GPU's copies run on a side stream. An outgoing copy still has the host wait for the work that made its tensor
-(gloo reads host memory), which in a schedule is all the compute queued before the send; an arriving copy overlaps
-the compute queued before it on the copy engine, and only the compute stream waits for it (an event), not the host.
+An outgoing copy has the host wait for the work that made its tensor (gloo reads host memory), which in a schedule
+is all the compute queued before the send. An arriving copy runs on a side stream: it overlaps the compute queued
+before it on the copy engine, and only the compute stream waits for it (an event), not the host.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class HostStaging:
     def __init__(self, transport: torch.device | str = "cpu") -> None:
         self.transport = torch.device(transport)
         self.seconds = 0.0
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # a GPU's side stream for its copies
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # a GPU's side stream for arriving copies
 
     def _pinned(self, device: torch.device) -> bool:
         return self.transport.type == "cpu" and device.type == "cuda"
@@ -39,20 +39,11 @@ class HostStaging:
         """`t` on the transport's device (a new tensor the caller keeps alive until the send completes)."""
         if t.device == self.transport:
             return t
-        out = torch.empty(t.shape, dtype=t.dtype, device=self.transport, pin_memory=self._pinned(t.device))
-        if t.device.type != "cuda" or not out.is_pinned():
-            start = time.perf_counter()
-            out.copy_(t)
-            self.seconds += time.perf_counter() - start
-            return out
-        made, side = torch.cuda.Event(), self._side(t.device)
-        made.record(torch.cuda.current_stream(t.device))
-        made.synchronize()  # the work that makes t: compute, not staging
+        if t.device.type == "cuda":  # the copy waits for the work that makes t: that wait is compute, not staging
+            torch.cuda.current_stream(t.device).synchronize()
         start = time.perf_counter()
-        with torch.cuda.stream(side):
-            side.wait_event(made)
-            out.copy_(t, non_blocking=True)
-        side.synchronize()  # the bytes are in host memory before gloo reads them
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.transport, pin_memory=self._pinned(t.device))
+        out.copy_(t)  # synchronous from a GPU: the bytes are in host memory before gloo reads them
         self.seconds += time.perf_counter() - start
         return out
 
@@ -61,12 +52,13 @@ class HostStaging:
         return torch.empty(numel, dtype=dtype, device=self.transport, pin_memory=self._pinned(torch.device(device)))
 
     def arrived(self, buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A received buffer on `device` (queued on the current stream: later kernels there see it complete)."""
+        """A received buffer on `device` (from a GPU's side stream the current one waits for: later kernels there see
+        it complete)."""
         device = torch.device(device)
         if buf.device == device:
             return buf
         start = time.perf_counter()
-        if device.type != "cuda" or not buf.is_pinned():
+        if not self._pinned(device):
             out = buf.to(device)
         else:
             side, compute = self._side(device), torch.cuda.current_stream(device)

@@ -261,7 +261,6 @@ class TiedWeights:
                 link.param.grad = None
             link.incoming = []
 
-
     def settle(self) -> BufferRangeError | None:
         """After the schedule: every link's AQ-SGD row buffers' writes landed; the first overflow of rows this stage
         sent (its owner's), or None."""
