@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compression import BackwardCodec, ForwardCodec, Message, SampleIds
+from compression import BackwardCodec, ForwardCodec, Message, SampleIds, entropy
 from compression.buffers import to_device
 from compression.staging import HostStaging
 
@@ -42,40 +42,54 @@ class Incoming:
     posted, so posting early lets the transfer run while this stage computes."""
 
     def __init__(self, work: object, buf: torch.Tensor, latency_s: float, staging: HostStaging,
-                 device: torch.device) -> None:
+                 device: torch.device, coded: int | None = None) -> None:
+        """`coded`: the message's size where it travels entropy-coded (`buf` then holds its coded form)."""
         self.work, self.buf, self.latency_s, self.staging, self.device = work, buf, latency_s, staging, device
+        self.coded = coded
 
     def wait(self) -> torch.Tensor:
         """The message on the device it was posted for."""
         self.work.wait()
         if self.latency_s:
             time.sleep(self.latency_s)
-        return self.staging.arrived(self.buf, self.device)
+        buf = self.buf if self.coded is None else entropy.decode(self.buf, self.coded)
+        return self.staging.arrived(buf, self.device)
 
 
 class Wire:
     """Non-blocking sends and receives. `latency_s`: a one-way delay added to every receive, emulating a distant
     link on one machine (the benchmarks' --latency_ms). `transport`: the device the process group moves tensors
-    from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through it (compression.staging)."""
+    from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through it (compression.staging).
+    `entropy`: messages sent and posted with `code=True` travel entropy-coded (compression.entropy), which needs a
+    transport that takes a message shorter than its receive (gloo; NCCL does not): elsewhere it is ignored."""
 
-    def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu") -> None:
+    def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu", entropy: bool = False) -> None:
         if not latency_s >= 0:
             raise ValueError(f"link latency {latency_s!r} s: expected >= 0")
         self._pending: list[tuple[object, torch.Tensor]] = []
         self.latency_s = latency_s
         self.staging = HostStaging(transport)
+        self.entropy = bool(entropy) and self.staging.transport.type == "cpu"
 
-    def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None) -> None:
+    def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None,
+             code: bool = False) -> int:
+        """Send `payload` (entropy-coded with `code` where this wire codes); the bytes that go on the link."""
         payload = self.staging.outgoing(payload)
+        if code and self.entropy:
+            payload = entropy.encode(payload)
         work = dist.isend(payload, dst, group=group, tag=tag)
         self._pending.append((work, payload))  # keep the buffer alive until the send completes
+        return payload.numel()
 
-    def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0, group: object | None = None) -> Incoming:
-        """Start receiving `nbytes` from `src` for use on `device`; messages from one peer in one group match in
-        posting order."""
-        buf = self.staging.landing(nbytes, torch.uint8, device)
+    def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0, group: object | None = None,
+             code: bool = False) -> Incoming:
+        """Start receiving an `nbytes` message from `src` for use on `device` (`code`: as its sender sent it);
+        messages from one peer in one group match in posting order."""
+        coded = code and self.entropy
+        buf = self.staging.landing(entropy.capacity(nbytes) if coded else nbytes, torch.uint8,
+                                   torch.device("cpu") if coded else device)  # decoded on the host
         return Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.latency_s, self.staging,
-                        torch.device(device))
+                        torch.device(device), nbytes if coded else None)
 
     def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0,
              group: object | None = None) -> torch.Tensor:
@@ -140,8 +154,7 @@ class Boundary:
         codec, kw = self._forward_codec(phase)
         msg = codec.encode(x, sample_ids, **kw)
         payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)]) if self.send_ids else msg.payload
-        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing)
-        return payload.numel()
+        return self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, code=codec.mode != "none")
 
     def post_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
                         device: torch.device) -> "Posted":
@@ -150,7 +163,8 @@ class Boundary:
         codec, kw = self._forward_codec(phase)
         nbytes = codec.payload_nbytes(shape, dtype, sample_ids, **kw)
         ids_nbytes = 8 * sample_ids.numel() if self.send_ids else 0
-        incoming = self.wire.post(nbytes + ids_nbytes, self.peer, device, tag=self.tag, group=self.incoming)
+        incoming = self.wire.post(nbytes + ids_nbytes, self.peer, device, tag=self.tag, group=self.incoming,
+                                  code=codec.mode != "none")
         return Posted(incoming, nbytes, shape, dtype, phase, sample_ids)
 
     def take_activation(self, posted: "Posted") -> torch.Tensor:
@@ -183,14 +197,15 @@ class Boundary:
                 )
 
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
-        msg = self._backward_codec(phase).encode(g)
-        self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing)
-        return msg.nbytes
+        codec = self._backward_codec(phase)
+        msg = codec.encode(g)
+        return self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing, code=codec.mode != "none")
 
     def post_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> "Posted":
-        nbytes = self._backward_codec(phase).payload_nbytes(shape, dtype)
-        return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag, group=self.incoming), nbytes, shape,
-                      dtype, phase)
+        codec = self._backward_codec(phase)
+        nbytes = codec.payload_nbytes(shape, dtype)
+        return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag, group=self.incoming,
+                                     code=codec.mode != "none"), nbytes, shape, dtype, phase)
 
     def send_raw(self, payload: torch.Tensor) -> None:
         self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing)

@@ -64,7 +64,7 @@ def test_group_size_sets_the_bytes_on_both_boundary_wires(tmp_path):
     rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
                   tmp_path / "g16", "--model", tiny_gpt2_config(tmp_path), "--max_steps", "1",
                   "--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
-                  "--backward_bits", "4", "--group_size", "16")
+                  "--backward_bits", "4", "--group_size", "16", "--no_entropy_coding")  # packed sizes
     step = next(r for r in rows if "loss" in r)
     elements = 2 * 32 * 64  # a micro-batch's boundary activation: 2 samples x 32 tokens x width 64
     scales = 8 * elements // 16
@@ -80,7 +80,8 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
     runs = {}
     for epochs in ("1", "2"):
         rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
-                      tmp_path / epochs, "--model", tiny_gpt2_config(tmp_path / epochs), "--epochs", epochs)
+                      tmp_path / epochs, "--model", tiny_gpt2_config(tmp_path / epochs), "--epochs", epochs,
+                      "--no_entropy_coding")  # the codecs' packed sizes, counted below
         summary = json.loads((tmp_path / epochs / "summary.json").read_text())
         runs[epochs] = ([r["fwd_bytes"] for r in rows if "loss" in r], summary["config"]["compression"])
     one, first_visits = runs["1"]
@@ -98,7 +99,8 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
 def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
     rows = launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], "finetune_deberta.py",
                   tmp_path / "ds", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2",
-                  "--backward_compress", "direct", "--backward_bits", "4", "--tie_compress", "none")
+                  "--backward_compress", "direct", "--backward_bits", "4", "--tie_compress", "none",
+                  "--no_entropy_coding")  # the codecs' packed sizes, counted below
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 * 32 // 4  # two epochs of 32 samples, 4 per step
     # a micro-batch: 2 samples x 32 tokens x width 128; first visits in fp32, later ones as 2-bit changes with a
