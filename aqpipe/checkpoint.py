@@ -43,6 +43,7 @@ MAY_CHANGE = (
     "epochs", "max_steps", "max_eval_samples", "eval_every", "output_dir", "report_to", "save_every",
     "save_total_limit", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
     "activation_checkpointing", "compile", "skip_nonfinite",
+    "compression.entropy_coding",  # lossless: the same values cross either way
 )
 
 
@@ -119,6 +120,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
             mine[auto] = theirs[auto]
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: theirs[auto]})})
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
+    theirs.setdefault("compression.scale_dtype", "float32")
     theirs.setdefault("param_dtype", "float32")
     theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
     for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None)):

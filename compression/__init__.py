@@ -6,16 +6,17 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
   unbiased stochastic rounding, packed densely into bytes.
 - `ForwardCodec` / `BackwardCodec` / `Message`: boundary codecs (`none`, `direct`, `hadamard`,
   `aqsgd` with per-sample buffers in memory or on disk, in a float dtype or quantized).
+- `entropy`: a lossless Huffman stage over a message's bytes (a transport's, where it takes short messages).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
 from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, SampleIds
 from .codecs import BACKWARD_MODES, FIRST_VISIT_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
-from .quantizer import QuantizedTensor, check_bits, check_finite, dequantize, quantize
+from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
     "BACKWARD_MODES", "BUFFER_BITS", "FIRST_VISIT_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError",
-    "ForwardCodec", "Message",
+    "ForwardCodec", "Message", "SCALE_DTYPES",
     "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "check_bits", "check_finite", "dequantize",
     "quantize", "randk", "topk",
 ]

@@ -31,14 +31,16 @@ import torch
 
 from .buffers import BufferRangeError, SampleBuffer, to_device
 from .hadamard import block_size, random_signs, rotate, unrotate
-from .quantizer import QuantizedTensor, check_bits, check_finite, check_float, dequantize, quantize
+from .quantizer import (QuantizedTensor, check_bits, check_finite, check_float, check_scale_dtype,
+                        dequantize, quantize)
 from .running_base import BASES, RunningBase
 
 FORWARD_MODES = ("none", "direct", "hadamard", "aqsgd")
 BACKWARD_MODES = ("none", "direct", "hadamard")
 FIRST_VISIT_MODES = ("none", "direct", "hadamard")  # cache-free codecs for AQ-SGD's whole rows
 _FIRST_VISIT_SEED = 1 << 20  # offsets the first-visit codec's dither from the delta quantizer's
-_EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None, "first_visit_base": "none"}
+_EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None, "first_visit_base": "none",
+                     "scale_dtype": "float32"}
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,14 @@ class _Codec:
     `rotation_seed` draws hadamard's random signs: both sides of a boundary must pass the same
     (`seed` only drives the sender's rounding dither, so the two sides' may differ). An `adaptive` codec's
     bits and group size are state, not configuration: `set_bits` changes them (both sides between the same
-    two messages) and a checkpoint carries the current ones.
+    two messages) and a checkpoint carries the current ones. `scale_dtype` (float32 or bfloat16): what each group's
+    min and step travel as (quantizer.quantize).
     """
 
     modes: tuple[str, ...] = ()
 
     def __init__(self, mode: str, bits: int | None, stochastic: bool, seed: int, group_size: int | None,
-                 rotation_seed: int = 0, adaptive: bool = False) -> None:
+                 rotation_seed: int = 0, adaptive: bool = False, scale_dtype: torch.dtype = torch.float32) -> None:
         if mode not in self.modes:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(self.modes)}")
         if mode != "none" and bits is None:
@@ -103,6 +106,7 @@ class _Codec:
         self.generator = torch.Generator().manual_seed(int(seed))
         self.rotation_seed = int(rotation_seed)
         self.adaptive = bool(adaptive) and mode != "none"
+        self.scale_dtype = check_scale_dtype(scale_dtype)
         self._signs: dict[tuple[int, str], torch.Tensor] = {}  # (row width, device) -> the rotation's signs
         self._flags: list[torch.Tensor] | None = None  # deferred checks (defer_checks); None: each read at once
 
@@ -134,7 +138,7 @@ class _Codec:
 
     def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
         q = quantize(x, self.bits, stochastic=self.stochastic, group_size=self.group_size, generator=self.generator,
-                     check=self._flags is None)
+                     check=self._flags is None, scale_dtype=self.scale_dtype)
         if self._flags is not None:
             self._flags.append(q.largest_step())
         return q
@@ -154,7 +158,7 @@ class _Codec:
     def _dense_nbytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
         if self.mode == "none":
             return math.prod(shape) * dtype.itemsize
-        return QuantizedTensor.wire_nbytes(shape, self.bits, self.group_size)
+        return QuantizedTensor.wire_nbytes(shape, self.bits, self.group_size, self.scale_dtype)
 
     def _decode_dense(self, message: Message) -> torch.Tensor:
         shape = torch.Size(message.shape)
@@ -163,9 +167,11 @@ class _Codec:
         if self.mode == "none":
             return _from_raw(message.payload, shape, message.dtype)
         if self.mode == "hadamard":
-            q = QuantizedTensor.from_bytes(message.payload, shape, torch.float32, self.bits, self.group_size)
+            q = QuantizedTensor.from_bytes(message.payload, shape, torch.float32, self.bits, self.group_size,
+                                           self.scale_dtype)
             return unrotate(dequantize(q), self._rotation(shape[-1], message.payload.device)).to(message.dtype)
-        q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size)
+        q = QuantizedTensor.from_bytes(message.payload, shape, message.dtype, self.bits, self.group_size,
+                                       self.scale_dtype)
         return dequantize(q)
 
     def set_bits(self, bits: int, group_size: int | None) -> None:
@@ -175,7 +181,8 @@ class _Codec:
         self.bits, self.group_size = check_bits(bits), group_size
 
     def _config(self) -> dict[str, Any]:
-        config = {"mode": self.mode, "stochastic": self.stochastic, "adaptive": self.adaptive}
+        config = {"mode": self.mode, "stochastic": self.stochastic, "adaptive": self.adaptive,
+                  "scale_dtype": str(self.scale_dtype).removeprefix("torch.")}
         if not self.adaptive:
             config.update(bits=self.bits, group_size=self.group_size)
         if self.mode == "hadamard":
@@ -228,8 +235,9 @@ class BackwardCodec(_Codec):
     modes = BACKWARD_MODES
 
     def __init__(self, mode: str, bits: int | None = None, *, stochastic: bool = True, seed: int = 0,
-                 group_size: int | None = None, rotation_seed: int = 0, adaptive: bool = False) -> None:
-        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive)
+                 group_size: int | None = None, rotation_seed: int = 0, adaptive: bool = False,
+                 scale_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive, scale_dtype)
 
     def encode(self, g: torch.Tensor, sample_ids: Any = None) -> Message:
         """`sample_ids` is accepted for symmetry with ForwardCodec; gradients are not buffered."""
@@ -264,8 +272,9 @@ class ForwardCodec(_Codec):
         group_size: int | None = None, buffer_bits: int | None = None, rotation_seed: int = 0,
         adaptive: bool = False, first_visit: str = "none", first_visit_bits: int | None = None,
         first_visit_group_size: int | None = None, first_visit_base: str = "none",
+        scale_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive)
+        super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive, scale_dtype)
         self.buffer: SampleBuffer | None = None
         self.first: RowCodec | None = None
         self.base: RunningBase | None = None  # first visits as changes against the boundary's running mean
@@ -277,7 +286,8 @@ class ForwardCodec(_Codec):
             self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits)
             # whole first visits take no bits (a preset's bits for another mode are not this codec's setting)
             self.first = RowCodec(first_visit, None if first_visit == "none" else first_visit_bits, stochastic,
-                                  int(seed) + _FIRST_VISIT_SEED, first_visit_group_size, rotation_seed)
+                                  int(seed) + _FIRST_VISIT_SEED, first_visit_group_size, rotation_seed,
+                                  scale_dtype=scale_dtype)
             if first_visit_base not in BASES:
                 raise ValueError(f"first_visit_base={first_visit_base!r}: expected one of {', '.join(BASES)}")
             if first_visit_base != "none":
@@ -315,7 +325,8 @@ class ForwardCodec(_Codec):
 
     def _aqsgd_nbytes(self, n_whole: int, n_delta: int, dtype: torch.dtype) -> int:
         whole = self._row_nbytes(n_whole, dtype)
-        return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size)
+        return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size,
+                                                   self.scale_dtype)
 
     def _from_base(self, decoded: torch.Tensor) -> torch.Tensor:
         """Whole rows as decoded, or base + decoded with a running base."""
@@ -396,7 +407,7 @@ class ForwardCodec(_Codec):
         payload, row_bytes = message.payload, self._row_nbytes(n_whole, message.dtype)
         rows = self._from_base(self.first.decode(payload[:row_bytes], self._delta_shape(n_whole), message.dtype))
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
-                                       self.bits, self.group_size)
+                                       self.bits, self.group_size, self.scale_dtype)
         m = self.buffer.rows(ids[delta], payload.device).float()
         out = self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
         self._fold(rows)

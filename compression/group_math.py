@@ -50,3 +50,26 @@ def inverse_steps(mins: torch.Tensor, maxs: torch.Tensor, bits: int) -> torch.Te
     levels = torch.full_like(span, (1 << bits) - 1, dtype=torch.float64)
     ratio = (levels / span.double()).clamp(max=_FLOAT32_MAX).float()
     return torch.where(span > 0, ratio, torch.zeros_like(span))  # NaN span (bad group) -> 0
+
+
+def bfloat16_down(v: torch.Tensor) -> torch.Tensor:
+    """The largest bfloat16 value <= each float32 of `v` (as float32): bfloat16 is float32's top 16 bits, so a cut
+    of the low 16 rounds toward zero, which is down for a positive value and, one step further out, for a negative
+    one. NaN and inf stay."""
+    bits = v.contiguous().view(torch.int32)
+    cut = bits & ~0xFFFF
+    out = torch.where((v < 0) & (cut != bits), cut + 0x10000, cut).view(torch.float32)
+    return torch.where(torch.isfinite(v), out, v)
+
+
+def bfloat16_up(v: torch.Tensor) -> torch.Tensor:
+    """The least bfloat16 value >= each float32 of `v` (as float32)."""
+    return -bfloat16_down(-v)
+
+
+def bfloat16_scales(mins: torch.Tensor, maxs: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, a min and a step that bfloat16 holds exactly and whose levels still cover [min, max]: the min
+    rounded down, the step (max - that min) / levels rounded up. Codes taken against them stay unbiased, and a
+    message carries 2 + 2 bytes a group instead of 4 + 4."""
+    low = bfloat16_down(mins)
+    return low, bfloat16_up(group_steps(low, maxs, bits))

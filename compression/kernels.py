@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from .group_math import group_ranges, group_steps, group_views, inverse_steps, packed_nbytes
+from .group_math import bfloat16_scales, group_ranges, group_steps, group_views, inverse_steps, packed_nbytes
 
 _SOURCE = Path(__file__).with_name("native") / "quant.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -107,7 +107,7 @@ def _build() -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
-    lib.aq_quantize.argtypes = [p, i64, i64, i64, i64, i32, i32, u32, u32, p, p, p]
+    lib.aq_quantize.argtypes = [p, i64, i64, i64, i64, i32, i32, u32, u32, i32, p, p, p]
     lib.aq_dequantize.argtypes = [p, i64, i64, i64, i32, p, p, p]
     lib.aq_quantize.restype = lib.aq_dequantize.restype = None
     lib.aq_little_endian.restype = ctypes.c_int
@@ -233,25 +233,30 @@ def _per_group(values: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Te
 
 # ----------------------------------------------------------------------------- the kernels
 def quantize_flat(
-    flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None,
+    flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None, scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize a contiguous float32 vector in groups of gs: (packed codes, mins, steps).
 
     A group holding NaN or inf gets min = NaN, one wider than float32 holds an infinite step (the caller raises).
-    `key` is the dither key for stochastic rounding, None for round-to-nearest.
+    `key` is the dither key for stochastic rounding, None for round-to-nearest. `scale_dtype` bfloat16: each
+    group's min and step are ones bfloat16 holds (group_math.bfloat16_scales) and the codes are taken against them
+    (the C and torch paths; Triton's kernels lack it, so a GPU tensor takes tensor ops).
     """
     n = flat.numel()
     groups = -(-n // gs) if n else 0
     if groups == 0:
         nothing = torch.empty(0, dtype=torch.float32, device=flat.device)
         return torch.empty(0, dtype=torch.uint8, device=flat.device), nothing, nothing.clone()
+    bf16 = scale_dtype == torch.bfloat16
     chosen = backend_for(flat)
+    if chosen == "triton" and bf16:
+        chosen = "torch"
     if chosen == "triton":
         from . import triton_kernels  # deferred: importing Triton takes seconds, and only a GPU's tensors need it
 
         return triton_kernels.quantize_flat(flat, gs, bits, key)
-    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
     if chosen == "native":
+        packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=flat.device)
         mins = torch.empty(groups, dtype=torch.float32, device=flat.device)
         maxs = torch.empty_like(mins)
         lib = native_library()
@@ -261,15 +266,26 @@ def quantize_flat(
         def run(a: int, b: int) -> None:
             a, b = a * align, min(b * align, groups)
             if a < b:
-                lib.aq_quantize(_ptr(flat), n, gs, a, b, bits, int(key is not None), k0, k1,
+                lib.aq_quantize(_ptr(flat), n, gs, a, b, bits, int(key is not None), k0, k1, int(bf16),
                                 _ptr(mins), _ptr(maxs), _ptr(packed))
 
         _parallel(-(-groups // align), gs * align, run)
-        return packed, mins, group_steps(mins, maxs, bits)
-    parts = group_views(flat, gs)
+        return packed, mins, maxs if bf16 else group_steps(mins, maxs, bits)  # bf16: C wrote the steps
+    if bf16:
+        mins, steps = bfloat16_scales(*group_ranges(flat, gs), bits)
+        invs = torch.where(steps > 0, 1.0 / steps, torch.zeros_like(steps))
+        return _quantize_torch(flat, gs, bits, key, mins, invs), mins, steps
     mins, maxs = group_ranges(flat, gs)
+    packed = _quantize_torch(flat, gs, bits, key, mins, inverse_steps(mins, maxs, bits))
+    return packed, mins, group_steps(mins, maxs, bits)
+
+
+def _quantize_torch(flat: torch.Tensor, gs: int, bits: int, key: tuple[int, int] | None, mins: torch.Tensor,
+                    invs: torch.Tensor) -> torch.Tensor:
+    """The packed codes of `flat` against each group's min and inverse step, with tensor ops."""
+    n = flat.numel()
+    parts = group_views(flat, gs)
     levels = (1 << bits) - 1
-    invs = inverse_steps(mins, maxs, bits)
     codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
     u_parts = group_views(dither(n, key, flat.device), gs) if key is not None else [0.5] * len(parts)
     start = 0
@@ -278,8 +294,7 @@ def quantize_flat(
         v = v + u
         codes[start : start + p.numel()] = v.clamp_(0.0, float(levels)).to(torch.uint8).reshape(-1)
         start += p.numel()
-    packed.copy_(pack_codes(codes, bits))
-    return packed, mins, group_steps(mins, maxs, bits)
+    return pack_codes(codes, bits)
 
 
 def dequantize_flat(packed: torch.Tensor, n: int, gs: int, bits: int, mins: torch.Tensor,

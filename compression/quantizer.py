@@ -4,7 +4,7 @@ Per group (a row of the last dimension, or `group_size` consecutive elements of 
 flattened tensor) the range [min, max] is cut into 2**bits - 1 steps; each element
 becomes the code of one of the two levels around it, chosen with probability
 proportional to closeness (unbiased), or the nearest one. What a transport sends is
-`QuantizedTensor.to_bytes()`: per-group float32 mins and steps, then the codes.
+`QuantizedTensor.to_bytes()`: per-group mins and steps (float32, or bfloat16 with `scale_dtype`), then the codes.
 """
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ from .fields import check_int
 from .group_math import group_ranges
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a group's min and step travel as
+
+
+def check_scale_dtype(scale_dtype: torch.dtype) -> torch.dtype:
+    if scale_dtype not in SCALE_DTYPES.values():
+        raise ValueError(f"scale_dtype={scale_dtype}: expected one of {', '.join(SCALE_DTYPES)}")
+    return scale_dtype
 
 
 def check_bits(bits: int, name: str = "bits") -> int:
@@ -58,7 +65,8 @@ def _num_groups(numel: int, gs: int) -> int:
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A quantized tensor: packed codes plus float32 min and step per group."""
+    """A quantized tensor: packed codes plus a min and a step per group (float32 values; with `scale_dtype` bfloat16,
+    ones bfloat16 holds exactly, and so sent)."""
 
     codes: torch.Tensor  # uint8, packed_nbytes(numel, bits) bytes
     mins: torch.Tensor  # float32, one per group
@@ -67,6 +75,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     bits: int
     group_size: int | None = None
+    scale_dtype: torch.dtype = torch.float32
 
     @property
     def numel(self) -> int:
@@ -75,15 +84,16 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         """Exactly the bytes of `to_bytes()`: what a transport sends."""
-        return self.codes.numel() + 4 * (self.mins.numel() + self.steps.numel())
+        return self.codes.numel() + self.scale_dtype.itemsize * (self.mins.numel() + self.steps.numel())
 
     @staticmethod
-    def wire_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int | None = None) -> int:
+    def wire_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int | None = None,
+                    scale_dtype: torch.dtype = torch.float32) -> int:
         """The size of `to_bytes()` for a tensor of `shape`, known before any data (for receive buffers)."""
         shape = torch.Size(shape)
         n = math.prod(shape)
         groups = _num_groups(n, _group_size(shape, group_size))
-        return kernels.packed_nbytes(n, check_bits(bits)) + 8 * groups
+        return kernels.packed_nbytes(n, check_bits(bits)) + 2 * check_scale_dtype(scale_dtype).itemsize * groups
 
     def finite(self) -> torch.Tensor:
         """Whether every group's step is finite (its values were finite and their range fits float32), as a 0-dim
@@ -96,36 +106,38 @@ class QuantizedTensor:
         return self.steps.amax() if self.steps.numel() else self.steps.new_zeros(())
 
     def to_bytes(self) -> torch.Tensor:
-        """One flat uint8 tensor: mins, steps (float32, native byte order), then the codes."""
-        return torch.cat([self.mins.view(torch.uint8), self.steps.view(torch.uint8), self.codes])
+        """One flat uint8 tensor: mins, steps (`scale_dtype`, native byte order), then the codes."""
+        scales = [v.to(self.scale_dtype).view(torch.uint8) for v in (self.mins, self.steps)]
+        return torch.cat([*scales, self.codes])
 
     @classmethod
     def from_bytes(
         cls, buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, bits: int,
-        group_size: int | None = None,
+        group_size: int | None = None, scale_dtype: torch.dtype = torch.float32,
     ) -> "QuantizedTensor":
         """Rebuild from `to_bytes()` output; the metadata travels out of band (both sides know it)."""
         shape = torch.Size(shape)
-        expected = cls.wire_nbytes(shape, bits, group_size)
+        expected = cls.wire_nbytes(shape, bits, group_size, scale_dtype)
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise ValueError(f"buf: expected a 1-D uint8 tensor, got {buf.dim()}-D {buf.dtype}")
         if buf.numel() != expected:
             raise ValueError(
                 f"buf has {buf.numel()} bytes; a {bits}-bit tensor of shape {tuple(shape)} "
-                f"(group_size={group_size}) needs {expected}"
+                f"(group_size={group_size}, {str(scale_dtype).removeprefix('torch.')} scales) needs {expected}"
             )
         groups = _num_groups(math.prod(shape), _group_size(shape, group_size))
-        scales = buf[: 8 * groups].clone()  # clone: float32 views need 4-byte alignment
+        width = scale_dtype.itemsize * groups
+        scales = buf[: 2 * width].clone()  # clone: the scales' views need their dtype's alignment
         return cls(
-            codes=buf[8 * groups :], mins=scales[: 4 * groups].view(torch.float32),
-            steps=scales[4 * groups :].view(torch.float32), shape=shape, dtype=dtype, bits=bits,
-            group_size=group_size,
+            codes=buf[2 * width :], mins=scales[:width].view(scale_dtype).float(),
+            steps=scales[width:].view(scale_dtype).float(), shape=shape, dtype=dtype, bits=bits,
+            group_size=group_size, scale_dtype=scale_dtype,
         )
 
 
 def quantize(
     x: torch.Tensor, bits: int, *, stochastic: bool = True, group_size: int | None = None,
-    generator: torch.Generator | None = None, check: bool = True,
+    generator: torch.Generator | None = None, check: bool = True, scale_dtype: torch.dtype = torch.float32,
 ) -> QuantizedTensor:
     """Quantize x to `bits` bits per element with min-max scaling per group.
 
@@ -134,14 +146,16 @@ def quantize(
     default one) supplies the dither key, so a seeded generator reproduces the codes.
     `check=False` skips the one host read (a ValueError for NaN/inf or a range beyond float32): the caller reads
     `finite()` later, with other values (a pipeline step reads all its flags at once), and throws the codes away
-    when it is false.
+    when it is false. `scale_dtype` bfloat16: each group's min and step are ones bfloat16 holds (the min rounded
+    down, the step up, so the levels still cover the group and rounding stays unbiased) and travel in 4 bytes, not 8.
     """
     check_bits(bits)
+    check_scale_dtype(scale_dtype)
     check_float(x)
     gs = _group_size(x.shape, group_size)
     flat = x.detach().reshape(-1).to(torch.float32).contiguous()
     key = _dither_key(generator, x.device) if stochastic else None
-    packed, mins, steps = kernels.quantize_flat(flat, gs, bits, key)
+    packed, mins, steps = kernels.quantize_flat(flat, gs, bits, key, scale_dtype)
     # the one host read of a quantize: a step is not finite where its group holds NaN/inf (its min is NaN) or spans
     # more than float32 holds
     if check and mins.numel() and not bool(torch.isfinite(steps).all()):
@@ -150,7 +164,7 @@ def quantize(
         g = int((~torch.isfinite(steps)).nonzero()[0, 0])
         lo, hi = (float(v[g]) for v in group_ranges(flat, gs))
         raise ValueError(f"group {g} spans [{lo}, {hi}], wider than float32 can hold")
-    return QuantizedTensor(packed, mins, steps, x.shape, x.dtype, bits, group_size)
+    return QuantizedTensor(packed, mins, steps, x.shape, x.dtype, bits, group_size, scale_dtype)
 
 
 def error_constant(bits: int, width: int, group_size: int | None = None, rows: int = 256) -> float:

@@ -229,7 +229,8 @@ class AutoBitsController:
             ids = 8 * rows if direction == "forward" else 0  # the sample ids travel with activations
             if getattr(c, direction) == "none":
                 return rows * seq * width * self.wire_dtype.itemsize + ids
-            return QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits)) + ids
+            return QuantizedTensor.wire_nbytes((rows, seq, width), bits, c.group_size(direction, width, bits),
+                                               c.scales()) + ids
 
         fixed = {k: link.seconds(message_bytes(*k, getattr(c, f"{k[1]}_bits"))) for k, link in links.items()
                  if k[1] not in self.state.allowed}

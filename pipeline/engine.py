@@ -145,7 +145,8 @@ class PipelineEngine:
         # activations cross in bf16 under bf16 autocast or with bf16 weights (which compute in bf16), else float32
         self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
-        self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport)
+        self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport,
+                         entropy=self.compression.entropy_coding)
         c = self.compression
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
         trained = {k: p for k, p in stage.tied_parameters().items() if p.requires_grad}
@@ -153,7 +154,7 @@ class PipelineEngine:
                                 self.wire, groups.pipeline_rank_of,
                                 channel=lambda src, dst: groups.channel(TIE, src, dst),
                                 mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
-                                seed=self.seed * 100 + groups.replica)
+                                seed=self.seed * 100 + groups.replica, scale_dtype=c.scales())
         self.global_step = self.skipped_steps = 0
         self.auto_bits = AutoBitsController(c, groups.grid, stage.hidden_size, self.schedule, self.wire_dtype) \
             if c.auto() else None
@@ -181,10 +182,11 @@ class PipelineEngine:
         bits = {d: self.auto_bits.bits(index, d) if c.auto(d) else getattr(c, f"{d}_bits") for d in DIRECTIONS}
         forward = ForwardCodec(c.forward, bits["forward"], stochastic=c.stochastic, seed=codec_seed,
                                group_size=c.group_size("forward", shape[-1], bits["forward"]),
-                               rotation_seed=rotation_seed, adaptive=c.auto("forward"), **kw)
+                               rotation_seed=rotation_seed, adaptive=c.auto("forward"), scale_dtype=c.scales(), **kw)
         backward = BackwardCodec(c.backward, bits["backward"], stochastic=c.stochastic, seed=codec_seed + 1,
                                  group_size=c.group_size("backward", shape[-1], bits["backward"]),
-                                 rotation_seed=rotation_seed + 1, adaptive=c.auto("backward"))
+                                 rotation_seed=rotation_seed + 1, adaptive=c.auto("backward"),
+                                 scale_dtype=c.scales())
         ahead, back = (index, index + 1), (index + 1, index)  # activations flow ahead, gradients back
         out_link, in_link = (ahead, back) if side == "send" else (back, ahead)
         return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"),

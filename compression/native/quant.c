@@ -127,6 +127,22 @@ static void group_range(const float *x, int64_t a, int64_t b, float *lo_out, flo
     *bad_out = (int)bad;
 }
 
+/* The largest bfloat16 value <= v, and the least >= v (as floats): bfloat16 is a
+ * float's top 16 bits, so cutting the low 16 rounds toward zero; a negative
+ * value then steps one further out. NaN and inf stay. */
+static inline float bf16_down(float v) {
+    uint32_t u, cut;
+    memcpy(&u, &v, 4);
+    if (((u >> 23) & 0xFFu) == 0xFFu) return v;
+    cut = u & 0xFFFF0000u;
+    if ((u & 0x80000000u) && cut != u) cut += 0x10000u;
+    float r;
+    memcpy(&r, &cut, 4);
+    return r;
+}
+
+static inline float bf16_up(float v) { return -bf16_down(-v); }
+
 /* Codes of x[a, b) with one group's min and inv, into codes[0, b - a). */
 static void round_codes(const float *x, int64_t a, int64_t b, float mn, float inv, float levels,
                         int stochastic, uint32_t k0, uint32_t k1, uint8_t *codes) {
@@ -154,9 +170,13 @@ static void round_codes(const float *x, int64_t a, int64_t b, float mn, float in
  * code = trunc(clamp((x - min) * inv + u, 0, levels)) with
  * inv = float(min(levels / double(max - min), FLT_MAX)) or 0 for a constant group,
  * u the dither (stochastic) or 0.5 (nearest); codes packed into `packed`.
+ * With bf16_scales the min is rounded down to a bfloat16 value and the step,
+ * (max - that min) / levels, up; inv = 1 / step (0 for a zero step), and `maxs`
+ * receives the steps instead of the maxima.
  * The caller makes g0*gs a multiple of 8, and g1*gs too unless g1 is the last group. */
 void aq_quantize(const float *x, int64_t n, int64_t gs, int64_t g0, int64_t g1, int bits,
-                 int stochastic, uint32_t k0, uint32_t k1, float *mins, float *maxs, uint8_t *packed) {
+                 int stochastic, uint32_t k0, uint32_t k1, int bf16_scales, float *mins, float *maxs,
+                 uint8_t *packed) {
     uint8_t tile[TILE];
     const float levels = (float)((1 << bits) - 1);
     int64_t tile_first = g0 * gs; /* stream index of tile[0] */
@@ -168,10 +188,19 @@ void aq_quantize(const float *x, int64_t n, int64_t gs, int64_t g0, int64_t g1, 
         group_range(x, a, b, &lo, &hi, &bad);
         mins[g] = bad ? __builtin_nanf("") : lo;
         maxs[g] = hi;
-        float span = hi - lo, inv = 0.0f;
-        if (span > 0.0f) {
-            double d = (double)levels / (double)span;
-            inv = (float)(d > (double)FLT_MAX ? (double)FLT_MAX : d);
+        float inv = 0.0f;
+        if (bf16_scales) {
+            lo = bf16_down(lo);
+            float step = bf16_up((hi - lo) / levels);
+            mins[g] = bad ? __builtin_nanf("") : lo;
+            maxs[g] = bad ? __builtin_nanf("") : step;
+            if (step > 0.0f) inv = 1.0f / step;
+        } else {
+            float span = hi - lo;
+            if (span > 0.0f) {
+                double d = (double)levels / (double)span;
+                inv = (float)(d > (double)FLT_MAX ? (double)FLT_MAX : d);
+            }
         }
         if (bad) inv = 0.0f; /* the caller raises; keep the arithmetic finite meanwhile */
         while (a < b) {

@@ -101,7 +101,8 @@ def test_uncompressed_pipeline_matches_one_process(single, world, schedule):
 
 
 def test_aqsgd_sends_2_bit_changes_in_groups_after_the_first_epoch_and_learns():
-    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4)
+    cfg = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
+                            entropy_coding=False)  # packed sizes, counted below
     log = spawn(train, 2, cfg, 3, "1f1b", None, 128)[0]["log"]  # hidden 128: rows of 512 fp32 bytes
     per_epoch = {}
     for s in log:
@@ -118,7 +119,8 @@ def test_aqsgd_sends_2_bit_changes_in_groups_after_the_first_epoch_and_learns():
 
 
 def test_warmup_epochs_send_full_precision_then_compress():
-    cfg = CompressionConfig(forward="direct", forward_bits=2, backward="direct", backward_bits=4, warmup_epochs=1)
+    cfg = CompressionConfig(forward="direct", forward_bits=2, backward="direct", backward_bits=4, warmup_epochs=1,
+                            entropy_coding=False)  # packed sizes, counted below
     log = spawn(train, 2, cfg, 2)[0]["log"]
     first = [s for s in log if s["epoch"] == 0]
     later = [s for s in log if s["epoch"] == 1]
@@ -130,7 +132,8 @@ def test_warmup_epochs_send_full_precision_then_compress():
 
 
 def test_hadamard_boundaries_send_directs_bytes_and_learn(single):
-    cfg = CompressionConfig(forward="hadamard", forward_bits=4, backward="hadamard", backward_bits=4)
+    cfg = CompressionConfig(forward="hadamard", forward_bits=4, backward="hadamard", backward_bits=4,
+                            entropy_coding=False)  # packed sizes, counted below
     log = spawn(train, 2, cfg, 1)[0]["log"]
     rows, ids = MICRO * MBS * SEQ, MICRO * MBS * 8
     assert log[0]["fwd_bytes"] == rows * (16 * 4 // 8 + 8) + ids  # 4-bit codes + min/step per row, as direct
@@ -278,3 +281,37 @@ def test_every_message_kind_travels_on_its_own_group_each_way():
     boundary gradients, tied rows and tied gradients each have a process group of their own."""
     for result in spawn(channels_in_use, 2):
         assert result == {"distinct": True, "boundary": (True, True), "tie": (True, True), "all_set": True}
+
+
+def test_entropy_coding_sends_fewer_bytes_and_changes_no_value():
+    """The entropy stage is lossless: the same losses and tied rows to the bit, each quantized wire shorter than its
+    packed codes (3-bit forward codes take the mod-3 layout, 4-bit gradients the thirds)."""
+    runs = {}
+    for coded in (True, False):
+        cfg = CompressionConfig(forward="hadamard", forward_bits=3, backward="direct", backward_bits=4,
+                                entropy_coding=coded)
+        runs[coded] = spawn(train, 2, cfg, 1, "1f1b", None, 512)  # messages of 6-8 KB: a table pays for itself
+    on, off = runs[True][0], runs[False][0]
+    assert [s["loss"] for s in on["log"]] == [s["loss"] for s in off["log"]]
+    assert all(torch.equal(on["tied"][k], off["tied"][k]) for k in off["tied"])
+    assert on["eval"]["loss"] == off["eval"]["loss"]
+    for wire, most in (("fwd_bytes", 0.93), ("bwd_bytes", 0.95), ("tie_bytes", 1.0)):
+        coded, packed = (sum(s[wire] for s in run["log"]) for run in (on, off))
+        assert coded < most * packed, (wire, coded, packed)
+
+
+def test_bfloat16_scales_reach_every_wire_and_learn_as_float32_scales_do():
+    logs = {}
+    for scales in ("float32", "bfloat16"):
+        cfg = CompressionConfig(forward="hadamard", forward_bits=4, backward="direct", backward_bits=4,
+                                scale_dtype=scales, entropy_coding=False)  # packed sizes, counted below
+        logs[scales] = spawn(train, 2, cfg, 1)[0]["log"]
+    rows, ids, tied_rows = MICRO * MBS * SEQ, MICRO * MBS * 8, step_rows().numel()
+    step = logs["bfloat16"][0]
+    assert step["fwd_bytes"] == rows * (16 * 4 // 8 + 4) + ids  # 4-bit codes + a bfloat16 min and step per row
+    assert step["bwd_bytes"] == rows * (16 * 4 // 8 + 4)
+    # the tie's first step: its rows whole (a first visit, no scales), their 8-bit gradients 4 scale bytes a row fewer
+    assert logs["float32"][0]["tie_bytes"] - step["tie_bytes"] == tied_rows * 4
+    losses = {k: [s["loss"] for s in v] for k, v in logs.items()}
+    assert losses["bfloat16"] != losses["float32"]  # other scales, other codes...
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.02)  # ...the same learning

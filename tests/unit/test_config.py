@@ -246,11 +246,13 @@ def test_the_command_line_names_the_tasks(capsys):
 
 
 def test_group_sizes_and_rounding_reach_the_compression_section(tmp_path, monkeypatch):
-    c = run(["--group_size", "32", "--backward_group_size", "none", "--no_stochastic"], monkeypatch).compression
-    assert (c.forward_group_size, c.backward_group_size, c.stochastic) == (32, None, False)
+    c = run(["--group_size", "32", "--backward_group_size", "none", "--no_stochastic", "--no_entropy_coding"],
+            monkeypatch).compression
+    assert (c.forward_group_size, c.backward_group_size, c.stochastic, c.entropy_coding) == (32, None, False, False)
     assert (c.group_size("forward", 768), c.group_size("backward", 768)) == (32, None)
     c = run([], monkeypatch).compression  # auto: groups at 2 bits (the default forward), whole rows at 4
     assert (c.stochastic, c.group_size("forward", 768), c.group_size("backward", 768)) == (True, AUTO_GROUP_SIZE, None)
+    assert c.entropy_coding
     assert c.group_size("forward", AUTO_GROUP_SIZE) is None  # rows no wider than a group stay rows
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"compression": {"forward_bits": 4, "backward_bits": 2, "forward_group_size": 128,
@@ -483,6 +485,7 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     (DistributedSettings, {"schedule": "interleaved"}, "schedule='interleaved': expected one of"),
     (DistributedSettings, {"pipeline_stages": 0}, "pipeline_stages=0: expected an integer >= 1"),
     (CompressionConfig, {"forward": "zip"}, "forward_compress='zip': expected one of"),
+    (CompressionConfig, {"entropy_coding": "yes"}, "entropy_coding='yes': expected true or false"),
     (DataParallelConfig, {"replicas": 2, "algorithm": "gossip"}, "dp_algorithm='gossip': expected one of"),
 ])
 def test_each_section_checks_itself_as_it_is_made(section, values, says):
