@@ -7,7 +7,8 @@ The coder is deflate's Huffman stage (zlib, Z_HUFFMAN_ONLY: no string matching, 
 bytes. At 2, 4 and 8 bits a byte holds whole codes, so byte statistics are the codes' own. At 3 bits codes straddle
 bytes, and the packed stream repeats every 3 bytes: coding the bytes at positions 0, 1 and 2 (mod 3) as three
 streams, each with its own table, keeps their statistics apart (0.87 of the raw size where one stream gets 0.95).
-Which layout a message gets is read off its byte histograms; one the coder would not shrink by 3% travels as is.
+Which layout a message gets is read off its byte histograms, whose order-0 information estimates the coded size; a
+message estimated to shrink by less than 3% travels as is, and so does one whose coded form turns out no shorter.
 Either layout is three streams, coded on three threads. A boundary codes its compressing codecs' messages only
 (AQ-SGD's whole float first visits among them): float rows shrink too (bfloat16's by 22%, float32's by 7%), but the
 FP32 and bf16 wires are the baselines, sent as is.
@@ -39,7 +40,8 @@ _pools: dict[int, ThreadPoolExecutor] = {}  # per process: a forked child inheri
 
 
 class CorruptMessage(RuntimeError):
-    """An entropy-coded message that does not decode to the size its receiver expects."""
+    """A coded message that does not decode to the size its receiver expects (a raw one shorter than that is not
+    caught: its length is the posted buffer's, as it is for a message sent without the stage)."""
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -121,9 +123,14 @@ def encode(message: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+def decode(buf: torch.Tensor, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The `nbytes` message whose coded form begins `buf` (a posted receive: bytes past the coded form are not
-    read). CorruptMessage where it does not decode to exactly that many bytes."""
+    read), written into `out` where given (1-D uint8 on the CPU: pinned memory, for a GPU's copy). CorruptMessage
+    where it does not decode to exactly that many bytes."""
+    out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
+    if out.shape != (nbytes,) or out.dtype != torch.uint8 or out.device.type != "cpu":
+        raise ValueError(f"out: expected {nbytes} uint8 bytes on the CPU, got {tuple(out.shape)} {out.dtype} "
+                         f"on {out.device}")
     data = buf.numpy()
     if data.size < 1:
         raise CorruptMessage(f"an entropy-coded message of 0 bytes: expected at least 1 for {nbytes}")
@@ -131,15 +138,14 @@ def decode(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     if layout == RAW:
         if data.size < nbytes + 1:
             raise CorruptMessage(f"a raw message of {data.size - 1} bytes, expected {nbytes}")
-        return buf[1 : nbytes + 1].clone()
+        return out.copy_(buf[1 : nbytes + 1])
     if layout not in (WHOLE, INTERLEAVED) or data.size < _HEADER:
         raise CorruptMessage(f"an entropy-coded message with layout byte {layout}: expected 0, 1 or 3")
     lengths = np.frombuffer(data[1:_HEADER].tobytes(), dtype="<u4").tolist()
     starts = np.cumsum([_HEADER, *lengths]).tolist()
-    out = np.empty(nbytes, dtype=np.uint8)
-    targets = _streams(out, layout)
+    targets = _streams(out.numpy(), layout)
     view = memoryview(data)
     pieces = [view[starts[k] : starts[k + 1]] if k < _STREAMS - 1 else view[starts[k] :] for k in range(_STREAMS)]
     for target, part in zip(targets, _pool().map(_inflate, pieces, [t.size for t in targets])):
         target[:] = np.frombuffer(part, dtype=np.uint8)
-    return torch.from_numpy(out)
+    return out

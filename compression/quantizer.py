@@ -148,6 +148,8 @@ def quantize(
     `finite()` later, with other values (a pipeline step reads all its flags at once), and throws the codes away
     when it is false. `scale_dtype` bfloat16: each group's min and step are ones bfloat16 holds (the min rounded
     down, the step up, so the levels still cover the group and rounding stays unbiased) and travel in 4 bytes, not 8.
+    The rounded-down min costs a group far from zero and narrow resolution: its step is at least about
+    |min| / 256 / levels, where float32 scales decode a constant group exactly.
     """
     check_bits(bits)
     check_scale_dtype(scale_dtype)

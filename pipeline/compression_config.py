@@ -42,7 +42,8 @@ class CompressionConfig:
     `forward_bits` / `backward_bits` "auto": bits per boundary priced on the schedule from its measured link
     and the stages' compute (auto_bits.py), between `auto_bits_min` and `auto_bits_max`, as many as keep the
     step within `auto_bits_slack` of its length at the fewest, decided every `auto_bits_every` steps;
-    `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement.
+    `link_mbit` (one rate per boundary, Mbit/s) replaces the measurement. It prices the packed sizes: the entropy
+    stage's savings (`entropy_coding`) and its coding time are not in its sums.
     """
 
     forward: str = setting("none", f"activations: one of {', '.join(FORWARD_MODES)}", "forward_compress")
@@ -65,17 +66,17 @@ class CompressionConfig:
     buffer_dir: str | None = setting(None, "keep AQ-SGD buffers in files under this directory instead of RAM (one "
                                          "file per boundary side)")
     forward_group_size: int | str | None = setting("auto", "the forward quantizer's group: N elements (each group's "
-                                                 "min and step: 8 bytes), auto (64 at 2 bits or fewer, else rows) "
-                                                 "or none (whole rows)")
+                                                 "min and step: 8 bytes, 4 with bfloat16 scales), auto (64 at 2 "
+                                                 "bits or fewer, else rows) or none (whole rows)")
     backward_group_size: int | str | None = setting("auto", "the backward quantizer's group: N, auto or none")
     stochastic: bool = setting(True, "stochastic rounding in every quantizer (unbiased; the default); "
                                    "--no_stochastic rounds to nearest (biased; outside AQ-SGD's theorem)")
-    scale_dtype: str = setting("float32", "what each quantization group's min and step travel as: float32 (8 bytes a "
-                                          "group) or bfloat16 (4: the min rounded down, the step up, so rounding "
-                                          "stays unbiased)")
-    entropy_coding: bool = setting(True, "Huffman-code every quantized message's bytes over a gloo link (lossless; "
-                                       "5-22%% fewer bytes for about 10 ns a byte each side: worth it below about "
-                                       "100 Mbit/s); --no_entropy_coding sends the codes as packed")
+    scale_dtype: str = setting("float32", "what each boundary and tied-weight quantization group's min and step "
+                                          "travel as: float32 (8 bytes a group) or bfloat16 (4: the min rounded "
+                                          "down, the step up, so rounding stays unbiased)")
+    entropy_coding: bool = setting(True, "Huffman-code each compressing codec's messages over a gloo link (lossless; "
+                                       "11-15%% fewer bytes at 2-4 bits for about 13 ns a byte, both sides: it pays "
+                                       "below about 70 Mbit/s); --no_entropy_coding sends the packed codes")
     tie: str = setting("auto", f"tied weights (an embedding and its LM head): auto, {', '.join(TIE_MODES)} (auto: "
                              "none when both boundary codecs are none, else aqsgd)", "tie_compress")
     tie_bits: int = setting(8, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd")

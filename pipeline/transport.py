@@ -52,7 +52,9 @@ class Incoming:
         self.work.wait()
         if self.latency_s:
             time.sleep(self.latency_s)
-        buf = self.buf if self.coded is None else entropy.decode(self.buf, self.coded)
+        buf = self.buf
+        if self.coded is not None:  # decoded on the host, into pinned memory where a GPU takes it
+            buf = entropy.decode(buf, self.coded, self.staging.landing(self.coded, torch.uint8, self.device))
         return self.staging.arrived(buf, self.device)
 
 

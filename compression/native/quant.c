@@ -194,7 +194,10 @@ void aq_quantize(const float *x, int64_t n, int64_t gs, int64_t g0, int64_t g1, 
             float step = bf16_up((hi - lo) / levels);
             mins[g] = bad ? __builtin_nanf("") : lo;
             maxs[g] = bad ? __builtin_nanf("") : step;
-            if (step > 0.0f) inv = 1.0f / step;
+            if (step > 0.0f) { /* a step below 2**-128 has no float inverse: clamp, as the float32 path does */
+                float r = 1.0f / step;
+                inv = r > FLT_MAX ? FLT_MAX : r;
+            }
         } else {
             float span = hi - lo;
             if (span > 0.0f) {

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from compression.staging import HostStaging
@@ -68,5 +69,7 @@ def test_two_stages_on_one_gpu_match_the_cpu_run_without_dropout(tmp_path):
     assert len(gpu) == len(cpu) == 3
     # with dropout on, step 1 differed by 2.7e-2 (masks drawn by the GPU's generator, not the CPU's)
     assert abs(gpu[0]["loss"] - cpu[0]["loss"]) < 1e-3, (gpu[0]["loss"], cpu[0]["loss"])
-    assert [s["fwd_bytes"] for s in gpu] == [s["fwd_bytes"] for s in cpu]  # the same messages on the wire
+    # the same messages on the wire, entropy-coded (on by default under gloo): their coded sizes follow the codes,
+    # which the last bits of the activations move, so within 2%, not to the byte
+    assert [s["fwd_bytes"] for s in gpu] == pytest.approx([s["fwd_bytes"] for s in cpu], rel=0.02)
     assert gpu[-1]["loss"] < gpu[0]["loss"]

@@ -17,8 +17,11 @@ def test_rounding_down_and_up_land_on_the_nearest_bfloat16_on_each_side():
     down, up = bfloat16_down(v), bfloat16_up(v)
     assert (down <= v).all() and (up >= v).all()
     assert torch.equal(down.to(BF16).float(), down) and torch.equal(up.to(BF16).float(), up)
-    nearest = v.to(BF16).float()  # one of the two: nothing representable lies between them
+    nearest = v.to(BF16).float()  # one of the two...
     assert ((nearest == down) | (nearest == up)).all()
+    below = down.to(BF16)  # ...and nothing bfloat16 holds lies between them: up is down or the next value above it
+    above = torch.nextafter(below, torch.full_like(below, float("inf"))).float()
+    assert ((up == down) | (up == above)).all()
     special = torch.tensor([float("nan"), float("inf"), -float("inf")])
     assert torch.equal(bfloat16_down(special)[1:], special[1:]) and bfloat16_down(special)[0].isnan()
 
@@ -91,7 +94,12 @@ def test_the_c_kernels_and_tensor_ops_give_the_same_codes_and_scales(gs, stochas
     """Two implementations of bfloat16 scales (Triton's kernels lack them; a GPU tensor takes tensor ops)."""
     from compression import kernels
 
-    flat = (torch.randn(3000, generator=torch.Generator().manual_seed(gs)) * 40 - 7).contiguous()
+    flat = torch.randn(3000, generator=torch.Generator().manual_seed(gs)) * 40 - 7
+    flat[:64] = 0.0  # a constant group (zero span)
+    flat[64:128] = -flat[64:128].abs() - 1e6  # a negative one far from zero
+    flat[128:192] = torch.randn(64) * 1e-38  # a span so small its step's inverse would overflow float32
+    flat[192:256] = 3.0e38 * torch.rand(64)  # near float32's top
+    flat = flat.contiguous()
     key = (12345, 678) if stochastic else None
     if kernels.native_error():
         pytest.fail(f"the C kernels do not build here: {kernels.native_error()}")

@@ -28,7 +28,8 @@ MESSAGES = {
     "random bytes": lambda: torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator()),
     "short": lambda: torch.arange(40, dtype=torch.uint8),
     "empty": lambda: torch.empty(0, dtype=torch.uint8),
-    "1-byte-short of a third": lambda: _packed(4, rows=7)[:-1],
+    "thirds of unequal length": lambda: _packed(4, rows=200),  # 27200 bytes: thirds, n % 3 = 2
+    "one stream, just short of thirds": lambda: _packed(4, rows=120),  # 16320 bytes
 }
 
 
@@ -50,6 +51,16 @@ def test_skewed_codes_get_their_layout_and_shrink(bits, group, layout, most):
     coded = entropy.encode(message)
     assert int(coded[0]) == layout
     assert coded.numel() < most * message.numel()
+
+
+def test_a_long_message_is_cut_in_thirds_and_a_short_one_kept_whole():
+    """Thirds give three threads a stream each and keep a message's scales (at its front) apart from its codes."""
+    for rows, streams in ((200, 3), (120, 1)):
+        coded = entropy.encode(_packed(4, rows=rows))
+        assert int(coded[0]) == entropy.WHOLE
+        first, second = coded[1:entropy._HEADER].clone().view(torch.int32).tolist()
+        assert (first > 0, second > 2, coded.numel() - entropy._HEADER - first - second > 2) == (
+            True, streams == 3, streams == 3)
 
 
 def test_bytes_a_coder_cannot_shrink_travel_raw_at_one_byte_more():
