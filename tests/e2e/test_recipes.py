@@ -59,19 +59,6 @@ def test_python_and_torchrun_give_the_same_losses_and_a_loadable_model(tmp_path)
     assert lm(ids).logits.shape == (1, ids.shape[1], len(tok))
 
 
-def test_group_size_sets_the_bytes_on_both_boundary_wires(tmp_path):
-    """--group_size reaches the quantizers: every group's min and step (8 bytes) is on the wire."""
-    rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
-                  tmp_path / "g16", "--model", tiny_gpt2_config(tmp_path), "--max_steps", "1",
-                  "--forward_compress", "direct", "--forward_bits", "2", "--backward_compress", "direct",
-                  "--backward_bits", "4", "--group_size", "16", "--no_entropy_coding")  # packed sizes
-    step = next(r for r in rows if "loss" in r)
-    elements = 2 * 32 * 64  # a micro-batch's boundary activation: 2 samples x 32 tokens x width 64
-    scales = 8 * elements // 16
-    assert step["fwd_bytes"] == 2 * (elements * 2 // 8 + scales + 2 * 8)  # two micro-batches, codes, scales, ids
-    assert step["bwd_bytes"] == 2 * (elements * 4 // 8 + scales)
-
-
 def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
     """The preset's first-visit codec is auto: a one-epoch run (every visit a first visit) sends 3-bit Hadamard rows
     from step 1; a two-epoch run sends its first visits whole, the base of its later deltas."""
@@ -100,14 +87,16 @@ def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
     rows = launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], "finetune_deberta.py",
                   tmp_path / "ds", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2",
                   "--backward_compress", "direct", "--backward_bits", "4", "--tie_compress", "none",
-                  "--no_entropy_coding")  # the codecs' packed sizes, counted below
+                  "--group_size", "16", "--no_entropy_coding")  # the codecs' packed sizes, counted below
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 * 32 // 4  # two epochs of 32 samples, 4 per step
     # a micro-batch: 2 samples x 32 tokens x width 128; first visits in fp32, later ones as 2-bit changes with a
-    # min and a step per group of 64 (the "auto" group at 2 bits), and 8 bytes per sample id
+    # min and a step per group of 16 (--group_size reaches both quantizers: every group's 8 bytes are on the wire),
+    # and 8 bytes per sample id; gradients at 4 bits in the same groups
     elements = 2 * 32 * 128
     assert steps[0]["fwd_bytes"] == 2 * (4 * elements + 16)
-    assert steps[-1]["fwd_bytes"] == 2 * (elements // 4 + 8 * elements // 64 + 16)
+    assert steps[-1]["fwd_bytes"] == 2 * (elements // 4 + 8 * elements // 16 + 16)
+    assert steps[0]["bwd_bytes"] == steps[-1]["bwd_bytes"] == 2 * (elements // 2 + 8 * elements // 16)
     # the reported accuracy is the merged model's on the same 8 eval samples (eval crosses the boundary in
     # full precision; --tie_compress none keeps every stage's copy of the shared weights exact)
     clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "ds" / "model").eval()
