@@ -16,17 +16,22 @@ from compression import QuantizedTensor, quantize
 from compression.kernels import unpack_codes
 
 
-def price(bits: int, group_size: int | None, width: int, tokens: int) -> dict[str, float]:
+def gaussian_message(bits: int, group_size: int | None, width: int, tokens: int) -> QuantizedTensor:
+    """Seeded Gaussian rows quantized as a boundary codec does: the message both benchmarks of the coder price."""
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
-    q = quantize(x, bits, group_size=group_size, generator=torch.Generator().manual_seed(1))
-    codes = unpack_codes(q.codes, bits, x.numel()).long()
+    return quantize(x, bits, group_size=group_size, generator=torch.Generator().manual_seed(1))
+
+
+def price(bits: int, group_size: int | None, width: int, tokens: int) -> dict[str, float]:
+    q = gaussian_message(bits, group_size, width, tokens)
+    codes = unpack_codes(q.codes, bits, q.numel).long()
     p = torch.bincount(codes, minlength=1 << bits).double() / codes.numel()
     entropy = float(-(p[p > 0] * p[p > 0].log2()).sum())
-    whole = QuantizedTensor.wire_nbytes(x.shape, bits, group_size)
+    whole = q.nbytes
     scales = 8 * q.mins.numel()
     return {"bits": bits, "group": group_size or width, "bytes": whole, "scale_share": scales / whole,
             "bf16_scales": (whole - scales / 2) / whole, "entropy_bits": entropy,
-            "entropy_coded": (whole - x.numel() * (bits - entropy) / 8) / whole}
+            "entropy_coded": (whole - q.numel * (bits - entropy) / 8) / whole}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

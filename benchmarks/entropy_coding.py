@@ -15,17 +15,16 @@ import time
 
 import torch
 
-from compression import entropy, quantize
+from benchmarks.code_entropy import gaussian_message
+from compression import entropy
 
 
 def _message(setting: str, width: int, tokens: int) -> torch.Tensor:
-    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
     if setting in ("float32", "bfloat16"):
+        x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
         return x.to(getattr(torch, setting)).reshape(-1).view(torch.uint8)
     bits, group = setting.split(":")
-    q = quantize(x, int(bits), group_size=None if group == "row" else int(group),
-                 generator=torch.Generator().manual_seed(1))
-    return q.to_bytes()
+    return gaussian_message(int(bits), None if group == "row" else int(group), width, tokens).to_bytes()
 
 
 def _least(fn, repeats: int) -> tuple[float, object]:

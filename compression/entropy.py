@@ -115,8 +115,8 @@ def encode(message: torch.Tensor) -> torch.Tensor:
         streams = list(_pool().map(_deflate, _streams(data, layout)))
         head = np.array([len(s) for s in streams[:-1]], dtype="<u4").tobytes()
         coded = bytes([layout]) + head + b"".join(streams)
-    if layout != RAW and len(coded) <= n:
-        return torch.frombuffer(bytearray(coded), dtype=torch.uint8)
+        if len(coded) <= n:
+            return torch.frombuffer(bytearray(coded), dtype=torch.uint8)
     out = torch.empty(n + 1, dtype=torch.uint8)
     out[0] = RAW
     out[1:] = message

@@ -67,9 +67,13 @@ def bfloat16_up(v: torch.Tensor) -> torch.Tensor:
     return -bfloat16_down(-v)
 
 
-def bfloat16_scales(mins: torch.Tensor, maxs: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bfloat16_scales(mins: torch.Tensor, maxs: torch.Tensor,
+                    bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group, a min and a step that bfloat16 holds exactly and whose levels still cover [min, max]: the min
-    rounded down, the step (max - that min) / levels rounded up. Codes taken against them stay unbiased, and a
-    message carries 2 + 2 bytes a group instead of 4 + 4."""
+    rounded down, the step (max - that min) / levels rounded up; and the step's inverse, clamped as `inverse_steps`
+    clamps (0 for a zero step). Codes taken against them stay unbiased, and a message carries 2 + 2 bytes a group
+    instead of 4 + 4."""
     low = bfloat16_down(mins)
-    return low, bfloat16_up(group_steps(low, maxs, bits))
+    step = bfloat16_up(group_steps(low, maxs, bits))
+    inverse = torch.where(step > 0, (1.0 / step).clamp(max=_FLOAT32_MAX), torch.zeros_like(step))
+    return low, step, inverse

@@ -272,8 +272,7 @@ def quantize_flat(
         _parallel(-(-groups // align), gs * align, run)
         return packed, mins, maxs if bf16 else group_steps(mins, maxs, bits)  # bf16: C wrote the steps
     if bf16:
-        mins, steps = bfloat16_scales(*group_ranges(flat, gs), bits)
-        invs = torch.where(steps > 0, (1.0 / steps).clamp(max=torch.finfo(torch.float32).max), torch.zeros_like(steps))
+        mins, steps, invs = bfloat16_scales(*group_ranges(flat, gs), bits)
         return _quantize_torch(flat, gs, bits, key, mins, invs), mins, steps
     mins, maxs = group_ranges(flat, gs)
     packed = _quantize_torch(flat, gs, bits, key, mins, inverse_steps(mins, maxs, bits))

@@ -103,6 +103,12 @@ class Wire:
         self._pending.clear()
 
 
+def _coded(codec: ForwardCodec | BackwardCodec) -> bool:
+    """Whether a codec's messages go through the wire's entropy stage: a compressing codec's do, the full-precision
+    baselines' (`none`) do not."""
+    return codec.mode != "none"
+
+
 def _ids_tensor(ids: torch.Tensor | SampleIds) -> torch.Tensor:
     return ids.tensor if isinstance(ids, SampleIds) else ids
 
@@ -156,7 +162,7 @@ class Boundary:
         codec, kw = self._forward_codec(phase)
         msg = codec.encode(x, sample_ids, **kw)
         payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)]) if self.send_ids else msg.payload
-        return self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, code=codec.mode != "none")
+        return self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, code=_coded(codec))
 
     def post_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
                         device: torch.device) -> "Posted":
@@ -166,7 +172,7 @@ class Boundary:
         nbytes = codec.payload_nbytes(shape, dtype, sample_ids, **kw)
         ids_nbytes = 8 * sample_ids.numel() if self.send_ids else 0
         incoming = self.wire.post(nbytes + ids_nbytes, self.peer, device, tag=self.tag, group=self.incoming,
-                                  code=codec.mode != "none")
+                                  code=_coded(codec))
         return Posted(incoming, nbytes, shape, dtype, phase, sample_ids)
 
     def take_activation(self, posted: "Posted") -> torch.Tensor:
@@ -201,13 +207,13 @@ class Boundary:
     def send_grad(self, g: torch.Tensor, phase: str) -> int:
         codec = self._backward_codec(phase)
         msg = codec.encode(g)
-        return self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing, code=codec.mode != "none")
+        return self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing, code=_coded(codec))
 
     def post_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> "Posted":
         codec = self._backward_codec(phase)
         nbytes = codec.payload_nbytes(shape, dtype)
         return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag, group=self.incoming,
-                                     code=codec.mode != "none"), nbytes, shape, dtype, phase)
+                                     code=_coded(codec)), nbytes, shape, dtype, phase)
 
     def send_raw(self, payload: torch.Tensor) -> None:
         self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing)
