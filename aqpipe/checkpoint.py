@@ -44,6 +44,8 @@ MAY_CHANGE = (
     "save_total_limit", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
     "activation_checkpointing", "compile", "skip_nonfinite",
     "compression.entropy_coding",  # lossless: the same values cross either way
+    # where the buffers' rows live, and how many samples keep one (a run that keeps fewer sends more whole)
+    "compression.buffer_memory_gb", "compression.buffer_disk_gb",
 )
 
 
@@ -319,15 +321,10 @@ def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
     if entry is None:
         raise ValueError(f"checkpoint {directory} has no {name} for stage {stage}, replica {replica}")
     record = read_state(directory / name, entry["sha256"])
-    externals = engine.file_buffers()
-    if set(externals) != set(record["external_buffers"]):
-        raise ValueError(f"checkpoint {directory}: buffers kept in files {sorted(record['external_buffers'])}, "
-                         f"this run {sorted(externals)} (buffer_dir must be set alike)")
-    for codec_name, buffer in externals.items():  # the .pt holds the seen bits; the rows come from the copy
-        ref = record["external_buffers"][codec_name]
+    for codec_name, ref in record["external_buffers"].items():  # the .pt names the samples; the rows are the copy's
         if _sha256(directory / ref["file"]) != ref["sha256"]:
             raise ValueError(f"AQ-SGD buffer snapshot {directory / ref['file']} does not match its checksum")
-        buffer.read_rows(directory / ref["file"])
+        record["engine"]["codecs"][codec_name]["buffer"]["rows_file"] = str(directory / ref["file"])
     engine.load_state_dict(record["engine"])
     set_rng_state(record["rng"])
     return record["progress"]

@@ -1,16 +1,16 @@
 """AQ-SGD buffer memory per pipeline stage: measured for the benchmark shapes, by formula for 1.5B models.
 
-AQ-SGD keeps m[ξ] (seq_len x hidden values) for every training sample on both sides of every
-boundary, so a first or last stage holds one buffer and a middle stage two. This is the price of
-its convergence, and it grows with the dataset, not the batch: the table says when it fits in RAM
-and when it needs --buffer_dir (a sparse memory-mapped file).
+AQ-SGD keeps m[ξ] (seq_len x hidden values) for every training sample a run reads back, on both sides
+of every boundary, so a first or last stage holds one buffer and a middle stage two. This is the price
+of its convergence, and it grows with the dataset, not the batch: the table says when it fits in RAM
+and when it needs a file (the trainer plans this at start: aqpipe/buffer_plan.py).
 
-The measured rows build the buffers exactly as the engine does (`ForwardCodec("aqsgd", ...)`) and
-read the real allocation: the tensor's storage in memory; the file's size and the blocks the file
-system allocated after every row was written, on disk. Each must equal the formula
-num_samples x seq_len x hidden x bytes per element (plus one "seen" byte per sample); for
-quantized buffers (--buffer_bits 8 or 4) num_samples x seq_len x (hidden x bits/8 + 8), each
-token's hidden vector carrying its float32 min and step.
+The measured rows build the buffers exactly as the engine does (`ForwardCodec("aqsgd", ...)`), write one
+epoch's rows and read what they hold: the rows' bytes in memory (a row takes memory when first written:
+none before); the file's size and the blocks the file system allocated before and after every row was
+written, on disk. Each must equal the formula num_samples x seq_len x hidden x bytes per element (plus
+a 4-byte slot per sample); for quantized buffers (--buffer_bits 8 or 4) num_samples x seq_len x
+(hidden x bits/8 + 8), each token's hidden vector carrying its float32 min and step.
 
     python -m benchmarks.memory                  # benchmark shapes measured + 1.5B models by formula
     python -m benchmarks.memory --quick --json /tmp/memory.json   # tiny shape, for the tests
@@ -34,6 +34,7 @@ from compression import ForwardCodec  # noqa: E402
 BUFFERS = {"float16": (torch.float16, None), "float32": (torch.float32, None),  # name: (buffer_dtype, buffer_bits)
            "8-bit": (torch.float16, 8), "4-bit": (torch.float16, 4)}
 ROOT = Path(__file__).resolve().parents[1]
+SLOT_BYTES = 4  # a buffer's slot table: each sample's row, or none
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,12 @@ class Shape:
 
     def per_stage(self, kind: str) -> tuple[int, int]:
         """(first or last stage, middle stage): one buffer on an end stage, two on a middle one."""
-        one = self.buffer_bytes(kind) + self.samples  # + the seen bits, one bool per sample
+        one = self.buffer_bytes(kind) + SLOT_BYTES * self.samples  # + the slot table, 4 bytes a sample
         return one, (2 * one if self.stages > 2 else 0)
 
     def pipeline_total(self, kind: str) -> int:
         """All stages together: two sides of each of the stages - 1 boundaries."""
-        return 2 * (self.stages - 1) * (self.buffer_bytes(kind) + self.samples)
+        return 2 * (self.stages - 1) * (self.buffer_bytes(kind) + SLOT_BYTES * self.samples)
 
 
 MEASURED = [  # the shapes the benchmarks and the default recipe actually run (2 stages, width 128)
@@ -84,8 +85,7 @@ def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
     kw = {"num_samples": shape.samples, "sample_shape": (shape.seq_len, shape.hidden), "buffer_dtype": dtype,
           "buffer_bits": bits}
     in_memory = ForwardCodec("aqsgd", 2, **kw).buffer
-    memory_bytes = in_memory.values.untyped_storage().nbytes() + in_memory.seen.untyped_storage().nbytes()
-    del in_memory
+    memory_new = in_memory.nbytes
     path = workdir / f"{shape.samples}x{shape.seq_len}x{shape.hidden}_{kind}.buf"
     on_disk = ForwardCodec("aqsgd", 2, buffer_path=path, **kw).buffer
     sparse_blocks = os.stat(path).st_blocks * 512  # created sparse: nothing allocated before a row is written
@@ -93,15 +93,16 @@ def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
     for start in range(0, shape.samples, 64):  # one epoch's first visits: every row written once
         chunk = ids[start:start + 64]
         rows = torch.ones(chunk.numel(), shape.seq_len, shape.hidden)
-        on_disk.store(chunk, on_disk.prepare(chunk, rows)[0])
+        for buffer in (in_memory, on_disk):
+            buffer.store(chunk, buffer.prepare(chunk, rows)[0])
     st = os.stat(path)
     row = {
         "shape": asdict(shape), "dtype": kind,
-        "formula_bytes": shape.buffer_bytes(kind), "seen_bytes": shape.samples,
-        "memory_bytes": memory_bytes, "file_bytes": st.st_size, "file_allocated_empty": sparse_blocks,
-        "file_allocated_full": st.st_blocks * 512,
+        "formula_bytes": shape.buffer_bytes(kind), "slot_bytes": in_memory.index_nbytes,
+        "memory_bytes_new": memory_new, "memory_bytes": in_memory.nbytes + in_memory.index_nbytes,
+        "file_bytes": st.st_size, "file_allocated_empty": sparse_blocks, "file_allocated_full": st.st_blocks * 512,
     }
-    del on_disk
+    del in_memory, on_disk
     path.unlink()
     return row
 
@@ -109,7 +110,7 @@ def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
 def formula(shape: Shape, kind: str) -> dict[str, Any]:
     end, middle = shape.per_stage(kind)
     return {"shape": asdict(shape), "dtype": kind,
-            "formula_bytes": shape.buffer_bytes(kind), "seen_bytes": shape.samples,
+            "formula_bytes": shape.buffer_bytes(kind), "slot_bytes": SLOT_BYTES * shape.samples,
             "vs_float16": shape.buffer_bytes(kind) / shape.buffer_bytes("float16"),
             "end_stage_bytes": end, "middle_stage_bytes": middle, "pipeline_bytes": shape.pipeline_total(kind)}
 
@@ -123,19 +124,19 @@ def human(n: float) -> str:
 
 
 def measured_table(rows: list[dict[str, Any]]) -> str:
-    """Exact bytes, so the reader sees measured == formula; the seen bits are counted apart."""
-    lines = ["| shape (samples x seq x hidden) | buffer | formula bytes | vs float16 | in memory, measured | file size "
-             "| file blocks, new (sparse) | file blocks, after one epoch | = formula | per stage (2 stages) |",
-             "|" + "---|" * 10]
+    """Exact bytes, so the reader sees measured == formula; the slot table is counted apart."""
+    lines = ["| shape (samples x seq x hidden) | buffer | formula bytes | vs float16 | in memory, new | in memory, "
+             "after one epoch | file size | file blocks, new (sparse) | file blocks, after one epoch | = formula | "
+             "per stage (2 stages) |", "|" + "---|" * 11]
     for r in rows:
         s = r["shape"]
-        ok = r["memory_bytes"] - r["seen_bytes"] == r["file_bytes"] == r["file_allocated_full"] == r["formula_bytes"]
+        ok = r["memory_bytes"] - r["slot_bytes"] == r["file_bytes"] == r["file_allocated_full"] == r["formula_bytes"]
         half = Shape(**s).buffer_bytes("float16")
         lines.append(f"| {s['name']} ({s['samples']} x {s['seq_len']} x {s['hidden']}) | {r['dtype']} "
-                     f"| {r['formula_bytes']:,} | {r['formula_bytes'] / half:.3f} "
-                     f"| {r['memory_bytes'] - r['seen_bytes']:,} + {r['seen_bytes']:,} seen "
+                     f"| {r['formula_bytes']:,} | {r['formula_bytes'] / half:.3f} | {r['memory_bytes_new']:,} "
+                     f"| {r['memory_bytes'] - r['slot_bytes']:,} + {r['slot_bytes']:,} slots "
                      f"| {r['file_bytes']:,} | {r['file_allocated_empty']:,} | {r['file_allocated_full']:,} "
-                     f"| {'yes' if ok else '**no**'} | {human(r['formula_bytes'] + r['seen_bytes'])} |")
+                     f"| {'yes' if ok else '**no**'} | {human(r['formula_bytes'] + r['slot_bytes'])} |")
     return "\n".join(lines)
 
 
@@ -168,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     by_formula = [formula(s, kind) for s in FORMULA for kind in BUFFERS]
     print("Measured (one boundary side; a 2-stage pipeline keeps one per stage):\n")
     print(measured_table(measured))
-    print("\nBy formula (samples x seq_len x hidden x bytes, or x (hidden x bits/8 + 8) quantized; + 1 seen byte "
+    print("\nBy formula (samples x seq_len x hidden x bytes, or x (hidden x bits/8 + 8) quantized; + a 4-byte slot "
           "per sample; a middle stage keeps two buffers):\n")
     print(formula_table(by_formula))
-    mismatched = [r for r in measured if not r["memory_bytes"] - r["seen_bytes"] == r["file_bytes"]
-                  == r["formula_bytes"]]
+    mismatched = [r for r in measured if not r["memory_bytes"] - r["slot_bytes"] == r["file_bytes"]
+                  == r["formula_bytes"] or r["memory_bytes_new"]]
     if mismatched:
         print(f"\nmeasured != formula for {len(mismatched)} rows", file=sys.stderr)
     json_path = args.json or (None if args.quick else str(ROOT / "benchmarks" / "results" / "memory.json"))

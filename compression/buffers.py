@@ -1,9 +1,9 @@
 """Per-sample activation buffers m[ξ] for AQ-SGD, in memory or backed by a file.
 
-One row per dataset sample plus a "seen" bit. Both sides of a boundary keep one
-and apply the same updates, so their rows stay bit-identical. A disk-backed
-buffer is a memory-mapped file (`torch.from_file`), created sparse, so a dataset
-whose activations exceed RAM only costs the pages it touches.
+A row for each sample that holds one: both sides of a boundary keep one buffer and apply the same updates, so
+their rows stay bit-identical. A sample takes a row (a slot of a `RowStore`: row_store.py) when it is first stored,
+and only a sample the buffer keeps (`keep`: those a run reads back) is: rows cost memory only once written, in
+anonymous memory or in a sparse memory-mapped file, and a checkpoint holds the rows that exist.
 
 A row is held in a float dtype (float16 by default) or, with `bits` (4 or 8), quantized:
 every vector of the last dimension (a token's hidden state) as `bits`-bit codes with its own
@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 
 from .quantizer import QuantizedTensor, dequantize, quantize
+from .row_store import RowStore
 from .fields import check_int, is_int
 
 BUFFER_BITS = (4, 8)  # quantized rows: byte-aligned codes, and at 8 bits half of float16
@@ -75,6 +76,14 @@ class SampleIds:
 
     def numel(self) -> int:
         return self.tensor.numel()
+
+
+def row_nbytes(sample_shape: tuple[int, ...], dtype: torch.dtype = torch.float16, bits: int | None = None) -> int:
+    """One buffer row's bytes: a sample's values in `dtype`, or at `bits` with a float32 min and step per vector of
+    the last dimension."""
+    if bits is None:
+        return math.prod(sample_shape) * dtype.itemsize
+    return QuantizedTensor.wire_nbytes(tuple(sample_shape), bits)
 
 
 class BufferRangeError(ValueError):
@@ -132,23 +141,29 @@ class Prepared(NamedTuple):
 
 
 class _Write(NamedTuple):
-    """A deferred write: the rows' host copy, their peaks, and the event after which both are there (None on CPU)."""
+    """A deferred write: its samples and their slots, the rows' host copy, their peaks, and the event after which
+    both are there (None on CPU)."""
 
     ids: torch.Tensor
+    slots: torch.Tensor
     stored: torch.Tensor
     peaks: torch.Tensor
     ready: Any
 
 
 class SampleBuffer:
-    """m[ξ] (one row of `sample_shape` per sample) and the seen bit of each sample.
+    """m[ξ] for the samples that hold a row, and which do.
 
-    `bits` None: rows held as `dtype`; 4 or 8: rows quantized (see the module doc), `dtype` unused.
+    `bits` None: rows held as `dtype`; 4 or 8: rows quantized (see the module doc), `dtype` unused. `keep`: which
+    samples may hold a row (a bool per sample; None: every one). A sample kept out is never stored, so each of its
+    visits is a first visit: a run gives rows only to the samples it will read back. A row is a slot in a
+    `RowStore` (row_store.py), taken when the sample is first stored: rows cost memory only once written, and the
+    store is sized for the kept samples alone.
     """
 
     def __init__(
         self, num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dtype = torch.float16,
-        path: str | os.PathLike | None = None, bits: int | None = None,
+        path: str | os.PathLike | None = None, bits: int | None = None, keep: torch.Tensor | None = None,
     ) -> None:
         check_int("num_samples", num_samples, 1, what="a positive integer (the dataset size)")
         shape = tuple(sample_shape)
@@ -159,6 +174,10 @@ class SampleBuffer:
         if bits is not None and bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in the buffer dtype")
+        if keep is not None and (not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool
+                                 or tuple(keep.shape) != (num_samples,)):
+            raise ValueError(f"keep: expected a bool tensor of one value per sample ({num_samples}), got "
+                             f"{getattr(keep, 'dtype', type(keep).__name__)} {tuple(getattr(keep, 'shape', ()))}")
         self.num_samples, self.sample_shape, self.bits = num_samples, shape, bits
         self.dtype = dtype if bits is None else torch.float32  # what a row decodes to (and the range it holds)
         self.path = None if path is None else Path(path)
@@ -170,9 +189,11 @@ class SampleBuffer:
                 raise ValueError(f"buffer_bits={bits}: a sample of {numel} values at {bits} bits is not whole bytes; "
                                  "use 8 bits")
             self._groups = numel // shape[-1]  # one per vector of the last dimension
-            row_shape, storage = (QuantizedTensor.wire_nbytes(shape, bits),), torch.uint8
-        self.values = self._allocate(row_shape, storage)
-        self.seen = torch.zeros(num_samples, dtype=torch.bool)
+            row_shape, storage = (row_nbytes(shape, bits=bits),), torch.uint8
+        self.keep = None if keep is None else keep.cpu().clone()
+        self._slot = torch.full((num_samples,), -1, dtype=torch.int32)  # each sample's row in the store, -1: none
+        self.used = 0  # slots taken: rows 0..used-1 of the store hold samples
+        self.store_rows = RowStore(num_samples if keep is None else int(keep.sum()), row_shape, storage, self.path)
         self._writes: list[_Write] | None = None  # deferred writes (defer); None: each written at once
         self._overflow: BufferRangeError | None = None  # the first a landed write found since the last settle
         self._landing: tuple[Future, torch.Tensor] | None = None  # settled rows still landing on the worker, their ids
@@ -184,39 +205,65 @@ class SampleBuffer:
             self._writes = []
 
     @property
-    def nbytes(self) -> int:
-        return self.values.numel() * self.values.element_size()
+    def values(self) -> torch.Tensor:
+        """The store's rows by slot (rows 0..used-1 hold samples), in the buffer's own form."""
+        return self.store_rows.values
 
-    def _allocate(self, row_shape: tuple[int, ...], storage: torch.dtype) -> torch.Tensor:
-        full_shape = (self.num_samples, *row_shape)
-        if self.path is None:
-            return torch.zeros(full_shape, dtype=storage)
-        numel = math.prod(full_shape)
-        size = numel * storage.itemsize
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() and self.path.stat().st_size != size:
-            kind = f"{self.bits}-bit" if self.bits else str(self.dtype)
-            raise ValueError(
-                f"buffer_path {self.path} holds {self.path.stat().st_size} bytes; a buffer of "
-                f"{self.num_samples} x {self.sample_shape} {kind} needs {size}: remove it or choose another path"
-            )
-        with open(self.path, "ab") as f:  # create if missing; sparse until rows are written
-            f.truncate(size)
-        return torch.from_file(str(self.path), shared=True, size=numel, dtype=storage).view(full_shape)
+    @property
+    def seen(self) -> torch.Tensor:
+        """Whether each sample holds a row (a new vector: `has_row` reads a micro-batch's)."""
+        return self._slot >= 0
+
+    @property
+    def row_nbytes(self) -> int:
+        """One row's bytes in the buffer's own form."""
+        return self.store_rows.row_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the rows held (their slots'); the store maps more, which costs nothing until written."""
+        return self.used * self.row_nbytes
+
+    @property
+    def index_nbytes(self) -> int:
+        """The bytes of the slot table: 4 a sample, held or not (all a sample costs before it has a row)."""
+        return self._slot.numel() * self._slot.element_size()
+
+    def has_row(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each of `ids` holds a row (a host bool vector)."""
+        return self._slot[ids] >= 0
+
+    def keeps(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each of `ids` holds a row or may take one when stored (a host bool vector)."""
+        return self.has_row(ids) | (True if self.keep is None else self.keep[ids])
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the samples holding rows, ascending; their rows in the buffer's own form): what two sides compare."""
+        self._land(None)
+        ids = self.seen.nonzero().squeeze(1)
+        return ids, self.values.index_select(0, self._slot[ids].long())
 
     def check_ids(self, sample_ids: Any, batch: int | None = None) -> torch.Tensor:
         return as_sample_ids(sample_ids, self.num_samples, batch)
+
+    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        slots = self._slot[ids].long()
+        if ids.numel() and int(slots.min()) < 0:
+            missing = ids[slots < 0].tolist()
+            raise RuntimeError(f"AQ-SGD buffer: samples {missing[:8]} hold no row (read before their first visit)")
+        return slots
 
     def rows(self, ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
         """The rows of `ids` as the buffer holds them (quantized rows decoded to float32), on `device` (default:
         the buffer's): quantized rows travel there as their codes and are decoded there."""
         self._land(ids)
+        slots = self._slots(ids)
         if device is not None and torch.device(device).type == "cuda" and self.values.device.type == "cpu":
-            held = torch.index_select(self.values, 0, ids, out=_pinned_like((ids.numel(), *self.values.shape[1:]),
-                                                                            self.values.dtype))
+            held = torch.index_select(self.values, 0, slots, out=_pinned_like((ids.numel(), *self.values.shape[1:]),
+                                                                              self.values.dtype))
             held = held.to(device, non_blocking=True)
         else:
-            held = self.values.index_select(0, ids)
+            held = self.values.index_select(0, slots)
             if device is not None:
                 held = held.to(device)
         if self.bits is None:
@@ -248,17 +295,35 @@ class SampleBuffer:
                             q.codes.view(n, self.values.shape[1] - 8 * g)], dim=1)
         return Prepared(packed, dequantize(q), peaks)
 
+    def _take_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slots of `ids` (every one kept), a new one for each that holds no row yet, in the order given."""
+        slots = self._slot[ids]
+        new = slots < 0
+        if bool(new.any()):
+            if self.keep is not None and not bool(self.keep[ids[new]].all()):
+                raise ValueError(f"AQ-SGD buffer: samples {ids[new][~self.keep[ids[new]]].tolist()[:8]} are kept out "
+                                 "of this buffer (keep): expected only kept samples stored")
+            count = int(new.sum())
+            if self.used + count > self.store_rows.capacity:  # rows a checkpoint brought beside the kept ones
+                self._land(None)
+                self.store_rows.grow(self.used + count, keep=self.used)
+            slots[new] = torch.arange(self.used, self.used + count, dtype=slots.dtype)
+            self._slot[ids[new]] = slots[new]
+            self.used += count
+        return slots.long()
+
     def store(self, ids: torch.Tensor, prepared: Prepared | torch.Tensor) -> None:
-        """Write rows in the buffer's own form (`prepare`'s result; for a float buffer, rows in any dtype): at once,
-        or, deferred, a host copy of them (from a GPU: pinned, without waiting for it) kept until `settle`."""
+        """Write rows in the buffer's own form (`prepare`'s result; for a float buffer, rows in any dtype) for `ids`,
+        which must be kept (`keeps`): at once, or, deferred, a host copy of them (from a GPU: pinned, without
+        waiting for it) kept until `settle`."""
         if not ids.numel():
             return
         stored = prepared.stored if isinstance(prepared, Prepared) else prepared
         peaks = prepared.peaks if isinstance(prepared, Prepared) else None
-        self.seen[ids] = True
+        slots = self._take_slots(ids)
         if self._writes is None or peaks is None:
             self._land(ids)  # a write at once comes after the deferred ones of the same rows
-            self.values.index_copy_(0, ids, stored.to(device="cpu", dtype=self.values.dtype))
+            self.values.index_copy_(0, slots, stored.to(device="cpu", dtype=self.values.dtype))
             return
         ready, device = None, stored.device
         if device.type == "cuda":
@@ -266,7 +331,7 @@ class SampleBuffer:
             peaks = _pinned_like(peaks.shape, peaks.dtype).copy_(peaks, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        self._writes.append(_Write(ids, stored, peaks, ready))
+        self._writes.append(_Write(ids, slots, stored, peaks, ready))
 
     def settle(self) -> BufferRangeError | None:
         """Check every deferred write (waiting for the GPU's copies once) and land them, in order; the first row that
@@ -298,7 +363,7 @@ class SampleBuffer:
 
     def _copy(self, writes: list[_Write]) -> None:
         for write in writes:
-            self.values.index_copy_(0, write.ids, write.stored.to(self.values.dtype))
+            self.values.index_copy_(0, write.slots, write.stored.to(self.values.dtype))
 
     def _wait_landing(self, ids: torch.Tensor | None) -> None:
         """Wait for the worker's landing if it holds any of `ids` (or at all, for None)."""
@@ -332,60 +397,87 @@ class SampleBuffer:
             self._check(write)
         self._copy(landing)
 
+    # ------------------------------------------------------------------ checkpoints
+    def _ids_by_slot(self) -> torch.Tensor:
+        """The sample each taken slot holds, in slot order."""
+        ids = self.seen.nonzero().squeeze(1)
+        return ids[self._slot[ids].argsort()]
+
     def state_dict(self) -> dict[str, Any]:
-        """References to the rows and seen bits (as torch's state_dicts do: save, don't mutate). A buffer kept in
-        a file leaves its rows there (`values` None): `write_rows` / `read_rows` copy them as bytes."""
+        """The rows that exist, not the dataset's worth: the sample of each slot and, in memory, a reference to the
+        slots' rows (as torch's state_dicts do: save, don't mutate). A buffer kept in a file leaves its rows there
+        (`rows` None): `write_rows` copies them as bytes, and the loaded state names the copy."""
         self._land(None)
-        return {"values": None if self.path is not None else self.values, "seen": self.seen}
+        rows = None if self.path is not None else self.store_rows.prefix(self.used)
+        return {"ids": self._ids_by_slot(), "rows": rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The inverse of state_dict; `values` None keeps the rows this buffer holds (a file's, see read_rows)."""
-        values, seen = state["values"], state["seen"]
-        if values is not None and (tuple(values.shape) != tuple(self.values.shape)
-                                   or values.dtype != self.values.dtype):
-            raise ValueError(
-                f"buffer state holds {tuple(values.shape)} {values.dtype}; this buffer is "
-                f"{tuple(self.values.shape)} {self.values.dtype}"
-            )
-        if tuple(seen.shape) != (self.num_samples,):
-            raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
-        if values is None and self.path is None:
-            raise ValueError("buffer state without rows: only a buffer kept in a file leaves its rows out")
+        """The inverse of state_dict (and of its form before slots: every sample's row and a seen bit each). A state
+        without rows names the file holding them (`rows_file`, as `write_rows` wrote it: a checkpoint's copy of a
+        buffer kept in a file); the rows land in this buffer wherever it keeps them."""
+        source = state.get("rows_file")
+        if "seen" in state:  # before slots: a row for every sample, the seen ones meaningful
+            seen = state["seen"]
+            if tuple(seen.shape) != (self.num_samples,):
+                raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
+            ids, rows = seen.nonzero().squeeze(1), state["values"]
+            if rows is None and source is not None:  # every sample's row, in order: these samples' picked out
+                rows = self._file_rows(source, self.num_samples)
+            if rows is not None:
+                rows = self._checked_rows(rows, self.num_samples).index_select(0, ids)
+        else:
+            ids, rows = state["ids"], state["rows"]
+            if rows is None and source is not None:
+                rows = self._file_rows(source, ids.numel())
+        ids = as_sample_ids(ids, self.num_samples)
+        if rows is None:
+            raise ValueError("AQ-SGD buffer state without its rows: expected them, or the file that holds them")
+        rows = self._checked_rows(rows, ids.numel())
         self._discard()
-        if values is not None:
-            self.values.copy_(values)
-        self.seen.copy_(seen)
+        self._slot.fill_(-1)
+        self._slot[ids] = torch.arange(ids.numel(), dtype=self._slot.dtype)
+        self.used = ids.numel()
+        self.store_rows.grow(self.used, keep=0)
+        self.values[:self.used].copy_(rows)
+
+    def _file_rows(self, source: str | os.PathLike, count: int) -> torch.Tensor:
+        """`count` rows from a file of exactly their bytes, mapped (read as they are copied)."""
+        size, want = Path(source).stat().st_size, count * self.row_nbytes
+        if size != want:
+            raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes; {count} rows take {want}")
+        if not count:
+            return self.values[:0]
+        return torch.from_file(str(source), shared=False, size=count * self.store_rows.row_numel,
+                               dtype=self.values.dtype).view(count, *self.values.shape[1:])
+
+    def _checked_rows(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+        want = (count, *self.values.shape[1:])
+        if tuple(rows.shape) != want or rows.dtype != self.values.dtype:
+            raise ValueError(f"buffer state holds {tuple(rows.shape)} {rows.dtype}; this buffer expects {want} "
+                             f"{self.values.dtype}")
+        return rows
 
     def write_rows(self, f: BinaryIO, chunk_bytes: int = 4 << 20) -> None:
-        """Every row's bytes, in order, to a binary file, a few MB at a time: how a checkpoint copies a buffer
-        too big for memory."""
+        """The held rows' bytes, in slot order, to a binary file, a few MB at a time: how a checkpoint copies a
+        buffer too big for memory (its state then names the copy as `rows_file`)."""
         self._land(None)
-        row_bytes = self.nbytes // self.num_samples
-        step = max(1, chunk_bytes // row_bytes)
-        for start in range(0, self.num_samples, step):
-            chunk = self.values[start:start + step].contiguous().view(torch.uint8)
-            f.write(memoryview(chunk.numpy()))
+        self.store_rows.write_prefix(f, self.used, chunk_bytes)
 
-    def read_rows(self, source: str | os.PathLike) -> None:
-        """The rows back from a file `write_rows` wrote; ValueError if its size is not this buffer's."""
-        size = Path(source).stat().st_size
-        if size != self.nbytes:
-            raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes, the buffer {self.nbytes}")
-        self._discard()
-        saved = torch.from_file(str(source), shared=False, size=self.values.numel(), dtype=self.values.dtype)
-        self.values.copy_(saved.view(self.values.shape))
-
-    def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copies of the rows and seen bits of `ids`, to undo a step that must leave no trace."""
+    # ------------------------------------------------------------------ undo
+    def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Copies of the slots and rows of `ids` and the slots taken, to undo a step that must leave no trace."""
         ids = ids.to(device="cpu", dtype=torch.int64)
         self._land(ids)
-        return ids, self.values.index_select(0, ids).clone(), self.seen[ids].clone()
+        slots = self._slot[ids].clone()
+        return ids, slots, self.values.index_select(0, slots[slots >= 0].long()), self.used
 
-    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """Put back what `snapshot` copied (undo in reverse order when ids repeat across snapshots)."""
-        ids, rows, seen = snapshot
+    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]) -> None:
+        """Put back what `snapshot` copied (undo in reverse order when ids repeat across snapshots): slots taken
+        since are free again."""
+        ids, slots, rows, used = snapshot
         self._land(None)
         self._overflow = None  # the step that overflowed is being undone
         if ids.numel():
-            self.values.index_copy_(0, ids, rows)
-            self.seen[ids] = seen
+            self._slot[ids] = slots
+            self.values.index_copy_(0, slots[slots >= 0].long(), rows)
+        self.used = used

@@ -256,7 +256,9 @@ class ForwardCodec(_Codec):
 
     With `aqsgd`, `num_samples` (dataset size) and `sample_shape` (one sample's activation,
     e.g. (seq_len, hidden)) size the buffer; `buffer_path` puts it in a file instead of RAM
-    (each side needs its own file); `buffer_bits` (4 or 8) holds its rows quantized (buffers.py).
+    (each side needs its own file); `buffer_bits` (4 or 8) holds its rows quantized (buffers.py); `buffer_keep`
+    (a bool per sample; None: all) names the samples whose rows are kept: the others, never read back, are sent
+    whole at every visit and stored nowhere (both sides must pass the same).
     `refresh=True` in encode/decode (both sides alike)
     sends every sample of the micro-batch whole and resets its row: the warm-up epochs.
     `first_visit` (none, direct, hadamard; `first_visit_bits`, `first_visit_group_size`) is how rows
@@ -272,7 +274,7 @@ class ForwardCodec(_Codec):
         group_size: int | None = None, buffer_bits: int | None = None, rotation_seed: int = 0,
         adaptive: bool = False, first_visit: str = "none", first_visit_bits: int | None = None,
         first_visit_group_size: int | None = None, first_visit_base: str = "none",
-        scale_dtype: torch.dtype = torch.float32,
+        scale_dtype: torch.dtype = torch.float32, buffer_keep: torch.Tensor | None = None,
     ) -> None:
         super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive, scale_dtype)
         self.buffer: SampleBuffer | None = None
@@ -283,7 +285,8 @@ class ForwardCodec(_Codec):
             if num_samples is None or sample_shape is None:
                 raise ValueError("mode='aqsgd' needs num_samples (dataset size) "
                                  "and sample_shape (one sample's activation)")
-            self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits)
+            self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits,
+                                       buffer_keep)
             # whole first visits take no bits (a preset's bits for another mode are not this codec's setting)
             self.first = RowCodec(first_visit, None if first_visit == "none" else first_visit_bits, stochastic,
                                   int(seed) + _FIRST_VISIT_SEED, first_visit_group_size, rotation_seed,
@@ -314,7 +317,7 @@ class ForwardCodec(_Codec):
                 f"sample_shape={buf.sample_shape}"
             )
         ids = buf.check_ids(sample_ids, shape[0])
-        whole = torch.ones_like(ids, dtype=torch.bool) if refresh else ~buf.seen[ids]
+        whole = torch.ones_like(ids, dtype=torch.bool) if refresh else ~buf.has_row(ids)
         return ids, whole, ~whole
 
     def _delta_shape(self, n: int) -> torch.Size:
@@ -347,8 +350,10 @@ class ForwardCodec(_Codec):
         buf, device = self.buffer, moved.device
         whole_ids, delta_ids = ids[whole], ids[delta]
         changed = buf.prepare(delta_ids, moved)
-        if whole_ids.numel():
-            buf.store(whole_ids, buf.prepare(whole_ids, rows))
+        kept = buf.keeps(whole_ids)  # a sample kept out of the buffer (never read back) stores nothing
+        if bool(kept.any()):
+            kept_rows = rows if bool(kept.all()) else rows.index_select(0, _positions(kept, device))
+            buf.store(whole_ids[kept], buf.prepare(whole_ids[kept], kept_rows))
         buf.store(delta_ids, changed)
         if not whole_ids.numel():  # the steady state: every sample sent as a change
             return changed.held.to(dtype)

@@ -138,6 +138,7 @@ class PipelineEngine:
                              "(CompressionConfig.for_visits)")
         self.device, self.seed = settings.device, settings.seed
         self.num_samples = settings.num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
+        self.buffer_keep = settings.buffer_keep  # the samples whose rows the buffers keep (None: every one)
         # bf16 weights beside float32 ones (a frozen bf16 base under float32 LoRA adapters, or float32 under bf16
         # ones) multiply only under autocast
         dtypes = {p.dtype for p in stage.parameters() if p.is_floating_point()}
@@ -171,7 +172,8 @@ class PipelineEngine:
             path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
         shape = (seq_len, self.stage.hidden_size)
         kw = {"num_samples": self.num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
-              "buffer_path": path, "buffer_bits": c.buffer_bits, "first_visit": c.first_visit,
+              "buffer_path": path, "buffer_bits": c.buffer_bits, "buffer_keep": self.buffer_keep,
+              "first_visit": c.first_visit,
               "first_visit_bits": c.first_visit_bits,
               "first_visit_group_size": None if c.first_visit_bits is None else
               c.group_size("forward", shape[-1], c.first_visit_bits),
@@ -377,7 +379,7 @@ class PipelineEngine:
     # ------------------------------------------------------------------ checkpoints
     def file_buffers(self) -> dict[str, Any]:
         """This rank's AQ-SGD buffers kept in files (buffer_dir), by codec name: `state_dict()` leaves their rows
-        in the files, which a checkpoint copies (`SampleBuffer.write_rows` / `read_rows`)."""
+        in the files, which a checkpoint copies (`SampleBuffer.write_rows`; the loaded state names the copy)."""
         buffers = {name: getattr(codec, "buffer", None) for name, codec in self.codecs().items()}
         return {name: b for name, b in buffers.items() if b is not None and b.path is not None}
 

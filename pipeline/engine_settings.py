@@ -1,6 +1,7 @@
 """What an engine does with its parts, apart from the parts themselves: the sizes of the data its AQ-SGD buffers
-index, the schedule, clipping, where and in what precision it computes, its seed, what it does with a non-finite
-step, an emulated link delay, and how a causal LM's step averages its loss. Checked as it is made."""
+index (and which samples keep rows), the schedule, clipping, where and in what precision it computes, its seed, what
+it does with a non-finite step, an emulated link delay, and how a causal LM's step averages its loss. Checked as it
+is made."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class EngineSettings:
     skip_nonfinite: bool = False  # skip a step that found NaN/inf on any rank, instead of raising
     link_latency_s: float = 0.0  # a one-way delay added to every receive (a distant link emulated; Wire checks it)
     loss_average: str = "tokens"  # a causal LM's step loss: per target token, or the micro-batches' mean
+    buffer_keep: torch.Tensor | None = None  # which samples' AQ-SGD rows are kept (a bool each; None: all): the
+    # others are sent whole at every visit (a run keeps rows only for the samples it reads back)
 
     def __post_init__(self) -> None:
         check_int("num_samples", self.num_samples, 1)
@@ -34,3 +37,7 @@ class EngineSettings:
         if self.loss_average not in LOSS_AVERAGES:
             raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
         object.__setattr__(self, "device", torch.device(self.device))
+        keep = self.buffer_keep
+        if keep is not None and (keep.dtype != torch.bool or tuple(keep.shape) != (self.num_samples,)):
+            raise ValueError(f"buffer_keep: expected a bool per sample ({self.num_samples}), got {keep.dtype} "
+                             f"{tuple(keep.shape)}")

@@ -50,19 +50,22 @@ class DrawingStage(ToyStage):
         return torch.nn.functional.dropout(out, 0.1) * jitter
 
 
-def _engine(groups, grid, name, compression=AQSGD):
+def _engine(groups, grid, name, compression=AQSGD, keep=None):
     stage = DrawingStage(toy_stages(2)[groups.stage])
     comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage))
     algo = data_parallel.create(name, owned_parameters(stage, toy_ties(2)), comm, **OPTIONS[name])
     optimizer = algo.wrap_optimizer(torch.optim.Adam(owned_parameters(stage, toy_ties(2)), lr=0.02))
     return PipelineEngine(stage, groups, optimizer,
-                          EngineSettings(num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ, seed=3),
+                          EngineSettings(num_samples=data.shard_size(SAMPLES, grid.replicas), seq_len=SEQ, seed=3,
+                                         buffer_keep=keep),
                           compression=compression, ties=toy_ties(2), data_parallel=algo,
                           lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
 
 
-def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=AQSGD, resume_at=RESUME_AT):
-    """Per algorithm: STEPS steps straight, and the same with a save at `resume_at`, a fresh engine and a load."""
+def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=AQSGD, resume_at=RESUME_AT,
+                           keep=None):
+    """Per algorithm: STEPS steps straight, and the same with a save at `resume_at`, a fresh engine and a load
+    (`keep`: the samples whose AQ-SGD rows the buffers keep)."""
     grid = Grid.for_world(world, 2)
     groups = build_groups(grid, rank)
     plan = [(epoch, mbs) for epoch in range(STEPS)  # each replica its own shard (2 steps an epoch)
@@ -72,22 +75,24 @@ def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=A
     for name in names:
         runs = []
         for resume in (False, True):
-            engine, log = _engine(groups, grid, name, compression), []
+            engine, log = _engine(groups, grid, name, compression, keep), []
             torch.manual_seed(rank), np.random.seed(rank), random.seed(rank)  # each run draws alike from here
             for step, (epoch, mbs) in enumerate(plan):
                 if resume and step == resume_at:
                     path = Path(tmp) / f"{name}_rank{rank}.pt"
                     checkpoint.write_state(path, {"engine": engine.state_dict(), "rng": checkpoint.rng_state()})
-                    engine = _engine(groups, grid, name, compression)  # a new process would start from scratch
+                    engine = _engine(groups, grid, name, compression, keep)  # a new process starts from scratch
                     torch.manual_seed(1234), np.random.seed(1234), random.seed(1234)
                     record = checkpoint.read_state(path)  # weights_only=True
                     engine.load_state_dict(record["engine"])
                     checkpoint.set_rng_state(record["rng"])
                 m = engine.train_batch(mbs, epoch).record()
                 log.append({k: m[k] for k in ("step", "loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
+            codecs = engine.state_dict()["codecs"]
+            buffer = codecs.get("next.forward", codecs.get("prev.forward"))["buffer"]
             runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
-                         "buffer": engine.state_dict()["codecs"].get("next.forward", engine.state_dict()["codecs"]
-                                                                      .get("prev.forward"))["buffer"]["values"].clone()})
+                         "buffer": buffer["rows"].clone(), "buffer_ids": buffer["ids"].clone(),
+                         "batches": [[mb["sample_id"] for mb in mbs] for _, mbs in plan]})
         out[name] = runs
     return out
 
@@ -128,6 +133,31 @@ def test_a_resume_inside_the_first_epoch_of_compressed_first_visits_equals_unint
     rows = MICRO * (QuantizedTensor.wire_nbytes((MBS, SEQ, 16), 3) + MBS * 8)  # a replica's step of first visits
     log = ranks[0]["allreduce"][1]["log"]
     assert [s["fwd_bytes"] for s in log[:2]] == [2 * rows] * 2 and log[2]["fwd_bytes"] == 1664
+
+
+def test_a_resume_with_rows_kept_for_a_quarter_of_the_samples_equals_uninterrupted(tmp_path):
+    """A budget that holds a quarter of the rows: the other samples go whole at every visit, both sides of each
+    boundary keep the same rows, and a resume in the second epoch goes on exactly."""
+    keep = torch.arange(SAMPLES // 2) < SAMPLES // 8  # each replica's shard of 16: rows for 4
+    ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), AQSGD, RESUME_AT, keep)
+    for rank in ranks:
+        straight, resumed_run = rank["allreduce"]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        for key in ("fwd_bytes", "bwd_bytes"):
+            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]], key
+        assert torch.equal(resumed_run["buffer"], straight["buffer"])
+        assert sorted(straight["buffer_ids"].tolist()) == [0, 1, 2, 3]
+    for replica in (0, 1):  # the two sides of each replica's boundary: the same samples, the same rows
+        sender, receiver = ranks[2 * replica]["allreduce"][1], ranks[2 * replica + 1]["allreduce"][1]
+        assert torch.equal(sender["buffer_ids"], receiver["buffer_ids"])
+        assert torch.equal(sender["buffer"], receiver["buffer"])
+    # from the second epoch on a kept sample is a 2-bit change and any other float32 rows, in each micro-batch
+    whole, change, ids = SEQ * 16 * 4, SEQ * (16 * 2 // 8 + 8), MBS * 8
+    log = ranks[0]["allreduce"][1]["log"]
+    for step in range(2, STEPS):
+        kept = [int(keep[sid].sum()) for r in (0, 2) for sid in ranks[r]["allreduce"][1]["batches"][step]]
+        assert log[step]["fwd_bytes"] == sum(k * change + (MBS - k) * whole + ids for k in kept), step
+    assert log[0]["fwd_bytes"] == 2 * MICRO * (MBS * whole + ids)
 
 
 # ---------------------------------------------------------------------- checkpoint files, in one process

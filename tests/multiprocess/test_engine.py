@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from compression import SampleBuffer
+from tests.helpers.buffers import by_sample
 from tests.helpers.processes import spawn
 from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from pipeline.compression_config import AUTO_GROUP_SIZE
@@ -214,21 +215,21 @@ def recorded():
 
 def test_aqsgd_buffers_stay_bit_identical_on_both_sides_of_a_real_run(recorded):
     sender, receiver = recorded[0]["buffer"], recorded[1]["buffer"]
-    assert bool(sender["seen"].all())  # two epochs: every sample visited, later visits as 2-bit changes
-    assert torch.equal(sender["seen"], receiver["seen"])
-    assert torch.equal(sender["values"], receiver["values"])
+    assert torch.equal(sender["ids"], receiver["ids"]) and torch.equal(sender["rows"], receiver["rows"])
+    seen, rows = by_sample(receiver, SAMPLES)
+    assert bool(seen.all())  # two epochs: every sample visited, later visits as 2-bit changes
     # and the receiver computed with exactly those rows: m[ξ] after this step's update
     for note in recorded[1]["notes"]:
-        assert torch.equal(note["input"], receiver["values"][note["sample_id"]].float())
+        assert torch.equal(note["input"], rows[note["sample_id"]].float())
 
 
 def test_quantized_buffers_stay_bit_identical_and_are_what_the_receiver_computes_with():
     first, last = spawn(recorded_aqsgd, 2, 2, 8)
     sender, receiver = first["buffer"], last["buffer"]
-    assert sender["values"].dtype == torch.uint8 and bool(sender["seen"].all())
-    assert torch.equal(sender["values"], receiver["values"]) and torch.equal(sender["seen"], receiver["seen"])
+    assert sender["rows"].dtype == torch.uint8 and sender["ids"].numel() == SAMPLES
+    assert torch.equal(sender["rows"], receiver["rows"]) and torch.equal(sender["ids"], receiver["ids"])
     held = SampleBuffer(SAMPLES, tuple(last["notes"][0]["input"].shape[1:]), bits=8)
-    assert tuple(held.values.shape) == tuple(receiver["values"].shape)  # 8-bit codes, a min and step per token
+    assert held.row_nbytes == receiver["rows"].shape[1]  # 8-bit codes, a min and step per token
     held.load_state_dict(receiver)
     for note in last["notes"]:  # the receiver computed with the rows as the buffer holds them, decoded
         assert torch.equal(note["input"], held.rows(note["sample_id"]))

@@ -43,7 +43,7 @@ def run(rank: int, world: int, compression: CompressionConfig) -> dict:
     resumed.load_state_dict(saved)
     again = [resumed.train_batch(mbs, epoch).record() for epoch, mbs in steps[6:]]
     codecs = e.state_dict()["codecs"]
-    buffers = {k: v["buffer"]["values"] for k, v in codecs.items() if "buffer" in v}
+    buffers = {k: v["buffer"]["rows"] for k, v in codecs.items() if "buffer" in v}
     return {"log": log, "seen": seen, "again": again, "buffers": buffers}
 
 

@@ -18,7 +18,8 @@ def test_quick_memory_table_measures_what_the_formula_says(tmp_path, capsys):
         per_element = {"float16": 2, "float32": 4, "8-bit": 1, "4-bit": 0.5}[r["dtype"]]
         scales = 8 * s["samples"] * s["seq_len"] if r["dtype"].endswith("bit") else 0  # min and step per token
         assert r["formula_bytes"] == elements * per_element + scales
-        assert r["memory_bytes"] == r["formula_bytes"] + s["samples"]  # + one seen bool per sample
+        assert r["memory_bytes_new"] == 0  # a row takes memory when it is first written
+        assert r["memory_bytes"] == r["formula_bytes"] + 4 * s["samples"]  # + a 4-byte slot per sample
         assert r["file_bytes"] == r["file_allocated_full"] == r["formula_bytes"]
         assert r["file_allocated_empty"] < r["formula_bytes"] // 4  # created sparse
     assert "| yes |" in capsys.readouterr().out
@@ -40,4 +41,4 @@ def test_formula_rows_for_the_papers_models():
 
 def test_two_stage_shape_has_no_middle_stage():
     shape = memory.Shape("x", 8, 4, 2, 2, "test")
-    assert shape.per_stage("float16") == (8 * 4 * 2 * 2 + 8, 0)
+    assert shape.per_stage("float16") == (8 * 4 * 2 * 2 + 4 * 8, 0)  # rows + a 4-byte slot a sample

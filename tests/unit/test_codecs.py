@@ -160,11 +160,15 @@ def test_disk_backed_buffers_match_memory_and_live_in_the_file(tmp_path):
     assert torch.equal(on_disk.view(N, *SHAPE), mem_r.buffer.values)
 
 
-def test_disk_buffer_of_the_wrong_size_is_refused(tmp_path):
+def test_a_stale_buffer_file_is_emptied_and_its_bytes_never_reach_a_row(tmp_path):
     path = tmp_path / "old.buf"
-    path.write_bytes(b"\0" * 10)
-    with pytest.raises(ValueError, match="holds 10 bytes.*needs 12288"):
-        ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE, buffer_path=path)
+    path.write_bytes(b"\x7f" * 100_000)  # a killed run's file, of another size
+    codec = ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE, buffer_path=path)
+    assert path.stat().st_size == N * math.prod(SHAPE) * 2 and path.stat().st_blocks == 0  # sparse: no old block
+    ids = torch.tensor([5])
+    x = activation(ids, 0, 0.0)
+    codec.encode(x, ids)
+    assert codec.buffer.seen.nonzero().flatten().tolist() == [5] and torch.equal(codec.buffer.rows(ids), x.half())
 
 
 @pytest.mark.parametrize("ids,match", [
@@ -330,18 +334,19 @@ def test_a_buffer_kept_in_a_file_leaves_its_rows_there_and_copies_them_as_bytes(
     a = SampleBuffer(6, (2, 3), torch.bfloat16, path=tmp_path / "a.buf")
     a.store(torch.tensor([4, 1]), torch.randn(2, 2, 3))
     state = a.state_dict()
-    assert state["values"] is None and state["seen"].nonzero().flatten().tolist() == [1, 4]
+    assert state["rows"] is None and state["ids"].tolist() == [4, 1]  # the samples of the slots, as stored
     rows = io.BytesIO()
     a.write_rows(rows, chunk_bytes=20)  # chunks of 1 row of 12 bytes: the loop, not one copy
+    assert len(rows.getvalue()) == 2 * 12  # the rows that exist, not the dataset's 6
     (tmp_path / "copy.buf").write_bytes(rows.getvalue())
-    b = SampleBuffer(6, (2, 3), torch.bfloat16, path=tmp_path / "b.buf")
-    b.read_rows(tmp_path / "copy.buf")
-    b.load_state_dict(state)
-    assert torch.equal(b.values, a.values) and torch.equal(b.seen, a.seen)
-    with pytest.raises(ValueError, match="hold 12 bytes, the buffer 72"):
-        b.read_rows(_file(tmp_path / "short.buf", rows.getvalue()[:12]))
-    with pytest.raises(ValueError, match="only a buffer kept in a file leaves its rows out"):
-        SampleBuffer(6, (2, 3)).load_state_dict(state)  # an in-memory buffer never takes a state without rows
+    for path in (tmp_path / "b.buf", None):
+        b = SampleBuffer(6, (2, 3), torch.bfloat16, path=path)
+        b.load_state_dict({**state, "rows_file": tmp_path / "copy.buf"})  # in a file or in memory alike
+        assert all(torch.equal(x, y) for x, y in zip(b.held(), a.held())) and torch.equal(b.seen, a.seen)
+    with pytest.raises(ValueError, match="hold 12 bytes; 2 rows take 24"):
+        b.load_state_dict({**state, "rows_file": _file(tmp_path / "short.buf", rows.getvalue()[:12])})
+    with pytest.raises(ValueError, match="without its rows: expected them, or the file that holds them"):
+        SampleBuffer(6, (2, 3), torch.bfloat16).load_state_dict(state)
 
 
 def _file(path, data: bytes):
@@ -363,8 +368,8 @@ def test_quantized_buffers_stay_bit_identical_and_hold_a_row_in_a_fraction_of_fl
     assert torch.equal(sender.buffer.values, receiver.buffer.values) and bool(sender.buffer.seen.all())
     # a row: a float32 min and step per token (8 bytes per 64 values), then the codes
     row = SHAPE[0] * (8 + SHAPE[1] * buffer_bits // 8)
-    assert sender.buffer.nbytes == N * row
-    assert sender.buffer.nbytes / pair()[0].buffer.nbytes == row / (math.prod(SHAPE) * 2)  # 0.5625 / 0.3125 here
+    assert sender.buffer.nbytes == N * row and sender.buffer.row_nbytes == row
+    assert row / pair()[0].buffer.row_nbytes == row / (math.prod(SHAPE) * 2)  # 0.5625 / 0.3125 here
     floats = run_epochs(*pair(), epochs=3, batch=5)
     assert [s for s, _ in stats] == [s for s, _ in floats]  # the same bytes cross the wire
     error, float_error = stats[-1][1], floats[-1][1]
