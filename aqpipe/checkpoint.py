@@ -221,13 +221,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- save and load
 def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", world: "World",
-         storage: "Storage", keep: int | None = None) -> Path:
+         storage: "Storage", keep: int | None = None, last: bool = False) -> Path:
     """Every rank calls this after step `step`; returns the checkpoint directory.
 
     `progress` is the training loop's own state (data position, totals, losses, metrics time). Each rank writes its
     files on its own storage; after a barrier (no deadline: a large stage takes what it takes to write), rank 0
     gathers every rank's checksums over the process group, and every finalizer (one per storage: storage.py)
-    writes the same manifest into its copy of the directory, renames it into place and moves its `latest`."""
+    writes the same manifest into its copy of the directory, renames it into place and moves its `latest`. `last`:
+    the run trains no more, so AQ-SGD buffers kept in files hand their files over instead of copying them."""
     state = engine.state_dict()
     place = state["place"]
     partial = root / f"step_{step:08d}.partial"
@@ -235,7 +236,12 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     externals = {}  # AQ-SGD buffers kept in files: their rows are copied beside the .pt, not into it
     for name, buffer in engine.file_buffers().items():
         target = partial / f"{Path(buffer.path).stem}.buf"
-        externals[name] = {"file": target.name, "sha256": _atomic(target, buffer.write_rows)}
+        if last:
+            buffer.hand_over(target)
+            _fsync_dir(partial)
+            externals[name] = {"file": target.name, "sha256": _sha256(target)}
+        else:
+            externals[name] = {"file": target.name, "sha256": _atomic(target, buffer.write_rows)}
     record = {"fingerprint": fingerprint(cfg), "step": step, "engine": state, "progress": progress,
               "rng": rng_state(), "external_buffers": externals}
     name = rank_file(place["stage"], place["replica"])

@@ -24,7 +24,9 @@ import data_parallel
 from pipeline import Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from pipeline.lora import add_lora, lora_config
 
-from . import checkpoint, preflight
+from compression import row_nbytes
+
+from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
 from . import faults, interrupts
 from .config import RunConfig
@@ -217,11 +219,30 @@ def idle_codecs(cfg: RunConfig) -> str:
                                                            ("backward_compress", c.backward)) if mode != "none")
 
 
+def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
+                 spec: ModelSpec) -> buffer_plan.BufferPlan | None:
+    """Which samples keep AQ-SGD rows, and where this rank's live (buffer_plan.py); None without AQ-SGD
+    boundaries. Rank 0 says it in one line."""
+    c, grid = cfg.compression, Grid.for_world(world.size, cfg.distributed.pipeline_stages)
+    if c.forward != "aqsgd" or grid.stages == 1:
+        return None
+    stage = grid.coords(world.rank)[0]
+    counts = datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
+                                  total_steps)
+    row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
+    form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
+    plan = buffer_plan.plan(cfg, world, counts, int(stage > 0) + int(stage < grid.stages - 1), row, form)
+    if plan.line:
+        print(plan.line, file=sys.stderr)
+    return plan
+
+
 def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int, total_steps: int,
-                 adapters: Any = None) -> PipelineEngine:
+                 adapters: Any = None, buffers: buffer_plan.BufferPlan | None = None) -> PipelineEngine:
     """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), with LoRA
     `adapters` (a PEFT LoraConfig: pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
-    and LR schedule, its replicas' algorithm, and the engine that trains it."""
+    and LR schedule, its replicas' algorithm, and the engine that trains it, its AQ-SGD buffers as `buffers` plans
+    (None: a row for every sample, where the settings put them)."""
     grid = Grid.for_world(world.size, cfg.distributed.pipeline_stages)
     groups = build_groups(grid, world.rank, world.transport)
     trained = getattr(torch, cfg.optimization.param_dtype)
@@ -259,8 +280,11 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
                                          schedule=cfg.distributed.schedule,
                                          device=world.device, bf16=cfg.bf16, seed=cfg.seed,
                                          skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
-                                         loss_average=cfg.optimization.loss_average),
-                          compression=cfg.compression, lr_scheduler=build_scheduler(cfg, optimizer, total_steps),
+                                         loss_average=cfg.optimization.loss_average,
+                                         buffer_keep=None if buffers is None else buffers.keep),
+                          compression=cfg.compression if buffers is None else
+                          dataclasses.replace(cfg.compression, buffer_dir=buffers.directory),
+                          lr_scheduler=build_scheduler(cfg, optimizer, total_steps),
                           ties=ties, data_parallel=algorithm)
 
 
@@ -304,7 +328,9 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
     cfg = cfg.for_run(total_steps, per_epoch)
     adapters = None if not cfg.lora.enabled else lora_config(
         spec.model_class, spec.config, cfg.lora, task.kind == "classification", stages, cfg.distributed.partition)
-    engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters)
+    buffers = plan_buffers(cfg, world, train_set, total_steps, spec)
+    engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters,
+                          buffers)
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
@@ -317,9 +343,9 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
     samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * replicas
     started, saved = time.perf_counter() - progress.elapsed, progress.step
 
-    def save() -> None:
+    def save(last: bool = False) -> None:
         checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
-                        cfg.checkpointing.save_total_limit or None)
+                        cfg.checkpointing.save_total_limit or None, last)
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
@@ -347,14 +373,25 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
         progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
         writer.write({"step": progress.step, **progress.evals})
     if cfg.checkpointing.save_every and saved != progress.step:
-        save()  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs goes on
+        save(last=True)  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs
+        # goes on from it
     writer.close()
+    drop_buffer_files(engine)
     elapsed = time.perf_counter() - started
     model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage)
     if adapters is not None:
         save_adapter(engine, adapters, cfg, world)
     return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,
                      (len(train_set), len(eval_set)))
+
+
+def drop_buffer_files(engine: PipelineEngine) -> None:
+    """The run's AQ-SGD buffer files, once its last checkpoint has copied them: scratch as large as the rows, which
+    no later run reads (a resume reads its checkpoint's copy). Their directory goes too where nothing else is in it."""
+    for buffer in engine.file_buffers().values():
+        buffer.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            buffer.path.parent.rmdir()
 
 
 def summarize(cfg: RunConfig, world: World, progress: Progress, engine: PipelineEngine, elapsed: float,

@@ -463,6 +463,12 @@ class SampleBuffer:
         self._land(None)
         self.store_rows.write_prefix(f, self.used, chunk_bytes)
 
+    def hand_over(self, target: str | os.PathLike) -> None:
+        """A buffer kept in a file: the file itself becomes `target`, holding the rows `write_rows` would write, as
+        a run's last checkpoint takes them (no copy of rows no step will change); the buffer is spent after it."""
+        self._land(None)
+        self.store_rows.hand_over(self.used, target)
+
     # ------------------------------------------------------------------ undo
     def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Copies of the slots and rows of `ids` and the slots taken, to undo a step that must leave no trace."""

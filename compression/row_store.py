@@ -75,3 +75,20 @@ class RowStore:
         for start in range(0, count, step):
             chunk = self.values[start:min(start + step, count)].contiguous().view(torch.uint8)
             f.write(memoryview(chunk.numpy()))
+
+    def hand_over(self, count: int, target: str | os.PathLike) -> None:
+        """The file itself to `target`, cut to its first `count` rows: a run's last copy of rows no one writes again
+        (a move within a filesystem, a copy across two). The store holds nothing after it."""
+        if self.path is None:
+            raise ValueError("RowStore.hand_over: only a store kept in a file hands its file over")
+        self._map.flush()  # the rows written through the mapping, on disk
+        old, self.values, self._map, self.capacity = self.values, self.values[:0], None, 0
+        os.truncate(self.path, count * self.row_nbytes)  # nothing reads the mapping beyond this again
+        try:
+            os.replace(self.path, target)
+        except OSError:  # another filesystem: the rows' bytes are copied
+            with open(target, "wb") as f:
+                f.write(memoryview(old[:count].contiguous().view(torch.uint8).numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+            self.path.unlink()

@@ -64,7 +64,14 @@ class CompressionConfig:
     buffer_bits: int | None = setting(None, "hold AQ-SGD buffer rows quantized to 4 or 8 bits (8: about half of "
                                           "float16's memory; default: rows in buffer_dtype)")
     buffer_dir: str | None = setting(None, "keep AQ-SGD buffers in files under this directory instead of RAM (one "
-                                         "file per boundary side)")
+                                         "file per boundary side); none: in memory where the rows fit "
+                                         "--buffer_memory_gb, else in files under <output_dir>/buffers")
+    buffer_memory_gb: float | None = setting(None, "AQ-SGD buffer rows a rank may hold in memory, GB; none: half "
+                                                 "the memory available at start, shared by the machine's ranks")
+    buffer_disk_gb: float | None = setting(None, "AQ-SGD buffer rows a rank may hold on disk when they do not fit in "
+                                               "memory, GB; none: half the free space where they go, shared by "
+                                               "the machine's ranks. What fits neither keeps rows for as many "
+                                               "samples as the larger holds, the others sent whole at every visit")
     forward_group_size: int | str | None = setting("auto", "the forward quantizer's group: N elements (each group's "
                                                  "min and step: 8 bytes, 4 with bfloat16 scales), auto (64 at 2 "
                                                  "bits or fewer, else rows) or none (whole rows)")
@@ -129,6 +136,11 @@ class CompressionConfig:
         if self.link_mbit is not None and (not isinstance(self.link_mbit, (list, tuple)) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.link_mbit)):
             raise ValueError(f"link_mbit={self.link_mbit!r}: expected positive rates in Mbit/s, one per boundary")
+        for name in ("buffer_memory_gb", "buffer_disk_gb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value < float("inf")):
+                raise ValueError(f"{name}={value!r}: expected a size in GB >= 0, or none for the default")
         if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in buffer_dtype")

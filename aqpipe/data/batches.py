@@ -69,10 +69,30 @@ def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: in
         check_int(name, value, 0, what="an int >= 0")
     steps = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, count, drop_last=drop_last)
     members = _shard_members(len(dataset), seed, index, count)
-    order = np.random.default_rng([seed, epoch]).permutation(len(members)) if shuffle else np.arange(len(members))
-    size = micro_batch_size * num_micro_batches
-    order = np.concatenate([order, order[: steps * size - len(order)]]) if steps * size > len(order) else order
+    order = _epoch_order(len(members), seed, epoch, steps * micro_batch_size * num_micro_batches, shuffle)
     return _steps(dataset, members, order, steps, micro_batch_size, num_micro_batches)
+
+
+def _epoch_order(size: int, seed: int, epoch: int, visits: int, shuffle: bool = True) -> np.ndarray:
+    """The shard positions an epoch visits, in order: the shard shuffled by (seed, epoch), cut to `visits` (a
+    dropped partial batch) or filled up from its start."""
+    order = np.random.default_rng([seed, epoch]).permutation(size) if shuffle else np.arange(size)
+    return np.concatenate([order, order[: visits - size]]) if visits > size else order[:visits]
+
+
+def visit_counts(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, seed: int, shard_count: int,
+                 total_steps: int) -> np.ndarray:
+    """How often a run of `total_steps` steps visits each position of a replica's shard (the same for every
+    replica: each shuffles its shard alike), in the order `micro_batches` gives: which samples AQ-SGD's buffers
+    will read back (those visited twice or more), and how often."""
+    check_int("total_steps", total_steps, 0)
+    per_epoch = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, shard_count)
+    size, per_step = shard_size(len(dataset), shard_count), micro_batch_size * num_micro_batches
+    counts = np.zeros(size, dtype=np.int64)
+    for epoch in range(math.ceil(total_steps / per_epoch)):
+        steps = min(per_epoch, total_steps - epoch * per_epoch)
+        np.add.at(counts, _epoch_order(size, seed, epoch, steps * per_step), 1)
+    return counts
 
 
 def _shard_members(num_samples: int, seed: int, index: int, count: int) -> np.ndarray:

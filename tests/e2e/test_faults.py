@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,6 +220,9 @@ def test_a_rank_killed_mid_run_stops_its_peer_and_the_run_resumes_exactly(tmp_pa
                 assert b[key] == pytest.approx(a[key], rel=1e-6)
         assert (b.get("fwd_bytes"), b.get("bwd_bytes")) == (a.get("fwd_bytes"), a.get("bwd_bytes"))
     assert got[5]["fwd_bytes"] * 8 < got[0]["fwd_bytes"]  # step 6: deltas of samples seen before the kill
+    # the last checkpoint took the buffer files themselves (no copy), and no buffer file is left behind
+    moved = sorted(p.name for p in (out / "checkpoints" / "step_00000006").glob("*.buf"))
+    assert moved == ["boundary0_recv_replica0.buf", "boundary0_send_replica0.buf"] and not Path(buffers).exists()
     ref_w, res_w = (AutoModelForCausalLM.from_pretrained(d / "model").state_dict() for d in (reference_run, out))
     for key, value in ref_w.items():
         assert torch.allclose(res_w[key], value, rtol=1e-6, atol=0), key

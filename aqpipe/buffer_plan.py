@@ -1,0 +1,175 @@
+"""Where a run's AQ-SGD buffer rows go, planned once at start from the run's own data order.
+
+A buffer row m[ξ] is read only when sample ξ comes back, so the plan counts each sample's visits over the run's
+steps (data.visit_counts) and gives rows only to the samples visited twice or more: a one-epoch run, or one that
+`--max_steps` ends within the first epoch, keeps none, and its memory is flat in the dataset's size. Each rank's rows
+(samples x row bytes x the boundary sides it holds) then go to memory where they fit its memory budget, else to a
+sparse memory-mapped file under `--buffer_dir` (default `<output_dir>/buffers`) where they fit its disk budget, else
+as many samples keep rows as the larger budget holds (those visited most), and the others are sent whole at every
+visit, as first visits are. Both sides of a boundary must keep the same samples, so the ranks agree on the count:
+the fewest any rank holds. Rank 0 says the outcome in one line at start.
+
+Why a fixed set of samples and not eviction: each epoch visits every sample once, in a new shuffle, so between two
+visits of a sample nearly every other sample comes by. Least-recently-used rows then hit about 3.5% of revisits
+with room for a quarter of the rows, and a fixed quarter hits 25%, which is also what Belady's optimal rule (evict
+the row needed furthest ahead, knowing the order) reaches here (benchmarks/RESULTS.md, "AQ-SGD at a user's
+dataset size"). A fixed set also needs no eviction state, so both sides agree by construction and a step is undone
+as before.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import RunConfig
+from .environment import launch
+from .storage import broadcast, gather
+from .world import World
+
+BUDGET_SHARE = 0.5  # of the memory available at start, or of the free disk, that a machine's buffers may take
+DEFAULT_DIR = "buffers"  # under the output directory
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a reader compares them with RAM and disks (kB, MB, GB, TB: powers of 10)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes / 1e3:.3g} kB"
+
+
+def available_memory() -> int:
+    """The memory this machine can give without swapping, in bytes (Linux's MemAvailable; else its total)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_disk(directory: Path) -> int:
+    """Free bytes on the filesystem that holds (or will hold) `directory`."""
+    for path in (directory, *directory.absolute().parents):
+        if path.exists():
+            return shutil.disk_usage(path).free
+    return 0
+
+
+@dataclass(frozen=True)
+class RankBudget:
+    """What one rank can hold: its boundary sides, and its memory and disk budgets in bytes; and a digest of the
+    visits it counted, which every rank must share (each computes the kept samples from them)."""
+
+    sides: int
+    memory: int
+    disk: int
+    explicit_dir: bool  # --buffer_dir given: the rows go to disk, as the user asked
+    visits: str = ""
+
+    def rows(self, row: int, wanted: int) -> int:
+        """How many samples' rows (on each side) this rank can hold, at most `wanted`."""
+        if not self.sides:
+            return wanted
+        per_sample = self.sides * row
+        room = self.disk if self.explicit_dir else max(self.memory, self.disk)
+        if not self.explicit_dir and wanted * per_sample <= self.memory:
+            return wanted
+        return min(wanted, room // per_sample)
+
+    def on_disk(self, row: int, rows: int) -> bool:
+        """Where `rows` samples' rows go on this rank: disk when asked, or when memory cannot hold them."""
+        return self.explicit_dir or self.sides * row * rows > self.memory
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """The samples that hold rows (a bool per shard position), and where this rank's rows live (None: memory)."""
+
+    keep: torch.Tensor
+    directory: str | None
+    line: str | None = None  # what rank 0 says at start
+
+
+def rank_budget(cfg: RunConfig, sides: int, local_ranks: int, counts: np.ndarray) -> RankBudget:
+    """This rank's budgets: the settings', or BUDGET_SHARE of what the machine has, shared by its ranks."""
+    c = cfg.compression
+    memory = c.buffer_memory_gb * 1e9 if c.buffer_memory_gb is not None else \
+        BUDGET_SHARE * available_memory() / local_ranks
+    disk = c.buffer_disk_gb * 1e9 if c.buffer_disk_gb is not None else \
+        BUDGET_SHARE * free_disk(buffer_directory(cfg)) / local_ranks
+    return RankBudget(sides, int(memory), int(disk), c.buffer_dir is not None,
+                      hashlib.sha256(counts.astype(np.int64).tobytes()).hexdigest())
+
+
+def buffer_directory(cfg: RunConfig) -> Path:
+    """Where rows go when they go to disk."""
+    return Path(cfg.compression.buffer_dir or Path(cfg.checkpointing.output_dir) / DEFAULT_DIR)
+
+
+def kept_samples(counts: np.ndarray, rows: int) -> torch.Tensor:
+    """The `rows` samples visited most (of those visited twice or more; the lowest positions first among equals)."""
+    keep = torch.zeros(len(counts), dtype=torch.bool)
+    order = np.argsort(-counts, kind="stable")[:rows]
+    keep[torch.from_numpy(order[counts[order] >= 2])] = True
+    return keep
+
+
+def plan(cfg: RunConfig, world: World, counts: np.ndarray, sides: int, row: int, form: str) -> BufferPlan:
+    """Every rank's part of the plan, agreed through rank 0 (every rank calls it at the same point). `counts`: the
+    run's visits per shard position; `sides`: the boundary sides this rank's stage holds; `row`: one row's bytes;
+    `form`: how a row is held, for the line (float16, 8-bit, ...)."""
+    wanted = int((counts >= 2).sum())
+    mine = rank_budget(cfg, sides, launch().local_world_size, counts)
+    everyone = gather(mine, world)
+    verdict: Any = None
+    if everyone is not None:
+        verdict = agree(everyone, row, wanted)
+        if isinstance(verdict, int):
+            verdict = (verdict, describe(cfg, everyone, counts, wanted, verdict, row, form))
+    verdict = broadcast(verdict, world)
+    if isinstance(verdict, str):
+        raise ValueError(verdict)
+    rows, line = verdict
+    directory = str(buffer_directory(cfg)) if sides and rows and mine.on_disk(row, rows) else None
+    return BufferPlan(kept_samples(counts, rows), directory, line if world.rank == 0 else None)
+
+
+def agree(budgets: list[RankBudget], row: int, wanted: int) -> int | str:
+    """The samples every rank can hold rows for (the fewest any can), or why the ranks cannot agree: each computes
+    which samples keep rows from the visits it counted, so those must be the same everywhere."""
+    if len({b.visits for b in budgets}) > 1:
+        digests = [b.visits[:8] for b in budgets]
+        return (f"the ranks count different visits per sample (digests by rank: {digests}): expected every rank to "
+                "load the same data with the same seed and batch sizes")
+    return min(b.rows(row, wanted) for b in budgets)
+
+
+def describe(cfg: RunConfig, budgets: list[RankBudget], counts: np.ndarray, wanted: int, rows: int, row: int,
+             form: str) -> str:
+    """The start line: how many samples keep rows, their bytes and place on each rank, and what the rest cost."""
+    visits = int(counts.sum())
+    if not wanted:
+        return (f"AQ-SGD buffers: none kept: no sample is visited twice in this run's {visits:,} visits, so every "
+                "visit goes whole, as a first visit")
+    where = []
+    for rank, budget in enumerate(budgets):
+        if budget.sides:
+            place = f"on disk under {buffer_directory(cfg)}" if budget.on_disk(row, rows) else "in memory"
+            where.append(f"rank {rank} {size(budget.sides * rows * row)} {place}")
+    line = (f"AQ-SGD buffers: rows for {rows:,} of the {wanted:,} samples visited again ({len(counts):,} in a "
+            f"replica's shard), {size(row)} each ({form}): " + ", ".join(where))
+    if rows < wanted:
+        tight = min((b for b in budgets if b.sides), key=lambda b: b.rows(row, wanted))
+        line += (f"; the budget holds no more (a rank with {tight.sides} side(s), {size(tight.memory)} of memory "
+                 f"and {size(tight.disk)} of disk: --buffer_memory_gb, --buffer_disk_gb), so the other "
+                 f"{wanted - rows:,} samples are sent whole at every visit")
+    return line
