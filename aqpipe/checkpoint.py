@@ -114,8 +114,8 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     if "compression.first_visit" not in theirs:  # checkpoints from before first-visit codecs: whole first visits
         theirs.update({"compression.first_visit": "none", "compression.first_visit_bits": mine.get(
             "compression.first_visit_bits"), "compression.first_visit_base": mine.get("compression.first_visit_base")})
-    # resolved when the run started: a resume keeps what its run resolved (a QAdam warm-up's steps, the first-visit
-    # codec its epochs chose), whatever its own epochs would resolve now
+    # resolved when the run started: a resume keeps what its run resolved (a QAdam warm-up's steps; the first-visit
+    # codec its epochs chose, in checkpoints from before auto chose per sample), whatever its epochs resolve now
     for auto, section, name in (("data_parallel.warmup_steps", "data_parallel", "warmup_steps"),
                                 ("compression.first_visit", "compression", "first_visit")):
         if mine.get(auto) == "auto" and theirs.get(auto) not in (None, "auto"):

@@ -44,10 +44,10 @@ def _warmup_decay() -> dict[str, Any]:
 
 
 def _aqsgd() -> CompressionConfig:
-    """The trainer's boundaries: AQ-SGD at 2 bits forward, its first visits in a one-epoch run (all first visits) as
-    3-bit Hadamard changes from the boundary's running mean per position, whole in longer ones (benchmarks/
-    RESULTS.md, "Compressed from the first step"), DirectQ at 4 backward (the library's own default is none: an
-    engine built without a section sends full precision)."""
+    """The trainer's boundaries: AQ-SGD at 2 bits forward, a sample's first visit whole where the run reads it back
+    and as a 3-bit Hadamard change from the boundary's running mean per position where it never does (every sample
+    of a one-epoch run: benchmarks/RESULTS.md, "Compressed from the first step"), DirectQ at 4 backward (the
+    library's own default is none: an engine built without a section sends full precision)."""
     return CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
                              first_visit="auto", first_visit_bits=3, first_visit_base="position")
 
@@ -263,16 +263,13 @@ class RunConfig:
         out["compression"]["buffer_dtype"] = str(self.compression.buffer_dtype).removeprefix("torch.")
         return out
 
-    def for_run(self, total_steps: int, steps_per_epoch: int | None = None) -> "RunConfig":
-        """The settings a run of `total_steps` records: an "auto" first-visit codec resolved by how often the run
-        visits each sample (`steps_per_epoch`; None: once), and with replicas an "auto" data-parallel warm-up
-        resolved to its number (a checkpoint keeps both, so a resume with more epochs keeps them)."""
-        visits = 1.0 if not steps_per_epoch else total_steps / steps_per_epoch
-        cfg = replace(self, compression=self.compression.for_visits(visits))
+    def for_run(self, total_steps: int) -> "RunConfig":
+        """The settings a run of `total_steps` records: with replicas an "auto" data-parallel warm-up resolved to its
+        number (a checkpoint keeps it, so a resume with more epochs keeps it)."""
         if self.replicas < 2:
-            return cfg
+            return self
         steps = self.data_parallel.warmup_for(total_steps)
-        return replace(cfg, data_parallel=replace(self.data_parallel, warmup_steps=steps))
+        return replace(self, data_parallel=replace(self.data_parallel, warmup_steps=steps))
 
 
 

@@ -325,7 +325,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
     replicas = Grid.for_world(world.size, stages).replicas  # the engine's grid, as build_engine makes it
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
-    cfg = cfg.for_run(total_steps, per_epoch)
+    cfg = cfg.for_run(total_steps)
     adapters = None if not cfg.lora.enabled else lora_config(
         spec.model_class, spec.config, cfg.lora, task.kind == "classification", stages, cfg.distributed.partition)
     buffers = plan_buffers(cfg, world, train_set, total_steps, spec)

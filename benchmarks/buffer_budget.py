@@ -4,9 +4,11 @@ The WAN score's workload (benchmarks/wan.py): a tied Llama with GPT-2's 50257-to
 shards), pretrained on the plays, fine-tuned under `torchrun -m aqpipe causal-lm` on 2 stages on a held-out corpus
 (the standard library's docstrings), 512 samples x 2 epochs, eval every 4 steps on 64 other samples, the trainer's
 own compression defaults (AQ-SGD 2-bit changes, DirectQ 4-bit backward, first visits `auto`). Each row is that job
-with another buffer setting; `--buffer_memory_gb` set to a quarter of the rows' bytes and `--buffer_disk_gb 0` make
-the plan keep rows for 128 of the 512 samples (the others sent whole at every visit). Reported per row: every wire's
-bytes a step in epoch 1 and in epoch 2, and the final eval loss, against the unbounded row.
+with another buffer budget (unbounded; `--buffer_memory_gb` at a quarter of the rows' bytes and `--buffer_disk_gb 0`,
+which keep rows for 128 of the 512 samples, the others sent whole at every visit; or none) and another codec for the
+whole rows (auto; `_whole`: all in full precision; `_hadamard`: all 3-bit Hadamard changes from the running base).
+Reported per row: every wire's bytes a step in epoch 1 and in epoch 2, and the final eval loss, against the
+unbounded row.
 
     python -m benchmarks.buffer_budget --json benchmarks/results/buffer_budget.json     # ~25 min on 2 cores
 """
@@ -23,15 +25,13 @@ from benchmarks.slow_link import LLAMA_SCRIPT, Shape
 from benchmarks.wan import WIRES, curve, job_flags, prepare, run
 
 QUARTER = "quarter"  # a stand-in in ROWS for the budget that holds a quarter of the rows, filled in at run time
-HADAMARD = ["--first_visit_compress", "hadamard"]  # 3 bits, changes from the running base: the trainer's 1-epoch codec
-ROWS: dict[str, list[str]] = {
-    "unbounded": [],
-    "quarter": ["--buffer_memory_gb", QUARTER, "--buffer_disk_gb", "0"],
-    "none_kept": ["--buffer_memory_gb", "0", "--buffer_disk_gb", "0"],
-    "unbounded_hadamard": HADAMARD,
-    "quarter_hadamard": ["--buffer_memory_gb", QUARTER, "--buffer_disk_gb", "0", *HADAMARD],
-    "none_kept_hadamard": ["--buffer_memory_gb", "0", "--buffer_disk_gb", "0", *HADAMARD],
-}
+BUDGETS = {"unbounded": [], "quarter": ["--buffer_memory_gb", QUARTER, "--buffer_disk_gb", "0"],
+           "none_kept": ["--buffer_memory_gb", "0", "--buffer_disk_gb", "0"]}
+# whole rows: auto (the trainer's: a kept sample's first visit in full precision, the others 3-bit Hadamard changes
+# from the running base), every one in full precision, or every one 3-bit Hadamard
+WHOLE = {"": [], "_whole": ["--first_visit_compress", "none"], "_hadamard": ["--first_visit_compress", "hadamard"]}
+ROWS: dict[str, list[str]] = {f"{budget}{kind}": [*flags, *rows] for budget, flags in BUDGETS.items()
+                              for kind, rows in WHOLE.items()}
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:

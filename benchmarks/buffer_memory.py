@@ -8,8 +8,8 @@ default epochs planned, cut to 2 steps), `--epochs 2 --max_steps 2`, `--epochs 1
 as Ctrl-C stops it (each rank exits, writing its peak): what it held by then is its start's and first steps'
 memory, rows allocated up front included, while its plan (made at start for the whole run) is in its start line,
 quoted in the results. Each corpus is tokenized once, into a cache its runs share.
-Every rank's peak resident memory is read as it exits (rank_memory.py's hook); the buffer files' blocks on disk are
-read when the run has stopped.
+Every rank's peak resident memory is read as it exits (rank_memory.py's hook); the buffer files' blocks on disk and
+the newest checkpoint's bytes (one every 10 steps) are read when the run has stopped.
 
     python -m benchmarks.buffer_memory --json benchmarks/results/buffer_memory.json      # ~25 min
     python -m benchmarks.buffer_memory --sizes 0.03,60 --before <rev>   # the same jobs from another revision too
@@ -30,7 +30,8 @@ from typing import Any
 from benchmarks.corpus_memory import write_corpus
 from benchmarks.rank_memory import HOOK, checkouts
 
-JOB = ["--seq_len", "64", "--max_train_samples", "0", "--max_eval_samples", "8", "--eval_every", "0"]
+JOB = ["--seq_len", "64", "--max_train_samples", "0", "--max_eval_samples", "8", "--eval_every", "0",
+       "--save_every", "10"]
 LENGTHS = {"max_steps 2": ["--max_steps", "2"], "2 epochs, max_steps 2": ["--epochs", "2", "--max_steps", "2"],
            "1 epoch": ["--epochs", "1"], "2 epochs": ["--epochs", "2"]}
 
@@ -91,9 +92,11 @@ def run_job(checkout: Path, corpus: Path, cache: Path, work: Path, name: str, le
     if proc.returncode and not stopped:
         raise SystemExit(f"buffer_memory: {' '.join(cmd)} failed:\n{said[-3000:]}")
     lines = [line for line in said.splitlines() if line.startswith(("data:", "AQ-SGD buffers:"))]
+    saved = sorted((out / "checkpoints").glob("step_*[0-9]"))
     return {"peak_mb": [int((peaks / f"rank{r}.kb").read_text()) / 1024 for r in range(2)],
             "steps": steps_done(out / "metrics.jsonl"), "stopped": stopped, "said": lines,
-            "buffer_files_on_disk": blocks(out / "buffers"), "seconds": time.perf_counter() - started}
+            "buffer_files_on_disk": blocks(out / "buffers"), "seconds": time.perf_counter() - started,
+            "checkpoint": saved[-1].name if saved else None, "checkpoint_bytes": blocks(saved[-1]) if saved else 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,18 +126,21 @@ def main(argv: list[str] | None = None) -> int:
                         result["runs"][f"{label} | {size:g} MB | {length}"] = row
                         print(f"{size:g} MB, {length}, {label}: peak MB by rank {[round(x) for x in row['peak_mb']]}, "
                               f"{row['steps']} steps, buffer files {row['buffer_files_on_disk'] / 1e6:.1f} MB on "
-                              f"disk\n  " + "\n  ".join(row["said"]), flush=True)
+                              f"disk, {row['checkpoint']} {row['checkpoint_bytes'] / 1e6:.1f} MB\n  "
+                              + "\n  ".join(row["said"]), flush=True)
                 corpus.unlink()
     tiny = {}
-    print("\n| corpus | run | code | largest rank's peak | over the tiny corpus | buffer files on disk | plan |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| corpus | run | code | largest rank's peak | over the tiny corpus | buffer files on disk | newest "
+          "checkpoint | plan |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, row in result["runs"].items():
         label, size, length = key.split(" | ")
         peak = max(row["peak_mb"])
         tiny.setdefault((label, length), peak)
         plan = next((line for line in row["said"] if line.startswith("AQ-SGD")), "(no plan line)")
         print(f"| {size} | {length} | {label} | {peak:.0f} MB | {peak - tiny[(label, length)]:+.0f} MB | "
-              f"{row['buffer_files_on_disk'] / 1e6:.1f} MB | {plan} |")
+              f"{row['buffer_files_on_disk'] / 1e6:.1f} MB | {row['checkpoint'] or '-'}: "
+              f"{row['checkpoint_bytes'] / 1e6:.1f} MB | {plan} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -126,6 +126,12 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def positions(mask: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """The indices where a host mask is set, on `device` without a host sync (a mask indexing a GPU tensor would
+    read its count back)."""
+    return to_device(mask.nonzero().squeeze(1), device)
+
+
 def _pinned_like(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 

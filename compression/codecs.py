@@ -13,7 +13,9 @@ Forward modes:
           codec: in full precision (its own dtype; `none`, the paper's), or cache-free as `direct` or
           `hadamard` at `first_visit_bits`; the receiver computes with what it decoded and both sides
           store that decoded value as m[ξ] (in the buffer dtype, or quantized with buffer_bits), so
-          later deltas are taken against exactly what the receiver holds;
+          later deltas are taken against exactly what the receiver holds; a sample the buffer keeps
+          out (never read back) is sent whole at every visit, through the `transient_visit` codec
+          (default: the `first_visit` one), and stored nowhere;
           later visits send Q(a - m[ξ]), both sides set m[ξ] += deQ(Q(a - m[ξ])) and the
           receiver computes with m[ξ]. In a one-epoch fine-tune every visit is a first visit.
 Backward modes: none, direct (Q of the gradient w.r.t. the boundary activation), hadamard (the same
@@ -29,18 +31,19 @@ from typing import Any, Callable
 
 import torch
 
-from .buffers import BufferRangeError, SampleBuffer, to_device
+from .buffers import BufferRangeError, SampleBuffer, positions
 from .hadamard import block_size, random_signs, rotate, unrotate
 from .quantizer import (QuantizedTensor, check_bits, check_finite, check_float, check_scale_dtype,
                         dequantize, quantize)
 from .running_base import BASES, RunningBase
+from .whole_rows import WholeRows
 
 FORWARD_MODES = ("none", "direct", "hadamard", "aqsgd")
 BACKWARD_MODES = ("none", "direct", "hadamard")
 FIRST_VISIT_MODES = ("none", "direct", "hadamard")  # cache-free codecs for AQ-SGD's whole rows
 _FIRST_VISIT_SEED = 1 << 20  # offsets the first-visit codec's dither from the delta quantizer's
 _EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None, "first_visit_base": "none",
-                     "scale_dtype": "float32"}
+                     "scale_dtype": "float32"}  # transient_visit: as first_visit (_check_config)
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,6 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _from_raw(buf: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return buf.clone().view(dtype).view(shape)  # clone: the view needs the dtype's alignment
-
-
-def _positions(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The indices where a host mask is set, on `device` without a host sync (a mask indexing a GPU tensor would
-    read its count back)."""
-    return to_device(mask.nonzero().squeeze(1), device)
 
 
 def _check_payload(message: Message, expected: int, why: str) -> None:
@@ -192,6 +189,7 @@ class _Codec:
     def _check_config(self, state: dict[str, Any]) -> None:
         # keys saved before adaptive codecs and first-visit codecs take the values those versions had
         mine, theirs = self._config(), {**_EARLIER_DEFAULTS, **state.get("config", {})}
+        theirs.setdefault("transient_visit", theirs["first_visit"])  # before rows kept out had a codec of their own
         diff = [f"{k}: checkpoint {theirs.get(k)!r} vs codec {v!r}" for k, v in mine.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"{type(self).__name__} state does not match this codec: " + "; ".join(diff))
@@ -263,6 +261,9 @@ class ForwardCodec(_Codec):
     sends every sample of the micro-batch whole and resets its row: the warm-up epochs.
     `first_visit` (none, direct, hadamard; `first_visit_bits`, `first_visit_group_size`) is how rows
     sent whole travel: `none` in full precision, else cache-free, the decoded rows stored on both sides.
+    `transient_visit` (None: as `first_visit`) is how the rows of samples kept out of the buffer travel: they
+    are never a later change's base, so `none` for first visits and `hadamard` for these sends a kept sample's
+    base exactly and the rest as cheaply as a one-epoch run. `first_visit_base` serves the compressed ones.
     """
 
     modes = FORWARD_MODES
@@ -275,11 +276,11 @@ class ForwardCodec(_Codec):
         adaptive: bool = False, first_visit: str = "none", first_visit_bits: int | None = None,
         first_visit_group_size: int | None = None, first_visit_base: str = "none",
         scale_dtype: torch.dtype = torch.float32, buffer_keep: torch.Tensor | None = None,
+        transient_visit: str | None = None,
     ) -> None:
         super().__init__(mode, bits, stochastic, seed, group_size, rotation_seed, adaptive, scale_dtype)
         self.buffer: SampleBuffer | None = None
-        self.first: RowCodec | None = None
-        self.base: RunningBase | None = None  # first visits as changes against the boundary's running mean
+        self.whole: WholeRows | None = None  # how rows sent whole travel (first visits, samples kept out)
         self._squares: tuple[Any, Any] = (0.0, 0.0)  # sum ||a - m||^2, sum ||a||^2 over changes sent (take_change)
         if mode == "aqsgd":
             if num_samples is None or sample_shape is None:
@@ -287,17 +288,22 @@ class ForwardCodec(_Codec):
                                  "and sample_shape (one sample's activation)")
             self.buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits,
                                        buffer_keep)
-            # whole first visits take no bits (a preset's bits for another mode are not this codec's setting)
-            self.first = RowCodec(first_visit, None if first_visit == "none" else first_visit_bits, stochastic,
-                                  int(seed) + _FIRST_VISIT_SEED, first_visit_group_size, rotation_seed,
-                                  scale_dtype=scale_dtype)
+
+            def row_codec(row_mode: str, offset: int) -> RowCodec:  # whole rows take no bits in full precision
+                return RowCodec(row_mode, None if row_mode == "none" else first_visit_bits, stochastic,
+                                int(seed) + offset, first_visit_group_size, rotation_seed, scale_dtype=scale_dtype)
+
+            first = row_codec(first_visit, _FIRST_VISIT_SEED)
+            # the transient codec's dither is the first visits' own stream where those draw none (full precision)
+            transient = first if transient_visit in (None, first_visit) else \
+                row_codec(transient_visit, _FIRST_VISIT_SEED * (1 if first_visit == "none" else 2))
             if first_visit_base not in BASES:
                 raise ValueError(f"first_visit_base={first_visit_base!r}: expected one of {', '.join(BASES)}")
-            if first_visit_base != "none":
-                if first_visit == "none":
-                    raise ValueError(f"first_visit_base={first_visit_base!r}: expected a compressed first visit "
-                                     "(first_visit direct or hadamard), not none")
-                self.base = RunningBase(tuple(sample_shape))
+            if first_visit_base != "none" and first.mode == transient.mode == "none":
+                raise ValueError(f"first_visit_base={first_visit_base!r}: expected a compressed first visit "
+                                 "(first_visit direct or hadamard), not none")
+            base = RunningBase(tuple(sample_shape)) if first_visit_base != "none" else None
+            self.whole = WholeRows(first, transient, base, self.buffer)
             if self.bits == 1:
                 warnings.warn(
                     "aqsgd at 1 bit: min-max quantization then errs by more than the change it sends "
@@ -323,22 +329,9 @@ class ForwardCodec(_Codec):
     def _delta_shape(self, n: int) -> torch.Size:
         return torch.Size((n, *self.buffer.sample_shape))
 
-    def _row_nbytes(self, n: int, dtype: torch.dtype) -> int:
-        return self.first.nbytes(n, self.buffer.sample_shape, dtype)
-
-    def _aqsgd_nbytes(self, n_whole: int, n_delta: int, dtype: torch.dtype) -> int:
-        whole = self._row_nbytes(n_whole, dtype)
-        return whole + QuantizedTensor.wire_nbytes(self._delta_shape(n_delta), self.bits, self.group_size,
-                                                   self.scale_dtype)
-
-    def _from_base(self, decoded: torch.Tensor) -> torch.Tensor:
-        """Whole rows as decoded, or base + decoded with a running base."""
-        return decoded if self.base is None else self.base.restore(decoded)
-
-    def _fold(self, rows: torch.Tensor) -> None:
-        """The running base takes in the whole rows of a message once they are stored (both sides, in order)."""
-        if self.base is not None:
-            self.base.update(rows)
+    def _aqsgd_nbytes(self, whole_ids: torch.Tensor, n_delta: int, dtype: torch.dtype) -> int:
+        return self.whole.nbytes(whole_ids, dtype) + QuantizedTensor.wire_nbytes(
+            self._delta_shape(n_delta), self.bits, self.group_size, self.scale_dtype)
 
     def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
                moved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -352,7 +345,7 @@ class ForwardCodec(_Codec):
         changed = buf.prepare(delta_ids, moved)
         kept = buf.keeps(whole_ids)  # a sample kept out of the buffer (never read back) stores nothing
         if bool(kept.any()):
-            kept_rows = rows if bool(kept.all()) else rows.index_select(0, _positions(kept, device))
+            kept_rows = rows if bool(kept.all()) else rows.index_select(0, positions(kept, device))
             buf.store(whole_ids[kept], buf.prepare(whole_ids[kept], kept_rows))
         buf.store(delta_ids, changed)
         if not whole_ids.numel():  # the steady state: every sample sent as a change
@@ -360,8 +353,8 @@ class ForwardCodec(_Codec):
         if not delta_ids.numel():  # first visits
             return rows.to(dtype)
         out = torch.empty((ids.numel(), *buf.sample_shape), dtype=dtype, device=device)
-        out.index_copy_(0, _positions(whole, device), rows.to(dtype))
-        out.index_copy_(0, _positions(delta, device), changed.held.to(dtype))
+        out.index_copy_(0, positions(whole, device), rows.to(dtype))
+        out.index_copy_(0, positions(delta, device), changed.held.to(dtype))
         return out
 
     # ------------------------------------------------------------------ public API
@@ -374,18 +367,17 @@ class ForwardCodec(_Codec):
         x = x.detach()
         self._check_finite(x, "activation")
         steady = not bool(whole.any())  # every sample sent as a change: no masks to apply (host bits, no sync)
-        rows = x[:0] if steady else x.index_select(0, _positions(whole, x.device))
+        rows = x[:0] if steady else x.index_select(0, positions(whole, x.device))
         m = self.buffer.rows(ids[delta], x.device).float()
-        moved = (x if steady else x.index_select(0, _positions(delta, x.device))).float()
+        moved = (x if steady else x.index_select(0, positions(delta, x.device))).float()
         change = moved - m
         self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
                          self._squares[1] + torch.linalg.vector_norm(moved).square())
         q = self._quantize(change)
-        sent = self.first.encode(rows if self.base is None else self.base.center(rows))
-        whole_rows = self._from_base(sent.decoded)  # what the receiver will compute with and store
+        payloads, whole_rows = self.whole.send(rows, ids[whole])  # what the receiver will compute with and store
         decoded = self._apply(ids, whole, delta, whole_rows, dequantize(q, base=m), x.dtype)
-        self._fold(whole_rows)
-        payload = torch.cat([sent.payload, q.to_bytes().to(x.device)])
+        self.whole.fold(whole_rows)
+        payload = torch.cat([*payloads, q.to_bytes().to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
@@ -394,8 +386,8 @@ class ForwardCodec(_Codec):
         shape = torch.Size(shape)
         if self.mode != "aqsgd":
             return self._dense_nbytes(shape, dtype)
-        _, whole, delta = self._split(sample_ids, shape, refresh)
-        return self._aqsgd_nbytes(int(whole.sum()), int(delta.sum()), dtype)
+        ids, whole, delta = self._split(sample_ids, shape, refresh)
+        return self._aqsgd_nbytes(ids[whole], int(delta.sum()), dtype)
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
         """The tensor the receiving stage computes with (for aqsgd: m[ξ] after this update)."""
@@ -403,26 +395,26 @@ class ForwardCodec(_Codec):
             return self._decode_dense(message)
         shape = torch.Size(message.shape)
         ids, whole, delta = self._split(sample_ids, shape, refresh)
-        n_whole, n_delta = int(whole.sum()), int(delta.sum())
+        whole_ids, n_delta = ids[whole], int(delta.sum())
         _check_payload(
-            message, self._aqsgd_nbytes(n_whole, n_delta, message.dtype),
-            f"for {n_whole} whole and {n_delta} delta samples: the two sides' buffers disagree "
+            message, self._aqsgd_nbytes(whole_ids, n_delta, message.dtype),
+            f"for {whole_ids.numel()} whole and {n_delta} delta samples: the two sides' buffers disagree "
             "(a different sample order, a lost message, or refresh on one side only)",
         )
-        payload, row_bytes = message.payload, self._row_nbytes(n_whole, message.dtype)
-        rows = self._from_base(self.first.decode(payload[:row_bytes], self._delta_shape(n_whole), message.dtype))
+        payload = message.payload
+        rows, row_bytes = self.whole.receive(payload, whole_ids, message.dtype)
         q = QuantizedTensor.from_bytes(payload[row_bytes:], self._delta_shape(n_delta), torch.float32,
                                        self.bits, self.group_size, self.scale_dtype)
         m = self.buffer.rows(ids[delta], payload.device).float()
         out = self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
-        self._fold(rows)
+        self.whole.fold(rows)
         return out
 
     def defer_checks(self) -> None:
         """As the other codecs', and the buffer's writes wait for `settle` (SampleBuffer.defer)."""
         super().defer_checks()
-        if self.first is not None:
-            self.first.defer_checks()
+        for codec in self._row_codecs():
+            codec.defer_checks()
         if self.buffer is not None:
             self.buffer.defer()
 
@@ -432,7 +424,10 @@ class ForwardCodec(_Codec):
         return self.buffer.settle() if self.buffer is not None else None
 
     def take_checks(self) -> list[torch.Tensor]:
-        return super().take_checks() + (self.first.take_checks() if self.first is not None else [])
+        return super().take_checks() + [flag for codec in self._row_codecs() for flag in codec.take_checks()]
+
+    def _row_codecs(self) -> list[RowCodec]:
+        return [] if self.whole is None else self.whole.codecs()
 
     def take_change(self) -> tuple[float, float]:
         """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: the root of their ratio
@@ -443,20 +438,17 @@ class ForwardCodec(_Codec):
         return float(change), float(activation)
 
     def undo_point(self, sample_ids: Any) -> Callable[[], None]:
-        """A function that puts back the buffer rows and seen bits of `sample_ids`, the first-visit codec's dither
-        and the running base as they are now: how a step that must leave no trace (a NaN, an overflow) is undone.
+        """A function that puts back the buffer rows and seen bits of `sample_ids`, the whole-row codecs' dither and
+        the running base as they are now: how a step that must leave no trace (a NaN, an overflow) is undone.
         Nothing to put back without a buffer."""
         if self.buffer is None:
             return lambda: None
         rows = self.buffer.snapshot(self.buffer.check_ids(sample_ids))
-        dither = self.first.generator.get_state()  # the first visits' rounding, as the rows' own
-        base = None if self.base is None else self.base.snapshot()
+        whole = self.whole.undo_point()
 
         def restore() -> None:
             self.buffer.restore(rows)
-            self.first.generator.set_state(dither)
-            if base is not None:
-                self.base.put_back(base)
+            whole()
 
         return restore
 
@@ -465,26 +457,19 @@ class ForwardCodec(_Codec):
         config = super()._config()
         if self.buffer is not None:
             config.update(num_samples=self.buffer.num_samples, sample_shape=self.buffer.sample_shape,
-                          buffer_dtype=str(self.buffer.dtype), buffer_bits=self.buffer.bits)
-            config.update(first_visit=self.first.mode, first_visit_bits=self.first.bits,
-                          first_visit_base="none" if self.base is None else "position")
+                          buffer_dtype=str(self.buffer.dtype), buffer_bits=self.buffer.bits, **self.whole.config())
         return config
 
     def state_dict(self) -> dict[str, Any]:
-        """Config (checked on load), the dither generators, and for aqsgd the buffer rows and seen bits."""
+        """Config (checked on load), the dither generators, and for aqsgd the buffer's rows and the whole rows' codecs
+        and base."""
         state = super().state_dict()
         if self.buffer is not None:
-            state["buffer"] = self.buffer.state_dict()
-            state["first_visit"] = self.first.state_dict()
-            if self.base is not None:
-                state["first_visit_base"] = self.base.state_dict()
+            state.update(buffer=self.buffer.state_dict(), **self.whole.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.buffer is not None:
             self.buffer.load_state_dict(state["buffer"])
-            if "first_visit" in state:  # saved before first-visit codecs: full precision, no dither to restore
-                self.first.load_state_dict(state["first_visit"])
-            if self.base is not None:
-                self.base.load_state_dict(state["first_visit_base"])
+            self.whole.load_state_dict(state)

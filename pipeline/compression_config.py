@@ -1,7 +1,7 @@
 """What every stage boundary and tied weight sends, as one section of settings the engine takes whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -53,8 +53,9 @@ class CompressionConfig:
     backward_bits: int | str | None = setting(None, "bits of backward compression (1-8), or auto")
     first_visit: str = setting("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none "
                                      "(whole, at full precision: the paper's), cache-free as direct or hadamard at "
-                                     "first_visit_bits (both sides keep what was decoded), or auto: hadamard when the "
-                                     "run visits each sample once (one epoch), else none", "first_visit_compress")
+                                     "first_visit_bits (both sides keep what was decoded), or auto: none for a "
+                                     "sample the run reads back (the base of its later changes), hadamard for one it "
+                                     "never does (every sample of a one-epoch run)", "first_visit_compress")
     first_visit_bits: int | None = setting(None, "bits of a compressed first visit (1-8)")
     first_visit_base: str = setting("none", "a compressed first visit sent as the change from the boundary's running "
                                           "mean per position (position), or whole (none)")
@@ -150,14 +151,12 @@ class CompressionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
 
-    def for_visits(self, visits: float) -> "CompressionConfig":
-        """`first_visit` auto resolved for a run that visits each sample `visits` times (steps x samples per step /
-        samples): hadamard at most once, where every visit is a first visit and a whole row would buy no later
-        delta; none beyond, where a full-precision first visit is the base of every later delta (benchmarks/
-        RESULTS.md, "Compressed from the first step")."""
-        if self.first_visit != "auto":
-            return self
-        return replace(self, first_visit="hadamard" if visits <= 1 else "none")
+    def whole_rows(self) -> tuple[str, str]:
+        """How AQ-SGD's whole rows travel: (first visits of samples the buffers keep, rows of samples they keep out).
+        `auto`: a kept sample's first visit is the base of every later change, so it goes at full precision; a row
+        never read back buys no later change, so it goes cache-free at 3-bit Hadamard, as a one-epoch run's every
+        row (benchmarks/RESULTS.md, "Compressed from the first step" and "AQ-SGD at a user's dataset size")."""
+        return ("none", "hadamard") if self.first_visit == "auto" else (self.first_visit, self.first_visit)
 
     def scales(self) -> torch.dtype:
         """The dtype quantization groups' scales travel as."""

@@ -133,9 +133,6 @@ class PipelineEngine:
         self.gradient_clipping, self.schedule = settings.gradient_clipping, settings.schedule
         self.skip_nonfinite = settings.skip_nonfinite
         self.compression = compression or CompressionConfig()
-        if self.compression.first_visits_compressed() and self.compression.first_visit == "auto":
-            raise ValueError("first_visit_compress=auto: expected it resolved for the run first "
-                             "(CompressionConfig.for_visits)")
         self.device, self.seed = settings.device, settings.seed
         self.num_samples = settings.num_samples  # rows of each AQ-SGD buffer: a training micro-batch's ids index them
         self.buffer_keep = settings.buffer_keep  # the samples whose rows the buffers keep (None: every one)
@@ -171,13 +168,13 @@ class PipelineEngine:
         if c.buffer_dir and c.forward == "aqsgd":
             path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
         shape = (seq_len, self.stage.hidden_size)
+        first, transient = c.whole_rows()
         kw = {"num_samples": self.num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
               "buffer_path": path, "buffer_bits": c.buffer_bits, "buffer_keep": self.buffer_keep,
-              "first_visit": c.first_visit,
-              "first_visit_bits": c.first_visit_bits,
+              "first_visit": first, "transient_visit": transient, "first_visit_bits": c.first_visit_bits,
               "first_visit_group_size": None if c.first_visit_bits is None else
               c.group_size("forward", shape[-1], c.first_visit_bits),
-              "first_visit_base": c.first_visit_base if c.first_visit != "none" else "none",
+              "first_visit_base": c.first_visit_base if c.first_visits_compressed() else "none",
               } if c.forward == "aqsgd" else {}
         codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
         rotation_seed = seed * 1000 + index * 10  # hadamard's signs: the same on both sides and in every replica

@@ -60,9 +60,9 @@ def test_python_and_torchrun_give_the_same_losses_and_a_loadable_model(tmp_path)
 
 
 def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
-    """The preset's first-visit codec is auto: a one-epoch run (every visit a first visit) sends 3-bit Hadamard rows
-    from step 1 and keeps no buffer row; a two-epoch run sends its first visits whole, the base of its later deltas,
-    and says at start where their rows live."""
+    """The preset's first-visit codec is auto: a one-epoch run (no sample read back) sends 3-bit Hadamard rows from
+    step 1 and keeps no buffer row; a two-epoch run sends its first visits whole, the base of its later deltas, and
+    says at start where their rows live."""
     from compression import QuantizedTensor
 
     runs = {}
@@ -77,14 +77,14 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
         runs[epochs] = ([r["fwd_bytes"] for r in rows if "loss" in r], summary["config"]["compression"])
     one, first_visits = runs["1"]
     assert (first_visits["first_visit"], first_visits["first_visit_bits"], first_visits["first_visit_base"]) == (
-        "hadamard", 3, "position")
+        "auto", 3, "position")  # auto chooses per sample: here none is read back, so each goes as a one-epoch row
     # two micro-batches a step, each 2 samples x 32 tokens x width 64: 3-bit codes, a min and step per token, ids
     compressed = 2 * (QuantizedTensor.wire_nbytes((2, 32, 64), 3) + 2 * 8)
     assert one == [compressed] * 8  # 32 samples, 4 a step: every step of the epoch, step 1 included
     whole = 2 * (2 * 32 * 64 * 4 + 2 * 8)  # float32 rows
     assert compressed * 7 < whole  # a token of 64 values: 24 bytes of codes and 8 of scales vs 256: 7.9x fewer
     two, whole_visits = runs["2"]
-    assert whole_visits["first_visit"] == "none" and two[:8] == [whole] * 8 and max(two[8:]) < compressed
+    assert whole_visits["first_visit"] == "auto" and two[:8] == [whole] * 8 and max(two[8:]) < compressed
 
 
 def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):

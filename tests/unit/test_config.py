@@ -382,32 +382,30 @@ def test_an_auto_warm_up_keeps_the_number_it_resolved_to_across_a_resume(tmp_pat
         run([*argv, "--epochs", "6", "--resume", "--dp_warmup_steps", "20"], monkeypatch, world=2)
 
 
-def test_auto_first_visits_keep_what_the_run_resolved_across_a_resume(tmp_path, monkeypatch):
-    """A one-epoch run resolved auto to hadamard; resumed with more epochs it keeps hadamard (its buffers hold
-    decoded rows), and a checkpoint from before first-visit codecs resumes with whole first visits."""
+def test_auto_first_visits_stay_auto_and_an_older_checkpoints_resolved_codec_is_kept(tmp_path, monkeypatch):
+    """auto chooses per sample (whole where the run reads a sample back), so a run records auto and a resume with more
+    epochs goes on choosing; a checkpoint from when auto was resolved by the run's epochs keeps what it resolved, and
+    one from before first-visit codecs resumes with whole first visits."""
     from aqpipe import checkpoint
 
-    def checkpoint_of(cfg, name):
+    def checkpoint_of(fingerprint, name):
         out = tmp_path / name
         step = out / "checkpoints" / "step_00000008"
         step.mkdir(parents=True)
-        (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT,
-                                                        "fingerprint": checkpoint.fingerprint(cfg)}))
+        (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT, "fingerprint": fingerprint}))
         (out / "checkpoints" / "latest").write_text(step.name)
         return ["--output_dir", str(out)]
 
-    one_epoch = run(["--output_dir", str(tmp_path / "x"), "--epochs", "1"], monkeypatch).for_run(8, 8)
-    assert one_epoch.compression.first_visit == "hadamard"
-    resumed = run([*checkpoint_of(one_epoch, "one"), "--epochs", "3", "--resume"], monkeypatch)
-    assert resumed.compression.first_visit == "hadamard"
-    assert resumed.for_run(24, 8).compression.first_visit == "hadamard"  # not re-resolved by the new epochs
-    older = checkpoint.fingerprint(run(["--output_dir", str(tmp_path / "y")], monkeypatch).for_run(24, 8))
-    older = {k: v for k, v in older.items() if not k.startswith("compression.first_visit")}
-    cfg = run(["--output_dir", str(tmp_path / "y")], monkeypatch).for_run(24, 8)
-    argv = checkpoint_of(cfg, "old")
-    manifest = tmp_path / "old" / "checkpoints" / "step_00000008" / "manifest.json"
-    manifest.write_text(json.dumps({"format": checkpoint.FORMAT, "fingerprint": older}))
-    assert run([*argv, "--epochs", "1", "--resume"], monkeypatch).compression.first_visit == "none"
+    one_epoch = run(["--output_dir", str(tmp_path / "x"), "--epochs", "1"], monkeypatch).for_run(8)
+    assert one_epoch.compression.first_visit == "auto"
+    resumed = run([*checkpoint_of(checkpoint.fingerprint(one_epoch), "one"), "--epochs", "3", "--resume"], monkeypatch)
+    assert resumed.compression.first_visit == "auto"
+    resolved = {**checkpoint.fingerprint(one_epoch), "compression.first_visit": "hadamard"}  # an older one-epoch run
+    assert run([*checkpoint_of(resolved, "resolved"), "--epochs", "3", "--resume"],
+               monkeypatch).compression.first_visit == "hadamard"
+    older = {k: v for k, v in checkpoint.fingerprint(one_epoch).items() if not k.startswith("compression.first_visit")}
+    old = run([*checkpoint_of(older, "old"), "--epochs", "1", "--resume"], monkeypatch)
+    assert old.compression.first_visit == "none"
 
 
 def test_fp16_compute_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
@@ -453,7 +451,7 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     path.write_text(json.dumps({"run": {"lora_rank": 4, "lora_target_modules": ["q_proj"]}}))
     assert run(["--deepspeed_config", str(path)], monkeypatch).lora == LoraSettings(4, target_modules=("q_proj",))
     flags = ["--output_dir", str(tmp_path / "out"), "--lora_rank", "4", "--lora_alpha", "16"]
-    cfg = run([*flags, "--loss_average", "micro_batches"], monkeypatch).for_run(24, 8)
+    cfg = run([*flags, "--loss_average", "micro_batches"], monkeypatch).for_run(24)
     new = checkpoint.fingerprint(cfg)
     assert (new["lora.rank"], new["lora.alpha"]) == (4, 16)
     older = {k.replace("lora.", "lora_"): v for k, v in new.items()

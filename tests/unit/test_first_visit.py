@@ -2,10 +2,13 @@
 storing what was decoded so later deltas are taken against what the receiver holds, bit-identical over shuffled
 epochs (buffers in memory, on disk, at 8 and 4 bits), and a resumed codec continuing as the uninterrupted one."""
 
+import copy
+import math
+
 import pytest
 import torch
 
-from compression import ForwardCodec, QuantizedTensor
+from compression import ForwardCodec, Message, QuantizedTensor
 from tests.unit.test_codecs import N, SHAPE, activation, run_epochs, wire
 
 FIRST = [("direct", 4), ("hadamard", 4), ("hadamard", 3)]
@@ -118,29 +121,51 @@ def test_bad_first_visit_settings_are_named():
         pair("aqsgd", 4)
 
 
-def test_auto_first_visits_are_compressed_only_in_a_run_that_visits_each_sample_once():
+def test_auto_sends_a_kept_samples_first_visit_whole_and_the_rest_as_hadamard_changes():
+    """auto: the first visit of a sample the run reads back is the base of its later changes (full precision); a
+    sample kept out of the buffer (never read back) goes as a 3-bit Hadamard change from the running base, at every
+    visit, as a one-epoch run's every sample."""
     from pipeline import CompressionConfig
 
-    auto = CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="auto", first_visit_bits=3)
-    assert auto.for_visits(1).first_visit == "hadamard" and auto.for_visits(0.5).first_visit == "hadamard"
-    assert auto.for_visits(1.01).first_visit == "none" and auto.for_visits(3).first_visit == "none"
-    assert CompressionConfig(first_visit="direct", first_visit_bits=4).for_visits(3).first_visit == "direct"
+    auto = CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="auto", first_visit_bits=3,
+                             first_visit_base="position")
+    assert auto.whole_rows() == ("none", "hadamard") and auto.first_visits_compressed()
+    assert CompressionConfig(first_visit="direct", first_visit_bits=4).whole_rows() == ("direct", "direct")
     with pytest.raises(ValueError, match=r"^first_visit_compress='hadamart': expected auto or one of none, direct"):
         CompressionConfig(first_visit="hadamart")
     with pytest.raises(ValueError, match=r"^first_visit_bits=None: expected an integer from 1 to 8"):
         CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="hadamard")
     CompressionConfig(forward="direct", forward_bits=2, first_visit="hadamard")  # no first visits: unused
 
-
-def test_the_trainer_resolves_auto_by_the_runs_epochs():
-    from aqpipe.config import RunConfig
-
-    preset = RunConfig(task="causal_lm")
-    assert preset.compression.first_visit == "auto" and preset.compression.first_visit_bits == 3
-    assert preset.compression.first_visit_base == "position"
-    assert preset.for_run(8, 8).compression.first_visit == "hadamard"  # one epoch of 8 steps
-    assert preset.for_run(6, 8).compression.first_visit == "hadamard"  # --max_steps inside the first epoch
-    assert preset.for_run(24, 8).compression.first_visit == "none"
+    keep = torch.zeros(N, dtype=torch.bool)
+    keep[:N // 2] = True
+    kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": "none", "transient_visit": "hadamard",
+          "first_visit_bits": 3, "first_visit_base": "position", "buffer_keep": keep}
+    send, recv = (ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **kw) for _ in range(2))
+    one_epoch = ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **{**kw, "first_visit": "hadamard",
+                                                                      "transient_visit": None})
+    ids = torch.tensor([N - 1, 0, N - 2, 1])  # two kept out, two kept, interleaved
+    whole = torch.randn(4, *SHAPE).to(torch.bfloat16)
+    m = send.encode(whole, ids)
+    out = recv.decode(Message(m.payload.clone(), m.shape, m.dtype), ids)
+    hadamard = QuantizedTensor.wire_nbytes((2, *SHAPE), 3)
+    assert m.nbytes == 2 * math.prod(SHAPE) * 2 + hadamard  # two bf16 rows whole, two at 3 bits
+    assert torch.equal(out, m.decoded) and torch.equal(out[[1, 3]], whole[[1, 3]])  # the kept ones exactly
+    away = one_epoch.encode(whole[[0, 2]], ids[[0, 2]]).decoded  # a one-epoch run's codec, the same stream
+    assert torch.equal(out[[0, 2]], away)
+    assert send.buffer.seen.nonzero().flatten().tolist() == [0, 1] and torch.equal(send.buffer.values,
+                                                                                    recv.buffer.values)
+    later = whole.float() + 0.01
+    again = send.encode(later, ids)
+    assert again.nbytes == hadamard + QuantizedTensor.wire_nbytes((2, *SHAPE), 2, 64)  # out again whole, kept as
+    assert torch.equal(recv.decode(Message(again.payload.clone(), again.shape, again.dtype), ids), again.decoded)
+    state = send.state_dict()  # changes; both codecs' dither and the config travel in a checkpoint
+    assert state["config"]["transient_visit"] == "hadamard" and "transient_visit" in state
+    twin = ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **kw)
+    twin.load_state_dict(copy.deepcopy(state))
+    assert torch.equal(twin.whole.transient.generator.get_state(), send.whole.transient.generator.get_state())
+    with pytest.raises(ValueError, match="transient_visit: checkpoint 'hadamard' vs codec 'direct'"):
+        ForwardCodec("aqsgd", 2, **{**kw, "transient_visit": "direct"}).load_state_dict(copy.deepcopy(state))
 
 
 def based_pair(first="hadamard", bits=3, buffer_bits=None):
@@ -159,7 +184,7 @@ def with_offset(ids: torch.Tensor, epoch: int = 0) -> torch.Tensor:
 def test_a_running_base_keeps_both_sides_bit_identical_and_sends_the_same_bytes(buffer_bits):
     sender, receiver = based_pair(buffer_bits=buffer_bits)
     stats = run_epochs(sender, receiver, epochs=2, batch=5)
-    assert torch.equal(sender.base.mean, receiver.base.mean) and sender.base.count == N
+    assert torch.equal(sender.whole.base.mean, receiver.whole.base.mean) and sender.whole.base.count == N
     assert torch.equal(sender.buffer.values, receiver.buffer.values)
     assert [s for s, _ in stats] == [s for s, _ in run_epochs(*pair("hadamard", 3, buffer_bits), epochs=2, batch=5)]
 
@@ -185,7 +210,7 @@ def test_a_running_base_resumes_and_is_refused_by_a_codec_without_one(tmp_path):
     saved = receiver.state_dict()
     again = based_pair()[1]
     again.load_state_dict(saved)
-    assert torch.equal(again.base.mean, receiver.base.mean) and again.base.count == 8
+    assert torch.equal(again.whole.base.mean, receiver.whole.base.mean) and again.whole.base.count == 8
     with pytest.raises(ValueError, match="first_visit_base: checkpoint 'position' vs codec 'none'"):
         pair("hadamard", 3)[1].load_state_dict(saved)
     with pytest.raises(ValueError, match=r"first_visit_base='position': expected a compressed first visit"):
@@ -200,11 +225,11 @@ def test_an_undone_step_leaves_no_trace_in_the_base_or_the_first_visit_dither():
     later = torch.arange(4, 8)
     restore = sender.undo_point(later)
     first = sender.encode(with_offset(later), later)
-    mean, count = sender.base.mean.clone(), sender.base.count
+    mean, count = sender.whole.base.mean.clone(), sender.whole.base.count
     restore()
-    assert sender.base.count == 4 and not torch.equal(sender.base.mean, mean)
+    assert sender.whole.base.count == 4 and not torch.equal(sender.whole.base.mean, mean)
     again = sender.encode(with_offset(later), later)
-    assert torch.equal(again.payload, first.payload) and torch.equal(sender.base.mean, mean) and count == 8
+    assert torch.equal(again.payload, first.payload) and torch.equal(sender.whole.base.mean, mean) and count == 8
 
 
 def test_whole_first_visits_ignore_a_presets_bits_so_older_checkpoints_resume():
