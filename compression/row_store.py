@@ -54,8 +54,9 @@ class RowStore:
                     mapped = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED)
         except (OSError, ValueError) as exc:  # ENOMEM: more than the kernel lets this process reserve
             where = "in memory" if self.path is None else f"in {self.path}"
-            raise MemoryError(f"AQ-SGD buffer: cannot map {capacity} rows of {self.row_nbytes} bytes "
-                              f"({_gb(capacity * self.row_nbytes)}) {where}: {exc}") from None
+            raise ValueError(f"AQ-SGD buffer: cannot map {capacity} rows of {self.row_nbytes} bytes "
+                             f"({_gb(capacity * self.row_nbytes)}) {where} ({exc}): expected a budget this machine "
+                             "holds (--buffer_memory_gb, --buffer_disk_gb)") from None
         values = torch.frombuffer(mapped, dtype=self.dtype, count=capacity * self.row_numel) if capacity else \
             torch.empty((0,), dtype=self.dtype)
         values = values.view(capacity, *self.row_shape)

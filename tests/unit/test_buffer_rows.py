@@ -227,3 +227,9 @@ def test_on_shuffled_epochs_a_fixed_set_of_rows_hits_as_often_as_the_optimal_rul
 
     fixed, lru, belady = (hits(2000, 500, 2, rule)[1] for rule in ("fixed", "lru", "belady"))
     assert fixed == belady == 0.25 and lru < 0.06  # room for a quarter: a quarter of the revisits hit
+
+
+def test_rows_the_machine_cannot_map_are_one_line_naming_their_size():
+    with pytest.raises(ValueError, match=r"^AQ-SGD buffer: cannot map 1000000000000 rows of 128 bytes "
+                                         r"\(1\.28e\+05 GB\) in memory \(.*\): expected a budget this machine holds"):
+        RowStore(10**12, (64,), torch.float16)
