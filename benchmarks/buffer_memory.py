@@ -13,6 +13,7 @@ the newest checkpoint's bytes (one every 10 steps) are read when the run has sto
 
     python -m benchmarks.buffer_memory --json benchmarks/results/buffer_memory.json      # ~25 min
     python -m benchmarks.buffer_memory --sizes 0.03,60 --before <rev>   # the same jobs from another revision too
+    python -m benchmarks.buffer_memory --time_places 3      # a step with rows in memory and on disk, interleaved
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.corpus_memory import write_corpus
-from benchmarks.rank_memory import HOOK, checkouts
+from benchmarks.rank_memory import HOOK, ROOT, checkouts
 
 JOB = ["--seq_len", "64", "--max_train_samples", "0", "--max_eval_samples", "8", "--eval_every", "0",
        "--save_every", "10"]
@@ -99,6 +100,31 @@ def run_job(checkout: Path, corpus: Path, cache: Path, work: Path, name: str, le
             "checkpoint": saved[-1].name if saved else None, "checkpoint_bytes": blocks(saved[-1]) if saved else 0}
 
 
+def time_places(work: Path, megabytes: float, rounds: int) -> dict[str, list[float]]:
+    """What rows on disk cost a step: the 2-epoch job on a corpus whose rows fit memory, with them in memory and on
+    disk (`--buffer_memory_gb 0`), interleaved `rounds` times; each run's median seconds a step in epoch 2, where
+    every step reads and writes its samples' rows."""
+    import statistics
+
+    corpus, cache = work / "timed.txt", work / "cache_timed"
+    write_corpus(corpus, megabytes)
+    share_cache(cache)
+    tokenize(ROOT, corpus, cache)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AQPIPE_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    out: dict[str, list[float]] = {"memory": [], "disk": []}  # JOB without its checkpoints (its last two flags)
+    for r in range(rounds):
+        for place, flags in (("memory", []), ("disk", ["--buffer_memory_gb", "0"])):
+            run_dir = work / f"timed_{place}_{r}"
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(29650 + r), "-m", "aqpipe", "causal-lm", "--dataset", str(corpus), *JOB[:-2],
+                            "--epochs", "2", "--output_dir", str(run_dir), *flags], env=env, check=True,
+                           capture_output=True)
+            steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            out[place].append(statistics.median(s["seconds"] for s in steps if s.get("epoch") == 1))
+            print(f"{place}, round {r + 1}: {out[place][-1] * 1e3:.1f} ms a step in epoch 2", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="0.03,1,60,600", help="corpus sizes in MB, the first the tiny one")
@@ -107,7 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full_up_to", type=float, default=1.0, help="corpora up to this many MB run to the end")
     p.add_argument("--before", help="also run the jobs from this git revision of the checkout (a worktree)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--time_places", type=int, default=0, metavar="ROUNDS",
+                   help="instead: time a 2-epoch job on a 1 MB corpus, its rows in memory and on disk, ROUNDS times")
     args = p.parse_args(argv)
+    if args.time_places:
+        with tempfile.TemporaryDirectory() as tmp:
+            timed = time_places(Path(tmp), 1.0, args.time_places)
+        ratios = [d / m for m, d in zip(timed["memory"], timed["disk"])]
+        print(f"disk / memory, a step in epoch 2: {', '.join(f'{x:.3f}' for x in ratios)}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"job": JOB, "seconds_a_step": timed, "ratios": ratios}, indent=2))
+        return 0
     sizes, lengths = [float(s) for s in args.sizes.split(",")], args.lengths.split(";")
     result: dict[str, Any] = {"job": JOB, "stop_after": args.stop_after, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
