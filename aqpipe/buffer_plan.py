@@ -4,10 +4,11 @@ A buffer row m[ξ] is read only when sample ξ comes back, so the plan counts ea
 steps (data.visit_counts) and gives rows only to the samples visited twice or more: a one-epoch run, or one that
 `--max_steps` ends within the first epoch, keeps none, and its memory is flat in the dataset's size. Each rank's rows
 (samples x row bytes x the boundary sides it holds) then go to memory where they fit its memory budget, else to a
-sparse memory-mapped file under `--buffer_dir` (default `<output_dir>/buffers`) where they fit its disk budget, else
-as many samples keep rows as the larger budget holds (those visited most), and the others are sent whole at every
-visit, as first visits are. Both sides of a boundary must keep the same samples, so the ranks agree on the count:
-the fewest any rank holds. Rank 0 says the outcome in one line at start.
+memory-mapped file under `--buffer_dir` (default `<output_dir>/buffers`) where they fit its disk budget (which leaves
+room for the checkpoints' copies of them), else as many samples keep rows as the larger budget holds (those visited
+most), and the others are sent whole at every visit, as first visits are. Both sides of a boundary must keep the
+same samples, so the ranks agree on the count: the fewest any rank holds, or, resuming, the count the checkpoint's
+run kept where every rank still holds it (a resume is then exact). Rank 0 says the outcome in one line at start.
 
 Why a fixed set of samples and not eviction: each epoch visits every sample once, in a new shuffle, so between two
 visits of a sample nearly every other sample comes by. Least-recently-used rows then hit about 3.5% of revisits
@@ -28,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from compression.row_store import human_bytes as size
+
 from .config import RunConfig
 from .environment import launch
 from .storage import broadcast, gather
@@ -35,14 +38,6 @@ from .world import World
 
 BUDGET_SHARE = 0.5  # of the memory available at start, or of the free disk, that a machine's buffers may take
 DEFAULT_DIR = "buffers"  # under the output directory
-
-
-def size(nbytes: float) -> str:
-    """Bytes as a reader compares them with RAM and disks (kB, MB, GB, TB: powers of 10)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes / 1e3:.3g} kB"
 
 
 def available_memory() -> int:
@@ -97,15 +92,19 @@ class BufferPlan:
     keep: torch.Tensor
     directory: str | None
     line: str | None = None  # what rank 0 says at start
+    note: dict[str, Any] | None = None  # what a checkpoint keeps of it: the count agreed, for the visits counted
 
 
 def rank_budget(cfg: RunConfig, sides: int, local_ranks: int, counts: np.ndarray) -> RankBudget:
-    """This rank's budgets: the settings', or BUDGET_SHARE of what the machine has, shared by its ranks."""
-    c = cfg.compression
+    """This rank's budgets: the settings', or BUDGET_SHARE of what the machine has, shared by its ranks (and on disk
+    with the copies its checkpoints keep: the newest --save_total_limit, 2 where all are kept, and one being
+    written)."""
+    c, saving = cfg.compression, cfg.checkpointing
+    copies = (saving.save_total_limit or 2) + 1 if saving.save_every else 0
     memory = c.buffer_memory_gb * 1e9 if c.buffer_memory_gb is not None else \
         BUDGET_SHARE * available_memory() / local_ranks
     disk = c.buffer_disk_gb * 1e9 if c.buffer_disk_gb is not None else \
-        BUDGET_SHARE * free_disk(buffer_directory(cfg)) / local_ranks
+        BUDGET_SHARE * free_disk(buffer_directory(cfg)) / local_ranks / (1 + copies)
     return RankBudget(sides, int(memory), int(disk), c.buffer_dir is not None,
                       hashlib.sha256(counts.astype(np.int64).tobytes()).hexdigest())
 
@@ -123,38 +122,48 @@ def kept_samples(counts: np.ndarray, rows: int) -> torch.Tensor:
     return keep
 
 
-def plan(cfg: RunConfig, world: World, counts: np.ndarray, sides: int, row: int, form: str) -> BufferPlan:
+def plan(cfg: RunConfig, world: World, counts: np.ndarray, sides: int, row: int, form: str,
+         saved: dict[str, Any] | None = None) -> BufferPlan:
     """Every rank's part of the plan, agreed through rank 0 (every rank calls it at the same point). `counts`: the
     run's visits per shard position; `sides`: the boundary sides this rank's stage holds; `row`: one row's bytes;
-    `form`: how a row is held, for the line (float16, 8-bit, ...)."""
+    `form`: how a row is held, for the line (float16, 8-bit, ...); `saved`: the note of the plan a resumed
+    checkpoint's run made."""
     wanted = int((counts >= 2).sum())
     mine = rank_budget(cfg, sides, launch().local_world_size, counts)
     everyone = gather(mine, world)
     verdict: Any = None
     if everyone is not None:
-        verdict = agree(everyone, row, wanted)
-        if isinstance(verdict, int):
-            verdict = (verdict, describe(cfg, everyone, counts, wanted, verdict, row, form))
+        try:
+            verdict = agree(everyone, row, wanted, saved)
+            if isinstance(verdict, int):
+                verdict = (verdict, describe(cfg, everyone, counts, wanted, verdict, row, form, saved))
+        except Exception as exc:  # said on every rank, not left for the others to wait out
+            verdict = f"AQ-SGD buffers: planning failed: {exc}"
     verdict = broadcast(verdict, world)
     if isinstance(verdict, str):
         raise ValueError(verdict)
     rows, line = verdict
     directory = str(buffer_directory(cfg)) if sides and rows and mine.on_disk(row, rows) else None
-    return BufferPlan(kept_samples(counts, rows), directory, line if world.rank == 0 else None)
+    return BufferPlan(kept_samples(counts, rows), directory, line if world.rank == 0 else None,
+                      {"rows": rows, "visits": mine.visits})
 
 
-def agree(budgets: list[RankBudget], row: int, wanted: int) -> int | str:
-    """The samples every rank can hold rows for (the fewest any can), or why the ranks cannot agree: each computes
-    which samples keep rows from the visits it counted, so those must be the same everywhere."""
+def agree(budgets: list[RankBudget], row: int, wanted: int, saved: dict[str, Any] | None = None) -> int | str:
+    """The samples every rank can hold rows for (the fewest any can; a resumed run's own count where its visits are
+    counted alike and every rank still holds it), or why the ranks cannot agree: each computes which samples keep
+    rows from the visits it counted, so those must be the same everywhere."""
     if len({b.visits for b in budgets}) > 1:
         digests = [b.visits[:8] for b in budgets]
         return (f"the ranks count different visits per sample (digests by rank: {digests}): expected every rank to "
                 "load the same data with the same seed and batch sizes")
-    return min(b.rows(row, wanted) for b in budgets)
+    rows = min(b.rows(row, wanted) for b in budgets)
+    if saved is not None and saved.get("visits") == budgets[0].visits and saved.get("rows", wanted + 1) <= rows:
+        return int(saved["rows"])
+    return rows
 
 
 def describe(cfg: RunConfig, budgets: list[RankBudget], counts: np.ndarray, wanted: int, rows: int, row: int,
-             form: str) -> str:
+             form: str, saved: dict[str, Any] | None = None) -> str:
     """The start line: how many samples keep rows, their bytes and place on each rank, and what the rest cost."""
     visits = int(counts.sum())
     if not wanted:
@@ -167,7 +176,9 @@ def describe(cfg: RunConfig, budgets: list[RankBudget], counts: np.ndarray, want
             where.append(f"rank {rank} {size(budget.sides * rows * row)} {place}")
     line = (f"AQ-SGD buffers: rows for {rows:,} of the {wanted:,} samples visited again ({len(counts):,} in a "
             f"replica's shard), {size(row)} each ({form}): " + ", ".join(where))
-    if rows < wanted:
+    if rows < wanted and saved is not None and saved.get("rows") == rows:
+        line += f"; as the resumed checkpoint's run kept, the other {wanted - rows:,} samples sent whole at every visit"
+    elif rows < wanted:
         tight = min((b for b in budgets if b.sides), key=lambda b: b.rows(row, wanted))
         line += (f"; the budget holds no more (a rank with {tight.sides} side(s), {size(tight.memory)} of memory "
                  f"and {size(tight.disk)} of disk: --buffer_memory_gb, --buffer_disk_gb), so the other "

@@ -107,6 +107,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def saved_buffer_plan(directory: Path | None) -> dict[str, Any] | None:
+    """The buffer plan's note a checkpoint's run kept (None: none, or no checkpoint)."""
+    return None if directory is None else read_manifest(directory).get("buffer_plan")
+
+
 def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     """cfg with the values its run resolved when it started, after refusing a checkpoint whose settings differ
     from cfg's (saying which)."""
@@ -221,14 +226,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- save and load
 def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", world: "World",
-         storage: "Storage", keep: int | None = None, last: bool = False) -> Path:
+         storage: "Storage", keep: int | None = None, last: bool = False,
+         buffer_plan: dict[str, Any] | None = None) -> Path:
     """Every rank calls this after step `step`; returns the checkpoint directory.
 
     `progress` is the training loop's own state (data position, totals, losses, metrics time). Each rank writes its
     files on its own storage; after a barrier (no deadline: a large stage takes what it takes to write), rank 0
     gathers every rank's checksums over the process group, and every finalizer (one per storage: storage.py)
     writes the same manifest into its copy of the directory, renames it into place and moves its `latest`. `last`:
-    the run trains no more, so AQ-SGD buffers kept in files hand their files over instead of copying them."""
+    the run trains no more, so AQ-SGD buffers kept in files hand their files over instead of copying them.
+    `buffer_plan`: the note of the run's buffer plan (aqpipe.buffer_plan), which a resume keeps where it can."""
     state = engine.state_dict()
     place = state["place"]
     partial = root / f"step_{step:08d}.partial"
@@ -252,7 +259,7 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     manifest = None
     if notes is not None and sorted(n["rank"] for n in notes) == list(range(world.size)):
         manifest = {"format": FORMAT, "step": step, "world_size": world.size, "fingerprint": fingerprint(cfg),
-                    "files": sorted(notes, key=lambda n: n["rank"])}
+                    "files": sorted(notes, key=lambda n: n["rank"]), "buffer_plan": buffer_plan}
     manifest = broadcast(manifest, world)
     if manifest is None:
         raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")

@@ -221,8 +221,8 @@ def idle_codecs(cfg: RunConfig) -> str:
 
 def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
                  spec: ModelSpec) -> buffer_plan.BufferPlan | None:
-    """Which samples keep AQ-SGD rows, and where this rank's live (buffer_plan.py); None without AQ-SGD
-    boundaries. Rank 0 says it in one line."""
+    """Which samples keep AQ-SGD rows, and where this rank's live (buffer_plan.py), as the resumed checkpoint's run
+    planned where it can; None without AQ-SGD boundaries. Rank 0 says it in one line."""
     c, grid = cfg.compression, Grid.for_world(world.size, cfg.distributed.pipeline_stages)
     if c.forward != "aqsgd" or grid.stages == 1:
         return None
@@ -231,7 +231,9 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
                                   total_steps)
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
-    plan = buffer_plan.plan(cfg, world, counts, int(stage > 0) + int(stage < grid.stages - 1), row, form)
+    resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None
+    plan = buffer_plan.plan(cfg, world, counts, int(stage > 0) + int(stage < grid.stages - 1), row, form,
+                            checkpoint.saved_buffer_plan(resumed))
     if plan.line:
         print(plan.line, file=sys.stderr)
     return plan
@@ -299,11 +301,15 @@ def missing_dirs(directory: str | os.PathLike) -> list[Path]:
 
 
 def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
-    """One run; one refused (bad data, a model that does not fit, ...) removes the folders it created while they
-    are still empty."""
-    created = missing_dirs(cfg.checkpointing.output_dir)
+    """One run; its scratch (AQ-SGD buffer files) goes when it ends, however it ends, and one refused (bad data, a
+    model that does not fit, ...) removes the folders it created while they are still empty."""
+    created, scratch = missing_dirs(cfg.checkpointing.output_dir), []
     try:
-        return _train(task, cfg, world, data)
+        try:
+            return _train(task, cfg, world, data, scratch)
+        finally:
+            for drop in scratch:
+                drop()
     except BaseException:
         for path in created:
             with contextlib.suppress(OSError):  # not empty (results were written), or another rank's already
@@ -311,7 +317,8 @@ def train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[st
         raise
 
 
-def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[str, Any]:
+def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
+           scratch: list[Callable[[], None]] | None = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     storage = detect_storage(cfg.checkpointing.output_dir, world)  # which ranks write where this one writes
     clear_previous_results(cfg, storage)
@@ -331,6 +338,9 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
     buffers = plan_buffers(cfg, world, train_set, total_steps, spec)
     engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters,
                           buffers)
+    if scratch is not None:
+        made = None if cfg.compression.buffer_dir else buffer_plan.buffer_directory(cfg)  # a --buffer_dir stays
+        scratch.append(lambda: drop_buffer_files(engine, made))
     to_device = _mover(world.device)
     eval_batches = [[to_device(mb) for mb in step]
                     for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
@@ -345,7 +355,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
 
     def save(last: bool = False) -> None:
         checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
-                        cfg.checkpointing.save_total_limit or None, last)
+                        cfg.checkpointing.save_total_limit or None, last, buffers.note if buffers else None)
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
@@ -376,7 +386,6 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
         save(last=True)  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs
         # goes on from it
     writer.close()
-    drop_buffer_files(engine)
     elapsed = time.perf_counter() - started
     model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage)
     if adapters is not None:
@@ -385,13 +394,15 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None) -> dict[s
                      (len(train_set), len(eval_set)))
 
 
-def drop_buffer_files(engine: PipelineEngine) -> None:
-    """The run's AQ-SGD buffer files, once its last checkpoint has copied them: scratch as large as the rows, which
-    no later run reads (a resume reads its checkpoint's copy). Their directory goes too where nothing else is in it."""
+def drop_buffer_files(engine: PipelineEngine, made: Path | None) -> None:
+    """The run's AQ-SGD buffer files once it ends: scratch as large as the rows, which no later run reads (a resume
+    reads its checkpoint's copy); and the directory the run made for them (`made`) where nothing else is in it."""
     for buffer in engine.file_buffers().values():
+        buffer.release()  # its blocks go with the last mapping of the file
         buffer.path.unlink(missing_ok=True)
+    if made is not None:
         with contextlib.suppress(OSError):
-            buffer.path.parent.rmdir()
+            made.rmdir()
 
 
 def summarize(cfg: RunConfig, world: World, progress: Progress, engine: PipelineEngine, elapsed: float,

@@ -8,9 +8,9 @@ and when it needs a file (the trainer plans this at start: aqpipe/buffer_plan.py
 The measured rows build the buffers exactly as the engine does (`ForwardCodec("aqsgd", ...)`), write one
 epoch's rows and read what they hold: the rows' bytes in memory (a row takes memory when first written:
 none before); the file's size and the blocks the file system allocated before and after every row was
-written, on disk. Each must equal the formula num_samples x seq_len x hidden x bytes per element (plus
-a 4-byte slot per sample); for quantized buffers (--buffer_bits 8 or 4) num_samples x seq_len x
-(hidden x bits/8 + 8), each token's hidden vector carrying its float32 min and step.
+written, on disk (reserved when the file is made). Each must equal the formula num_samples x seq_len x
+hidden x bytes per element (plus a 4-byte slot per sample); for quantized buffers (--buffer_bits 8 or 4)
+num_samples x seq_len x (hidden x bits/8 + 8), each token's hidden vector carrying its float32 min and step.
 
     python -m benchmarks.memory                  # benchmark shapes measured + 1.5B models by formula
     python -m benchmarks.memory --quick --json /tmp/memory.json   # tiny shape, for the tests
@@ -88,7 +88,7 @@ def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
     memory_new = in_memory.nbytes
     path = workdir / f"{shape.samples}x{shape.seq_len}x{shape.hidden}_{kind}.buf"
     on_disk = ForwardCodec("aqsgd", 2, buffer_path=path, **kw).buffer
-    sparse_blocks = os.stat(path).st_blocks * 512  # created sparse: nothing allocated before a row is written
+    reserved = os.stat(path).st_blocks * 512  # made with its blocks reserved (no write can meet a full disk)
     ids = torch.arange(shape.samples)
     for start in range(0, shape.samples, 64):  # one epoch's first visits: every row written once
         chunk = ids[start:start + 64]
@@ -100,7 +100,7 @@ def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
         "shape": asdict(shape), "dtype": kind,
         "formula_bytes": shape.buffer_bytes(kind), "slot_bytes": in_memory.index_nbytes,
         "memory_bytes_new": memory_new, "memory_bytes": in_memory.nbytes + in_memory.index_nbytes,
-        "file_bytes": st.st_size, "file_allocated_empty": sparse_blocks, "file_allocated_full": st.st_blocks * 512,
+        "file_bytes": st.st_size, "file_allocated_empty": reserved, "file_allocated_full": st.st_blocks * 512,
     }
     del in_memory, on_disk
     path.unlink()
@@ -126,7 +126,7 @@ def human(n: float) -> str:
 def measured_table(rows: list[dict[str, Any]]) -> str:
     """Exact bytes, so the reader sees measured == formula; the slot table is counted apart."""
     lines = ["| shape (samples x seq x hidden) | buffer | formula bytes | vs float16 | in memory, new | in memory, "
-             "after one epoch | file size | file blocks, new (sparse) | file blocks, after one epoch | = formula | "
+             "after one epoch | file size | file blocks, new (reserved) | file blocks, after one epoch | = formula | "
              "per stage (2 stages) |", "|" + "---|" * 11]
     for r in rows:
         s = r["shape"]

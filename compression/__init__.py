@@ -10,7 +10,8 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 - `entropy`: a lossless Huffman stage over a message's bytes (a transport's, where it takes short messages).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
-from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, SampleIds, row_nbytes
+from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, row_nbytes
+from .sample_ids import SampleIds
 from .codecs import BACKWARD_MODES, FIRST_VISIT_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
 from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk

@@ -3,7 +3,7 @@
 A row for each sample that holds one: both sides of a boundary keep one buffer and apply the same updates, so
 their rows stay bit-identical. A sample takes a row (a slot of a `RowStore`: row_store.py) when it is first stored,
 and only a sample the buffer keeps (`keep`: those a run reads back) is: rows cost memory only once written, in
-anonymous memory or in a sparse memory-mapped file, and a checkpoint holds the rows that exist.
+anonymous memory or in a memory-mapped file, and a checkpoint holds the rows that exist.
 
 A row is held in a float dtype (float16 by default) or, with `bits` (4 or 8), quantized:
 every vector of the last dimension (a token's hidden state) as `bits`-bit codes with its own
@@ -30,53 +30,10 @@ import torch
 
 from .quantizer import QuantizedTensor, dequantize, quantize
 from .row_store import RowStore
+from .sample_ids import as_sample_ids
 from .fields import check_int, is_int
 
 BUFFER_BITS = (4, 8)  # quantized rows: byte-aligned codes, and at 8 bits half of float16
-
-def as_sample_ids(sample_ids: Any, num_samples: int, batch: int | None = None) -> torch.Tensor:
-    """Validate dataset indices for one micro-batch; returns them as a CPU int64 vector (at once for ids already
-    checked as `SampleIds` for buffers of this size)."""
-    if isinstance(sample_ids, SampleIds):
-        if sample_ids.num_samples != num_samples:  # checked for buffers of another size: check anew
-            return as_sample_ids(sample_ids.tensor, num_samples, batch)
-        if batch is not None and sample_ids.numel() != batch:
-            raise ValueError(f"{sample_ids.numel()} sample_ids for a micro-batch of {batch} samples: expected one per "
-                             "sample")
-        return sample_ids.tensor
-    if sample_ids is None:
-        raise ValueError("sample_ids is None: AQ-SGD buffers need each sample's dataset index")
-    ids = torch.as_tensor(sample_ids)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"sample_ids.dtype={ids.dtype}: expected integer dataset indices")
-    if ids.dim() != 1:
-        raise ValueError(f"sample_ids has shape {tuple(ids.shape)}: expected a 1-D vector of dataset indices")
-    ids = ids.to(device="cpu", dtype=torch.int64)
-    if batch is not None and ids.numel() != batch:
-        raise ValueError(f"{ids.numel()} sample_ids for a micro-batch of {batch} samples: expected one per sample")
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= num_samples:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"sample id {bad} is out of range: expected 0 <= id < num_samples={num_samples}")
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError(f"sample_ids {ids.tolist()} repeat an index: each sample may appear once per micro-batch")
-    return ids
-
-
-class SampleIds:
-    """One micro-batch's dataset indices, checked once for buffers of `num_samples` rows (a CPU int64 vector, in
-    range, no repeats): a pipeline stage hands the same ids to several codec and buffer calls, none checks again."""
-
-    __slots__ = ("tensor", "num_samples")
-
-    def __init__(self, sample_ids: Any, num_samples: int) -> None:
-        self.tensor = as_sample_ids(sample_ids, num_samples)
-        self.num_samples = num_samples
-
-    def numel(self) -> int:
-        return self.tensor.numel()
-
 
 def row_nbytes(sample_shape: tuple[int, ...], dtype: torch.dtype = torch.float16, bits: int | None = None) -> int:
     """One buffer row's bytes: a sample's values in `dtype`, or at `bits` with a float32 min and step per vector of
@@ -155,6 +112,20 @@ class _Write(NamedTuple):
     stored: torch.Tensor
     peaks: torch.Tensor
     ready: Any
+
+
+CHUNK_ROWS = 256  # rows a checkpoint's rows are copied in at a time
+
+
+class _Picked:
+    """Rows `ids` of `rows`, gathered a slice at a time as they are copied (a checkpoint from before slots held every
+    sample's row, maybe in a file larger than memory)."""
+
+    def __init__(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        self.rows, self.ids = rows, ids
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        return self.rows.index_select(0, self.ids[part])
 
 
 class SampleBuffer:
@@ -252,7 +223,17 @@ class SampleBuffer:
     def check_ids(self, sample_ids: Any, batch: int | None = None) -> torch.Tensor:
         return as_sample_ids(sample_ids, self.num_samples, batch)
 
+    def _room(self) -> int:
+        """Rows this buffer may come to hold: one for each sample kept or holding one."""
+        return self.num_samples if self.keep is None else int((self.keep | (self._slot >= 0)).sum())
+
+    def _check_live(self) -> None:
+        if self.used and not self.store_rows.capacity:
+            raise RuntimeError("AQ-SGD buffer: its rows were handed over to the run's last checkpoint; nothing reads "
+                               "or writes them after")
+
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_live()
         slots = self._slot[ids].long()
         if ids.numel() and int(slots.min()) < 0:
             missing = ids[slots < 0].tolist()
@@ -310,9 +291,10 @@ class SampleBuffer:
                 raise ValueError(f"AQ-SGD buffer: samples {ids[new][~self.keep[ids[new]]].tolist()[:8]} are kept out "
                                  "of this buffer (keep): expected only kept samples stored")
             count = int(new.sum())
-            if self.used + count > self.store_rows.capacity:  # rows a checkpoint brought beside the kept ones
+            self._check_live()
+            if self.used + count > self.store_rows.capacity:  # not after a load, which makes room for all at once
                 self._land(None)
-                self.store_rows.grow(self.used + count, keep=self.used)
+                self.store_rows.grow(max(self.used + count, self._room()), keep=self.used)
             slots[new] = torch.arange(self.used, self.used + count, dtype=slots.dtype)
             self._slot[ids[new]] = slots[new]
             self.used += count
@@ -428,33 +410,26 @@ class SampleBuffer:
                 raise ValueError(f"seen bits for {tuple(seen.shape)} samples; this buffer has {self.num_samples}")
             ids, rows = seen.nonzero().squeeze(1), state["values"]
             if rows is None and source is not None:  # every sample's row, in order: these samples' picked out
-                rows = self._file_rows(source, self.num_samples)
+                rows = self.store_rows.file_rows(source, self.num_samples)
             if rows is not None:
-                rows = self._checked_rows(rows, self.num_samples).index_select(0, ids)
+                rows = _Picked(self._checked_rows(rows, self.num_samples), ids)
         else:
             ids, rows = state["ids"], state["rows"]
             if rows is None and source is not None:
-                rows = self._file_rows(source, ids.numel())
+                rows = self.store_rows.file_rows(source, ids.numel())
         ids = as_sample_ids(ids, self.num_samples)
         if rows is None:
             raise ValueError("AQ-SGD buffer state without its rows: expected them, or the file that holds them")
-        rows = self._checked_rows(rows, ids.numel())
+        if not isinstance(rows, _Picked):
+            rows = self._checked_rows(rows, ids.numel())
         self._discard()
         self._slot.fill_(-1)
         self._slot[ids] = torch.arange(ids.numel(), dtype=self._slot.dtype)
         self.used = ids.numel()
-        self.store_rows.grow(self.used, keep=0)
-        self.values[:self.used].copy_(rows)
-
-    def _file_rows(self, source: str | os.PathLike, count: int) -> torch.Tensor:
-        """`count` rows from a file of exactly their bytes, mapped (read as they are copied)."""
-        size, want = Path(source).stat().st_size, count * self.row_nbytes
-        if size != want:
-            raise ValueError(f"AQ-SGD buffer rows {source} hold {size} bytes; {count} rows take {want}")
-        if not count:
-            return self.values[:0]
-        return torch.from_file(str(source), shared=False, size=count * self.store_rows.row_numel,
-                               dtype=self.values.dtype).view(count, *self.values.shape[1:])
+        self.store_rows.grow(self._room(), keep=0)  # the rows it brings and those still to come (one remap at most)
+        for start in range(0, self.used, CHUNK_ROWS):  # a few rows at a time: a file's rows are read as copied
+            part = slice(start, min(start + CHUNK_ROWS, self.used))
+            self.values[part].copy_(rows[part])
 
     def _checked_rows(self, rows: torch.Tensor, count: int) -> torch.Tensor:
         want = (count, *self.values.shape[1:])
@@ -474,6 +449,11 @@ class SampleBuffer:
         a run's last checkpoint takes them (no copy of rows no step will change); the buffer is spent after it."""
         self._land(None)
         self.store_rows.hand_over(self.used, target)
+
+    def release(self) -> None:
+        """Let go of the rows (their memory, or their file's blocks once the file is removed): the buffer is spent."""
+        self._land(None)
+        self.store_rows.release()
 
     # ------------------------------------------------------------------ undo
     def snapshot(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

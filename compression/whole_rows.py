@@ -37,6 +37,8 @@ class WholeRows:
         if self.transient is self.first:
             return [(self.first, None)]
         kept = self.buffer.keeps(ids)
+        if bool(kept.all()) or not bool(kept.any()):  # one codec's part, the other's empty: the rows as they are
+            return [(self.first if bool(kept.all()) else self.transient, None)]
         return [(self.first, kept), (self.transient, ~kept)]
 
     def _sizes(self, ids: torch.Tensor, dtype: torch.dtype) -> list[tuple["RowCodec", torch.Tensor | None, int, int]]:

@@ -25,8 +25,11 @@ def test_a_buffer_for_a_large_dataset_costs_nothing_until_rows_are_written(tmp_p
     buf.store(ids, torch.ones(3, 64, 64))
     assert buf.nbytes == 3 * 64 * 64 * 2 and buf.used == 3
     assert torch.equal(buf.rows(ids), torch.ones(3, 64, 64, dtype=torch.float16))
+    before = resident_mb()
     SampleBuffer(40_000, (64, 64), path=tmp_path / "rows.buf")
-    assert (tmp_path / "rows.buf").stat().st_blocks == 0  # a sparse file: no block before a row is written
+    assert resident_mb() - before < 32  # a file's rows are not read in either
+    # its blocks are reserved at once: no write through the mapping can meet a full disk later (SIGBUS)
+    assert (tmp_path / "rows.buf").stat().st_blocks * 512 >= 40_000 * 64 * 64 * 2
 
 
 def test_a_sample_kept_out_is_sent_whole_every_visit_and_stored_nowhere():
@@ -85,6 +88,10 @@ def test_every_rank_keeps_the_samples_the_fewest_rows_any_rank_holds_allow():
     counts = np.array([1, 3, 2, 2, 0, 3, 2])
     assert kept_samples(counts, 3).nonzero().flatten().tolist() == [1, 2, 5]  # visited most, then lowest first
     assert kept_samples(counts, 9).nonzero().flatten().tolist() == [1, 2, 3, 5, 6]  # never a sample seen once
+    # a resume keeps its checkpoint's count where the visits are counted alike and every rank still holds it
+    assert agree(budgets, row, wanted, {"rows": 12, "visits": "v"}) == 12
+    assert agree(budgets, row, wanted, {"rows": 16, "visits": "v"}) == 15  # a rank holds fewer now
+    assert agree(budgets, row, wanted, {"rows": 12, "visits": "w"}) == 15  # another run length: planned anew
     refused = agree([RankBudget(1, 1, 1, False, "aaaaaaaaa1"), RankBudget(1, 1, 1, False, "bbbbbbbbb2")], row, 3)
     assert refused.startswith("the ranks count different visits per sample (digests by rank: ['aaaaaaaa', "
                               "'bbbbbbbb'])")
@@ -146,6 +153,7 @@ def test_rows_a_checkpoint_brings_beyond_the_kept_samples_find_room():
     fewer = SampleBuffer(6, (2,), keep=keep)  # a resume that plans rows for one sample
     fewer.load_state_dict(full.state_dict())
     assert fewer.used == 6 and torch.equal(fewer.rows(torch.arange(6)), full.rows(torch.arange(6)))
+    assert fewer.store_rows.capacity == 6  # room made once, for the rows it brought and those to come
     fewer.store(torch.tensor([4]), torch.zeros(1, 2))  # a sample holding a row keeps it
     assert fewer.keeps(torch.tensor([4, 5])).tolist() == [True, True]
 
@@ -220,6 +228,17 @@ def test_a_runs_last_checkpoint_takes_the_buffer_file_itself(tmp_path, monkeypat
     again = SampleBuffer(50_000, (2, 3))
     again.load_state_dict({**state, "rows_file": tmp_path / "checkpoint.buf"})
     assert all(torch.equal(x, y) for x, y in zip(again.held(), held))
+    with pytest.raises(RuntimeError, match="handed over to the run's last checkpoint"):
+        buf.rows(torch.tensor([10]))  # spent: one line, not an index error
+
+
+def test_a_hand_over_that_fails_other_than_across_filesystems_says_so(tmp_path, monkeypatch):
+    buf = SampleBuffer(10, (2,), path=tmp_path / "live.buf")
+    buf.store(torch.tensor([3]), torch.ones(1, 2))
+    monkeypatch.setattr("compression.row_store.os.replace", lambda *_: (_ for _ in ()).throw(PermissionError(13, "no")))
+    with pytest.raises(PermissionError):
+        buf.hand_over(tmp_path / "checkpoint.buf")
+    assert not (tmp_path / "checkpoint.buf").exists() and (tmp_path / "live.buf").stat().st_size == 4  # rows kept
 
 
 def test_on_shuffled_epochs_a_fixed_set_of_rows_hits_as_often_as_the_optimal_rule_and_lru_hardly_at_all():
@@ -231,5 +250,21 @@ def test_on_shuffled_epochs_a_fixed_set_of_rows_hits_as_often_as_the_optimal_rul
 
 def test_rows_the_machine_cannot_map_are_one_line_naming_their_size():
     with pytest.raises(ValueError, match=r"^AQ-SGD buffer: cannot map 1000000000000 rows of 128 bytes "
-                                         r"\(1\.28e\+05 GB\) in memory \(.*\): expected a budget this machine holds"):
+                                         r"\(128 TB\) in memory \(.*\): expected a budget this machine holds"):
         RowStore(10**12, (64,), torch.float16)
+
+
+def test_the_default_budgets_share_the_machine_and_leave_disk_for_the_checkpoints_copies(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from aqpipe import buffer_plan
+    from aqpipe.config import CheckpointingSettings, RunConfig
+
+    monkeypatch.setattr(buffer_plan, "available_memory", lambda: 16e9)
+    monkeypatch.setattr(buffer_plan, "free_disk", lambda path: 80e9)
+    cfg = RunConfig(task="causal_lm", checkpointing=CheckpointingSettings(output_dir=str(tmp_path)))
+    counts = np.array([2, 2])
+    budget = buffer_plan.rank_budget(cfg, 1, 2, counts)  # half of each, two ranks on the machine
+    assert (budget.memory, budget.disk) == (4e9, 20e9)
+    saving = replace(cfg, checkpointing=replace(cfg.checkpointing, save_every=10, save_total_limit=2))
+    assert buffer_plan.rank_budget(saving, 1, 2, counts).disk == 5e9  # the rows and three checkpoint copies of them
