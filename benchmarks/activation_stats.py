@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aqpipe.data import fetch_shakespeare
-from compression import ForwardCodec
+from compression import forward_codec
 from pipeline.compression_config import CompressionConfig
 from pipeline.partitioning import stage_block_counts
 
@@ -44,7 +44,7 @@ def stats(x: torch.Tensor) -> dict[str, float]:
     for bits, _ in SETTINGS:
         group = CompressionConfig(forward="direct", forward_bits=bits).group_size("forward", x.shape[-1])  # auto
         for mode in ("direct", "hadamard"):
-            y = ForwardCodec(mode, bits, seed=1, group_size=group).encode(x).decoded
+            y = forward_codec(mode, bits, seed=1, group_size=group).encode(x).decoded
             out[f"c_q_{mode}_{bits}"] = round(float((y - x).norm() / x.norm()), 4)
     return out
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from compression import ForwardCodec, Message
+from compression import ForwardCodec, forward_codec, Message
 
 EPOCH_STEPS = 4  # a step's samples differ from the step before's, as within an epoch
 VARIANTS = ("compute alone", "hadamard-4, cache-free", "aqsgd, a host sync a message", "aqsgd, deferred")
@@ -29,11 +29,11 @@ def _codecs(variant: str, num_samples: int, sample_shape: tuple[int, ...]) -> tu
     if variant == "compute alone":
         return None
     if variant.startswith("hadamard"):
-        pair = ForwardCodec("hadamard", 4), ForwardCodec("hadamard", 4)
+        pair = forward_codec("hadamard", 4), forward_codec("hadamard", 4)
     else:
         kw = {"num_samples": num_samples, "sample_shape": sample_shape, "first_visit": "direct",
               "first_visit_bits": 4}
-        pair = ForwardCodec("aqsgd", 2, seed=1, **kw), ForwardCodec("aqsgd", 2, **kw)
+        pair = forward_codec("aqsgd", 2, seed=1, **kw), forward_codec("aqsgd", 2, **kw)
     if variant != "aqsgd, a host sync a message":
         for codec in pair:
             codec.defer_checks()  # what every pipeline boundary does

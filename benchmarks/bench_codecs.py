@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from compression import BackwardCodec, ForwardCodec, Message
+from compression import BackwardCodec, ForwardCodec, forward_codec, Message
 
 SETTINGS = {  # name: (forward codec kwargs, backward codec kwargs)
     "fp32": ({"mode": "none"}, {"mode": "none"}),
@@ -29,7 +29,7 @@ MICRO_BATCHES = 16  # distinct micro-batches of samples the AQ-SGD buffers hold
 def _pair(kwargs: dict, shape: tuple[int, ...]) -> tuple[ForwardCodec, ForwardCodec]:
     if kwargs["mode"] == "aqsgd":
         kwargs = {**kwargs, "num_samples": shape[0] * MICRO_BATCHES, "sample_shape": shape[1:]}
-    return ForwardCodec(seed=1, **kwargs), ForwardCodec(seed=1, **kwargs)
+    return forward_codec(seed=1, **kwargs), forward_codec(seed=1, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

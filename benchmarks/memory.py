@@ -5,7 +5,7 @@ of every boundary, so a first or last stage holds one buffer and a middle stage 
 of its convergence, and it grows with the dataset, not the batch: the table says when it fits in RAM
 and when it needs a file (the trainer plans this at start: aqpipe/buffer_plan.py).
 
-The measured rows build the buffers exactly as the engine does (`ForwardCodec("aqsgd", ...)`), write one
+The measured rows build the buffers exactly as the engine does (`forward_codec("aqsgd", ...)`), write one
 epoch's rows and read what they hold: the rows' bytes in memory (a row takes memory when first written:
 none before); the file's size and the blocks the file system allocated before and after every row was
 written, on disk (reserved when the file is made). Each must equal the formula num_samples x seq_len x
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from compression import ForwardCodec  # noqa: E402
+from compression import forward_codec  # noqa: E402
 
 BUFFERS = {"float16": (torch.float16, None), "float32": (torch.float32, None),  # name: (buffer_dtype, buffer_bits)
            "8-bit": (torch.float16, 8), "4-bit": (torch.float16, 4)}
@@ -84,10 +84,10 @@ def measure(shape: Shape, kind: str, workdir: Path) -> dict[str, Any]:
     dtype, bits = BUFFERS[kind]
     kw = {"num_samples": shape.samples, "sample_shape": (shape.seq_len, shape.hidden), "buffer_dtype": dtype,
           "buffer_bits": bits}
-    in_memory = ForwardCodec("aqsgd", 2, **kw).buffer
+    in_memory = forward_codec("aqsgd", 2, **kw).buffer
     memory_new = in_memory.nbytes
     path = workdir / f"{shape.samples}x{shape.seq_len}x{shape.hidden}_{kind}.buf"
-    on_disk = ForwardCodec("aqsgd", 2, buffer_path=path, **kw).buffer
+    on_disk = forward_codec("aqsgd", 2, buffer_path=path, **kw).buffer
     reserved = os.stat(path).st_blocks * 512  # made with its blocks reserved (no write can meet a full disk)
     ids = torch.arange(shape.samples)
     for start in range(0, shape.samples, 64):  # one epoch's first visits: every row written once

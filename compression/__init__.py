@@ -4,21 +4,24 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 
 - `quantize` / `dequantize` / `QuantizedTensor`: k-bit (1..8) min-max quantization with
   unbiased stochastic rounding, packed densely into bytes.
-- `ForwardCodec` / `BackwardCodec` / `Message`: boundary codecs (`none`, `direct`, `hadamard`,
-  `aqsgd` with per-sample buffers in memory or on disk, in a float dtype or quantized, holding rows only for
-  the samples they keep and only once written).
+- `ForwardCodec` / `BackwardCodec` / `Message`: dense boundary codecs (`none`, `direct`, `hadamard`);
+  `AQSGDCodec` (built by `aqsgd_codec`; `forward_codec` builds either kind): AQ-SGD, with per-sample buffers in
+  memory or on disk, in a float dtype or quantized, holding rows only for the samples they keep, once written.
 - `entropy`: a lossless Huffman stage over a message's bytes (a transport's, where it takes short messages).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
 from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, row_nbytes
 from .sample_ids import SampleIds
-from .codecs import BACKWARD_MODES, FIRST_VISIT_MODES, FORWARD_MODES, BackwardCodec, ForwardCodec, Message
+from .codecs import (BACKWARD_MODES, DENSE_MODES, FIRST_VISIT_MODES, FORWARD_MODES, BackwardCodec, DenseCodec,
+                     ForwardCodec, Message)
+from .aqsgd import AQSGDCodec, aqsgd_codec, forward_codec
+from .seeds import derive_seed
 from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
-    "BACKWARD_MODES", "BUFFER_BITS", "FIRST_VISIT_MODES", "FORWARD_MODES", "BackwardCodec", "BufferRangeError",
-    "ForwardCodec", "Message", "SCALE_DTYPES",
-    "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "check_bits", "check_finite", "dequantize",
-    "quantize", "randk", "row_nbytes", "topk",
+    "AQSGDCodec", "BACKWARD_MODES", "BUFFER_BITS", "DENSE_MODES", "FIRST_VISIT_MODES", "FORWARD_MODES",
+    "BackwardCodec", "BufferRangeError", "DenseCodec", "ForwardCodec", "Message", "SCALE_DTYPES",
+    "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "aqsgd_codec", "check_bits", "check_finite",
+    "derive_seed", "dequantize", "forward_codec", "quantize", "randk", "row_nbytes", "topk",
 ]

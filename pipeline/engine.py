@@ -28,10 +28,9 @@ from typing import Any, Protocol
 
 import torch
 
-from compression import BackwardCodec, ForwardCodec
-
 from . import schedule as sched
 from .auto_bits import DIRECTIONS, AutoBitsController
+from .codec_factory import CodecFactory
 from .compression_config import CompressionConfig
 from .step_guard import StepGuard
 from .engine_settings import EngineSettings
@@ -146,13 +145,12 @@ class PipelineEngine:
         self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport,
                          entropy=self.compression.entropy_coding)
         c = self.compression
+        self.factory = CodecFactory(c, self.seed, groups.replica)  # every codec of this rank, and its seeds
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
         trained = {k: p for k, p in stage.tied_parameters().items() if p.requires_grad}
         self.tied = TiedWeights(trained, {k: v for k, v in self.ties.items() if k in trained}, groups.stage,
                                 self.wire, groups.pipeline_rank_of,
-                                channel=lambda src, dst: groups.channel(TIE, src, dst),
-                                mode=c.tie_mode(), bits=c.tie_bits, stochastic=c.stochastic,
-                                seed=self.seed * 100 + groups.replica, scale_dtype=c.scales())
+                                channel=lambda src, dst: groups.channel(TIE, src, dst), codecs=self.factory.tie)
         self.global_step = self.skipped_steps = 0
         self.auto_bits = AutoBitsController(c, groups.grid, stage.hidden_size, self.schedule, self.wire_dtype) \
             if c.auto() else None
@@ -161,34 +159,18 @@ class PipelineEngine:
 
     def _boundary(self, index: int, seq_len: int) -> Boundary:
         """The codecs of boundary `index` (between stages index and index+1), on this side of it."""
-        c, here, seed = self.compression, self.groups.stage, self.seed
+        c, here = self.compression, self.groups.stage
         side = "send" if here == index else "recv"
         peer = self.groups.pipeline_rank_of(index + 1 if side == "send" else index)
         path = None
         if c.buffer_dir and c.forward == "aqsgd":
             path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
-        shape = (seq_len, self.stage.hidden_size)
-        first, transient = c.whole_rows()
-        kw = {"num_samples": self.num_samples, "sample_shape": shape, "buffer_dtype": c.buffer_dtype,
-              "buffer_path": path, "buffer_bits": c.buffer_bits, "buffer_keep": self.buffer_keep,
-              "first_visit": first, "transient_visit": transient, "first_visit_bits": c.first_visit_bits,
-              "first_visit_group_size": None if c.first_visit_bits is None else
-              c.group_size("forward", shape[-1], c.first_visit_bits),
-              "first_visit_base": c.first_visit_base if c.first_visits_compressed() else "none",
-              } if c.forward == "aqsgd" else {}
-        codec_seed = seed * 1000 + index * 10 + self.groups.replica  # only the sender's draws matter
-        rotation_seed = seed * 1000 + index * 10  # hadamard's signs: the same on both sides and in every replica
         bits = {d: self.auto_bits.bits(index, d) if c.auto(d) else getattr(c, f"{d}_bits") for d in DIRECTIONS}
-        forward = ForwardCodec(c.forward, bits["forward"], stochastic=c.stochastic, seed=codec_seed,
-                               group_size=c.group_size("forward", shape[-1], bits["forward"]),
-                               rotation_seed=rotation_seed, adaptive=c.auto("forward"), scale_dtype=c.scales(), **kw)
-        backward = BackwardCodec(c.backward, bits["backward"], stochastic=c.stochastic, seed=codec_seed + 1,
-                                 group_size=c.group_size("backward", shape[-1], bits["backward"]),
-                                 rotation_seed=rotation_seed + 1, adaptive=c.auto("backward"),
-                                 scale_dtype=c.scales())
+        forward, backward = self.factory.boundary(index, (seq_len, self.stage.hidden_size), bits, self.num_samples,
+                                                  self.buffer_keep, path)
         ahead, back = (index, index + 1), (index + 1, index)  # activations flow ahead, gradients back
         out_link, in_link = (ahead, back) if side == "send" else (back, ahead)
-        return Boundary(self.wire, peer, forward, backward, ForwardCodec("none"), BackwardCodec("none"),
+        return Boundary(self.wire, peer, forward, backward, *self.factory.fallbacks(),
                         outgoing=self.groups.channel(BOUNDARY, *out_link),
                         incoming=self.groups.channel(BOUNDARY, *in_link))
 

@@ -7,17 +7,11 @@ model computes with the same seeds, and a resumed run draws what the uninterrupt
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from compression.seeds import derive_seed
+
 __all__ = ["derive_seed", "reseed"]
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from the parts' text: the same on every process, platform and Python run."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def reseed(seed: int | None, part: object) -> None:

@@ -134,38 +134,26 @@ class TiedWeights:
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], ties: Mapping[str, Tie], stage: int, wire: Wire,
                  rank_of: Callable[[int], int], *, channel: Callable[[int, int], object | None] = lambda a, b: None,
-                 mode: str = "none", bits: int | None = None, stochastic: bool = True, seed: int = 0,
-                 scale_dtype: torch.dtype = torch.float32) -> None:
+                 codecs: Callable[[str, int, tuple[int, int], torch.dtype], tuple[Any, Any]] | None = None) -> None:
         """`channel(src, dst)`: the group that carries this tie's messages from stage src to stage dst;
-        `scale_dtype`: what the quantized rows' and gradients' scales travel as."""
-        if mode not in TIE_MODES:
-            raise ValueError(f"tie mode {mode!r}: expected one of {', '.join(TIE_MODES)}")
+        `codecs(key, follower, matrix shape, dtype)`: a link's (rows, gradients) codecs (CodecFactory.tie; None:
+        both in full precision)."""
         self.links: list[_Link] = []
         # a follower's flags, one a message, whether the rows it sent were finite (zeros went instead where not):
         # the rows it sends are every row its copy's gradient can hold, so the engine need not scan the whole copy.
         # 0-dim bools on the device, read by the engine with the step's gradient norm (no sync in the schedule)
         self.finite_flags: list[torch.Tensor] = []
-        for index, key in enumerate(sorted(k for k, t in ties.items() if stage in t.holders)):
+        for key in sorted(k for k, t in ties.items() if stage in t.holders):
             tie, param = ties[key], params[key]
             peers = tie.followers if stage == tie.owner else (stage,)
             for follower in peers:
                 peer = follower if stage == tie.owner else tie.owner
-                link_seed = seed * 1000 + 500 + 10 * index + follower
-                codecs = self._codecs(param, mode, bits, stochastic, link_seed, scale_dtype)
-                boundary = Boundary(wire, rank_of(peer), *codecs,
+                link = codecs(key, follower, tuple(as_matrix(param).shape), param.dtype) if codecs is not None else \
+                    (ForwardCodec("none"), BackwardCodec("none"))
+                boundary = Boundary(wire, rank_of(peer), *link,
                                     ForwardCodec("none"), BackwardCodec("none"), tag=TIE_TAG, send_ids=False,
                                     outgoing=channel(stage, peer), incoming=channel(peer, stage))
                 self.links.append(_Link(key, tie, param, follower, stage == tie.owner, boundary))
-
-    @staticmethod
-    def _codecs(param: torch.Tensor, mode: str, bits: int | None, stochastic: bool, seed: int,
-                scale_dtype: torch.dtype) -> tuple[ForwardCodec, BackwardCodec]:
-        if mode == "none":
-            return ForwardCodec("none"), BackwardCodec("none")
-        num_rows, width = as_matrix(param).shape
-        values = ForwardCodec("aqsgd", bits, num_samples=num_rows, sample_shape=(width,), buffer_dtype=param.dtype,
-                              stochastic=stochastic, seed=seed, scale_dtype=scale_dtype)
-        return values, BackwardCodec("direct", bits, stochastic=stochastic, seed=seed + 1, scale_dtype=scale_dtype)
 
     def codecs(self) -> dict[str, Any]:
         """Name -> stateful codec, for checkpoints and for undoing a rejected step."""

@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from compression import BackwardCodec, ForwardCodec, Message
+from compression import BackwardCodec, forward_codec, Message
 
 SEQ, WIDTH, CLASSES, FEATURES = 8, 128, 10, 32
 
@@ -45,7 +45,7 @@ def train(mode: str, args: argparse.Namespace) -> dict:
     bits = None if mode == "none" else args.bits
     backward_mode = "none" if mode == "none" else "direct"
     kw = {"num_samples": args.samples, "sample_shape": (SEQ, WIDTH)} if mode == "aqsgd" else {}
-    send, recv = ForwardCodec(mode, bits, seed=args.seed, **kw), ForwardCodec(mode, bits, **kw)
+    send, recv = forward_codec(mode, bits, seed=args.seed, **kw), forward_codec(mode, bits, **kw)
     grad_send = BackwardCodec(backward_mode, None if mode == "none" else args.backward_bits, seed=args.seed)
     grad_recv = BackwardCodec(backward_mode, None if mode == "none" else args.backward_bits)
     order_gen = torch.Generator().manual_seed(args.seed)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from compression import ForwardCodec, Message
+from compression import forward_codec, Message
 
 STEPS = [[[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 8, 9], [2, 3, 10, 11]], [[4, 5, 6, 7], [8, 9, 10, 11]]]
 
@@ -32,10 +32,10 @@ def _activation(ids: list[int], step: int) -> torch.Tensor:
 def check(buffer_bits: int | None) -> int:
     kw = {"num_samples": 12, "sample_shape": (64, 256), "buffer_bits": buffer_bits, "first_visit": "direct",
           "first_visit_bits": 4}
-    send, recv = ForwardCodec("aqsgd", 2, seed=3, **kw), ForwardCodec("aqsgd", 2, **kw)
+    send, recv = forward_codec("aqsgd", 2, seed=3, **kw), forward_codec("aqsgd", 2, **kw)
     send.defer_checks()
     recv.defer_checks()
-    messages, host = 0, [ForwardCodec("aqsgd", 2, seed=3, **kw), ForwardCodec("aqsgd", 2, **kw)]  # checks at once
+    messages, host = 0, [forward_codec("aqsgd", 2, seed=3, **kw), forward_codec("aqsgd", 2, **kw)]  # checks at once
     inputs = [[_activation(mb, step).cuda() for mb in micro_batches] for step, micro_batches in enumerate(STEPS)]
     torch.cuda.synchronize()
     for step, (micro_batches, xs) in enumerate(zip(STEPS, inputs)):
@@ -63,7 +63,7 @@ def check(buffer_bits: int | None) -> int:
     assert torch.equal(send.buffer.state_dict()["values"], recv.buffer.state_dict()["values"]), "the buffers differ"
     held = recv.buffer.rows(ids[-1], "cuda")  # the last step's changes: computed with the rows both now hold
     assert torch.equal(held, got[-1].to(held.dtype)), "the receiver computed with other rows than it holds"
-    immediate = ForwardCodec("aqsgd", 2, **kw)
+    immediate = forward_codec("aqsgd", 2, **kw)
     try:
         _strict(lambda: immediate.encode(xs[0], ids[0]))
     except RuntimeError as exc:

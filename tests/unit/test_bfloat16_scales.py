@@ -4,7 +4,7 @@ unbiased; they travel as 4 bytes a group instead of 8, and both sides of a codec
 import pytest
 import torch
 
-from compression import BackwardCodec, ForwardCodec, QuantizedTensor, dequantize, quantize
+from compression import BackwardCodec, forward_codec, QuantizedTensor, dequantize, quantize
 from compression.group_math import bfloat16_down, bfloat16_up
 
 BF16 = torch.bfloat16
@@ -64,7 +64,7 @@ def test_codecs_with_bfloat16_scales_send_fewer_bytes_and_both_sides_agree():
     sizes = {}
     for dtype in (torch.float32, BF16):
         kw = dict(num_samples=4, sample_shape=(8, 64), first_visit="hadamard", first_visit_bits=3, scale_dtype=dtype)
-        sender, receiver = ForwardCodec("aqsgd", 2, **kw), ForwardCodec("aqsgd", 2, **kw)
+        sender, receiver = forward_codec("aqsgd", 2, **kw), forward_codec("aqsgd", 2, **kw)
         for step in range(3):  # a first visit, then changes
             msg = sender.encode(x + step, ids)
             assert msg.nbytes == receiver.payload_nbytes(x.shape, x.dtype, ids)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from compression import ForwardCodec, Message, SampleBuffer
+from compression import forward_codec, Message, SampleBuffer
 from compression.row_store import RowStore
 
 SHAPE = (4, 64)
@@ -36,8 +36,8 @@ def test_a_sample_kept_out_is_sent_whole_every_visit_and_stored_nowhere():
     keep = torch.zeros(10, dtype=torch.bool)
     keep[[2, 5]] = True
     kw = {"num_samples": 10, "sample_shape": SHAPE, "first_visit": "hadamard", "first_visit_bits": 3}
-    planned = [ForwardCodec("aqsgd", 2, seed=1, buffer_keep=keep, **kw) for _ in range(2)]
-    every = [ForwardCodec("aqsgd", 2, seed=1, **kw) for _ in range(2)]
+    planned = [forward_codec("aqsgd", 2, seed=1, buffer_keep=keep, **kw) for _ in range(2)]
+    every = [forward_codec("aqsgd", 2, seed=1, **kw) for _ in range(2)]
     ids = torch.tensor([1, 2, 3])
     for visit in range(2):
         x = torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(visit))
@@ -61,7 +61,7 @@ def test_rows_kept_only_for_samples_read_back_change_nothing_the_run_computes():
     keep = counts >= 2
     runs = []
     for k in (None, keep):
-        send, recv = (ForwardCodec("aqsgd", 2, seed=1, num_samples=n, sample_shape=SHAPE, buffer_keep=k)
+        send, recv = (forward_codec("aqsgd", 2, seed=1, num_samples=n, sample_shape=SHAPE, buffer_keep=k)
                       for _ in range(2))
         out = []
         for epoch, order in enumerate(visits):

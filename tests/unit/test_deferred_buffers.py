@@ -4,7 +4,7 @@ order, and a row beyond a float16 buffer reported at `settle` with the sample an
 
 import torch
 
-from compression import ForwardCodec, SampleBuffer
+from compression import ForwardCodec, forward_codec, SampleBuffer
 from compression.buffers import Prepared
 from tests.unit.test_codecs import N, SHAPE, activation, wire
 
@@ -14,7 +14,7 @@ STEPS = [[[0, 1], [2, 3]], [[0, 4], [5, 1]], [[2, 3], [4, 5]]]  # first visits, 
 def _pair(deferred: bool, buffer_bits: int | None) -> tuple[ForwardCodec, ForwardCodec]:
     kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": "direct", "first_visit_bits": 4,
           "buffer_bits": buffer_bits}
-    pair = ForwardCodec("aqsgd", 2, seed=1, **kw), ForwardCodec("aqsgd", 2, **kw)
+    pair = forward_codec("aqsgd", 2, seed=1, **kw), forward_codec("aqsgd", 2, **kw)
     for codec in pair if deferred else ():
         codec.defer_checks()
     return pair

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from compression import ForwardCodec, Message, QuantizedTensor
+from compression import forward_codec, Message, QuantizedTensor
 from tests.unit.test_codecs import N, SHAPE, activation, run_epochs, wire
 
 FIRST = [("direct", 4), ("hadamard", 4), ("hadamard", 3)]
@@ -17,7 +17,7 @@ FIRST = [("direct", 4), ("hadamard", 4), ("hadamard", 3)]
 def pair(first="hadamard", first_bits=4, buffer_bits=None, paths=(None, None)):
     kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": first, "first_visit_bits": first_bits,
           "buffer_bits": buffer_bits}
-    return tuple(ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, buffer_path=path, **kw) for path in paths)
+    return tuple(forward_codec("aqsgd", 2, seed=1, rotation_seed=7, buffer_path=path, **kw) for path in paths)
 
 
 @pytest.mark.parametrize(("first", "bits"), FIRST)
@@ -141,8 +141,8 @@ def test_auto_sends_a_kept_samples_first_visit_whole_and_the_rest_as_hadamard_ch
     keep[:N // 2] = True
     kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": "none", "transient_visit": "hadamard",
           "first_visit_bits": 3, "first_visit_base": "position", "buffer_keep": keep}
-    send, recv = (ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **kw) for _ in range(2))
-    one_epoch = ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **{**kw, "first_visit": "hadamard",
+    send, recv = (forward_codec("aqsgd", 2, seed=1, rotation_seed=7, **kw) for _ in range(2))
+    one_epoch = forward_codec("aqsgd", 2, seed=1, rotation_seed=7, **{**kw, "first_visit": "hadamard",
                                                                       "transient_visit": None})
     ids = torch.tensor([N - 1, 0, N - 2, 1])  # two kept out, two kept, interleaved
     whole = torch.randn(4, *SHAPE).to(torch.bfloat16)
@@ -161,17 +161,17 @@ def test_auto_sends_a_kept_samples_first_visit_whole_and_the_rest_as_hadamard_ch
     assert torch.equal(recv.decode(Message(again.payload.clone(), again.shape, again.dtype), ids), again.decoded)
     state = send.state_dict()  # changes; both codecs' dither and the config travel in a checkpoint
     assert state["config"]["transient_visit"] == "hadamard" and "transient_visit" in state
-    twin = ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **kw)
+    twin = forward_codec("aqsgd", 2, seed=1, rotation_seed=7, **kw)
     twin.load_state_dict(copy.deepcopy(state))
     assert torch.equal(twin.whole.transient.generator.get_state(), send.whole.transient.generator.get_state())
     with pytest.raises(ValueError, match="transient_visit: checkpoint 'hadamard' vs codec 'direct'"):
-        ForwardCodec("aqsgd", 2, **{**kw, "transient_visit": "direct"}).load_state_dict(copy.deepcopy(state))
+        forward_codec("aqsgd", 2, **{**kw, "transient_visit": "direct"}).load_state_dict(copy.deepcopy(state))
 
 
 def based_pair(first="hadamard", bits=3, buffer_bits=None):
     kw = {"num_samples": N, "sample_shape": SHAPE, "first_visit": first, "first_visit_bits": bits,
           "buffer_bits": buffer_bits, "first_visit_base": "position"}
-    return tuple(ForwardCodec("aqsgd", 2, seed=1, rotation_seed=7, **kw) for _ in range(2))
+    return tuple(forward_codec("aqsgd", 2, seed=1, rotation_seed=7, **kw) for _ in range(2))
 
 
 def with_offset(ids: torch.Tensor, epoch: int = 0) -> torch.Tensor:
@@ -235,8 +235,8 @@ def test_an_undone_step_leaves_no_trace_in_the_base_or_the_first_visit_dither():
 def test_whole_first_visits_ignore_a_presets_bits_so_older_checkpoints_resume():
     """The trainer's preset carries first-visit bits that `none` does not use; a codec state saved before first-visit
     codecs (no such keys) loads into a codec built from it."""
-    older = ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE).state_dict()
+    older = forward_codec("aqsgd", 2, num_samples=N, sample_shape=SHAPE).state_dict()
     del older["first_visit"]
     older["config"] = {k: v for k, v in older["config"].items() if not k.startswith("first_visit")}
-    ForwardCodec("aqsgd", 2, num_samples=N, sample_shape=SHAPE, first_visit="none",
+    forward_codec("aqsgd", 2, num_samples=N, sample_shape=SHAPE, first_visit="none",
                  first_visit_bits=3).load_state_dict(older)
