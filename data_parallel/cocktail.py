@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from compression import QuantizedTensor, dequantize, quantize
+from compression import QuantizedTensor, derive_seed, dequantize, quantize
 from compression.kernels import pack_codes, unpack_codes
 from compression.fields import check_int
 
@@ -99,7 +99,7 @@ class CocktailSGD(Algorithm):
         if self._perms is None or self._perms[0] != index:
             perms = []
             for i, (s, e) in enumerate(self.bounds):  # from the seed alone: the same on every replica
-                g = torch.Generator().manual_seed((self.seed * 1_000_003 + index * 7_919 + i) % (1 << 63))
+                g = torch.Generator().manual_seed(derive_seed(self.seed, "cocktail", "cycle", index, "shard", i))
                 # drawn and kept on the CPU (the same permutation on every device; 8 bytes a parameter, which a GPU
                 # shared by several stages should not hold): a step moves only its slice
                 perms.append(torch.randperm(e - s, generator=g))

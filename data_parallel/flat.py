@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-_GOLDEN = 0x9E3779B97F4A7C15
+from compression import derive_seed
 
 
 def worker_seed(seed: int, rank: int) -> int:
-    """The seed of replica `rank`'s generator: distinct per replica (independent rounding noise), fixed per run."""
-    return (seed + _GOLDEN * (rank + 1)) % (1 << 64)
+    """The seed of replica `rank`'s generator: distinct per replica (independent rounding noise), fixed per run,
+    derived from the names, never summed (compression.derive_seed)."""
+    return derive_seed(seed, "data_parallel", "replica", rank)
 
 
 def flat_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
