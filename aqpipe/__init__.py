@@ -1,7 +1,8 @@
 """aqpipe's trainer: configuration, data, checkpoints, failure handling and the training loop.
 
-The three libraries it drives sit beside it: `pipeline` (stages, schedules, the engine),
-`compression` (the boundary codecs) and `data_parallel` (replica sync). The launchable
+The three libraries it drives are its subpackages: `aqpipe.pipeline` (stages, schedules, the engine),
+`aqpipe.compression` (the boundary codecs) and `aqpipe.data_parallel` (replica sync), each importing only the ones
+before it in that order's reverse (compression <- data_parallel <- pipeline) and none of the trainer. The launchable
 scripts in the checkout's `recipes/` are thin wrappers around this package; `aqpipe.finetune(...)` runs a job
 from a user's script (api.py).
 """

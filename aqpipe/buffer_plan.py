@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compression.row_store import human_bytes as size
+from aqpipe.compression.row_store import human_bytes as size
 
 from .config import RunConfig
 from .environment import launch

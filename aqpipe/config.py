@@ -19,11 +19,11 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterator
 
-from compression.fields import check_int, is_int, setting
-from data_parallel import DataParallelConfig
-from pipeline import LOSS_AVERAGES, CompressionConfig
-from pipeline.adapters import LoraSettings
-from pipeline.schedule import SCHEDULES
+from aqpipe.compression.fields import check_int, is_int, setting
+from aqpipe.data_parallel import DataParallelConfig
+from aqpipe.pipeline import LOSS_AVERAGES, CompressionConfig
+from aqpipe.pipeline.adapters import LoraSettings
+from aqpipe.pipeline.schedule import SCHEDULES
 
 from .data.chat import OVERFLOWS
 from .placement import BACKENDS

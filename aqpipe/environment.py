@@ -28,7 +28,7 @@ def configure_kernels(environ: dict[str, str] | None = None) -> None:
     (where the compiled ones are kept) and CC (the C compiler)."""
     import torch
 
-    from compression import kernels  # deferred: the launch settings are read before torch loads
+    from aqpipe.compression import kernels  # deferred: the launch settings are read before torch loads
 
     env = os.environ if environ is None else environ
     choice = env.get("AQPIPE_KERNELS", "auto")

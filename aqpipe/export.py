@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline import PipelineEngine
-from pipeline.adapters import adapter_state_dict
+from aqpipe.pipeline import PipelineEngine
+from aqpipe.pipeline.adapters import adapter_state_dict
 
 from .config import RunConfig
 from .models import ModelSpec

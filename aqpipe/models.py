@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 from transformers import (BertConfig, DebertaV2Config, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedModel)
 
-from pipeline.loading import BIN, BIN_INDEX, INDEX, SINGLE, CheckpointReader, build_stage, has_weights
-from pipeline.stages import family_for
+from aqpipe.pipeline.loading import BIN, BIN_INDEX, INDEX, SINGLE, CheckpointReader, build_stage, has_weights
+from aqpipe.pipeline.stages import family_for
 
 TINY = {"width": 128, "layers": 4, "heads": 4}
 

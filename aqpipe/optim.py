@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from pipeline.seeding import derive_seed
+from aqpipe.pipeline.seeding import derive_seed
 
 
 def round_stochastic(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:

@@ -129,7 +129,7 @@ def _check_model_shape(cfg: "RunConfig") -> None:
             return
         cls = model_class(cfg.task, config)
         if cfg.lora.enabled:  # targets resolved on the model's own modules (no weight read)
-            from pipeline.lora import lora_config  # deferred: imports transformers, as above
+            from aqpipe.pipeline.lora import lora_config  # deferred: imports transformers, as above
 
             lora_config(cls, config, cfg.lora, cfg.task == "classification", cfg.distributed.pipeline_stages,
                         cfg.distributed.partition)

@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-import data_parallel
-from pipeline import Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
-from pipeline.lora import add_lora, lora_config
+from aqpipe import data_parallel
+from aqpipe.pipeline import Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe.pipeline.lora import add_lora, lora_config
 
-from compression import row_nbytes
+from aqpipe.compression import row_nbytes
 
 from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
@@ -241,8 +241,8 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
 
 def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int, total_steps: int,
                  adapters: Any = None, buffers: buffer_plan.BufferPlan | None = None) -> PipelineEngine:
-    """This rank's stage alone (built on the meta device, its own tensors read: pipeline/loading.py), with LoRA
-    `adapters` (a PEFT LoraConfig: pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
+    """This rank's stage alone (built on the meta device, its own tensors read: aqpipe/pipeline/loading.py), with LoRA
+    `adapters` (a PEFT LoraConfig: aqpipe/pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
     and LR schedule, its replicas' algorithm, and the engine that trains it, its AQ-SGD buffers as `buffers` plans
     (None: a row for every sample, where the settings put them)."""
     grid = Grid.for_world(world.size, cfg.distributed.pipeline_stages)
@@ -265,7 +265,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     if cfg.compile:
         stage.compile()  # in place: the stage's names, state_dict and attributes stay its own
     barrier(world)  # every stage built (a model download takes what it takes) before the first message
-    # a tied weight is stepped by its owner alone; the other copies take its rows each step (pipeline/ties.py)
+    # a tied weight is stepped by its owner alone; the other copies take its rows each step (aqpipe/pipeline/ties.py)
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage), world.transport)

@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aqpipe.data import fetch_shakespeare
-from compression import forward_codec
-from pipeline.compression_config import CompressionConfig
-from pipeline.partitioning import stage_block_counts
+from aqpipe.compression import forward_codec
+from aqpipe.pipeline.compression_config import CompressionConfig
+from aqpipe.pipeline.partitioning import stage_block_counts
 
 SETTINGS = ((2, 4), (3, 6), (4, 8))  # forward bits studied (the backward's are not rotated here)
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from compression import ForwardCodec, forward_codec, Message
+from aqpipe.compression import ForwardCodec, forward_codec, Message
 
 EPOCH_STEPS = 4  # a step's samples differ from the step before's, as within an epoch
 VARIANTS = ("compute alone", "hadamard-4, cache-free", "aqsgd, a host sync a message", "aqsgd, deferred")

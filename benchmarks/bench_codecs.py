@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from compression import BackwardCodec, ForwardCodec, forward_codec, Message
+from aqpipe.compression import BackwardCodec, ForwardCodec, forward_codec, Message
 
 SETTINGS = {  # name: (forward codec kwargs, backward codec kwargs)
     "fp32": ({"mode": "none"}, {"mode": "none"}),

@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from compression import dequantize, kernels, quantize
-from compression.quantizer import error_constant
+from aqpipe.compression import dequantize, kernels, quantize
+from aqpipe.compression.quantizer import error_constant
 
 TARGET = 0.25  # round trip at >= this fraction of clone speed (2 CPU cores)
 CUDA_CALLS = 20  # calls a GPU timing averages
@@ -97,7 +97,7 @@ def sweep(shape: tuple[int, ...], bits: int, configs: list[tuple[int, int]], rep
     """Triton's one-pass kernel alone at each (elements a program holds, warps) against clone, on CUDA: the
     layout that reads nearest copy speed on this GPU (any layout gives the same bytes: min, max and the packing's
     sums are exact in any order)."""
-    from compression import triton_kernels
+    from aqpipe.compression import triton_kernels
     kernels.configure(backend="triton")
     x = torch.randn(shape, device="cuda")
     flat, key, device = x.reshape(-1), (12345, 678), x.device
@@ -119,7 +119,7 @@ def sweep(shape: tuple[int, ...], bits: int, configs: list[tuple[int, int]], rep
 def host_costs(shape: tuple[int, ...], bits: int, backend: str, device: torch.device, calls: int = 200) -> dict:
     """Microseconds of host time a call of each piece of a pipeline codec's quantize takes (queued, not waited
     for), beside the whole call's time with its GPU work finished: where the host, not the GPU, bounds a call."""
-    from compression.quantizer import _dither_key
+    from aqpipe.compression.quantizer import _dither_key
     kernels.configure(backend=backend, interpret=INTERPRET)
     x = torch.randn(shape, device=device)
     flat, g, sync = x.reshape(-1), torch.Generator().manual_seed(1), (

@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from compression import QuantizedTensor, quantize
-from compression.kernels import unpack_codes
+from aqpipe.compression import QuantizedTensor, quantize
+from aqpipe.compression.kernels import unpack_codes
 
 
 def gaussian_message(bits: int, group_size: int | None, width: int, tokens: int) -> QuantizedTensor:

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.ds_gpt2_layers import gpt2_layer_specs, is_tied  # noqa: E402
-from pipeline.partitioning import stage_block_counts  # noqa: E402
+from aqpipe.pipeline.partitioning import stage_block_counts  # noqa: E402
 from aqpipe import data as datalib  # noqa: E402
 from aqpipe.config import RunConfig  # noqa: E402
 from aqpipe.settings import resolve  # noqa: E402

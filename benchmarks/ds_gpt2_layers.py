@@ -10,7 +10,7 @@ GPT2 blocks, in order), the final ``ln_f`` and the LM head. A head tied to ``wte
 
 Why one ``BlockRun`` per stage rather than one layer per block: DeepSpeed's own "parameters"
 balancing minimises max-minus-min stage size and counts a tied layer differently, so it can split
-the blocks differently from pipeline/partitioning.py. With exactly one BlockRun per stage,
+the blocks differently from aqpipe/pipeline/partitioning.py. With exactly one BlockRun per stage,
 ``partition_method="type:BlockRun"`` has a single split of cost zero: each stage gets its run,
 the embedding the first stage, ln_f and the head the last — our split, through DeepSpeed's public
 API. Layer granularity changes nothing else for training (no activation checkpointing here).

@@ -1,5 +1,5 @@
-"""What the entropy stage (compression/entropy.py) takes off a message and what it costs: per setting, a message's
-bytes packed and coded, the ratio, the coder's time each side (ns a byte of the packed message, the least of
+"""What the entropy stage (aqpipe/compression/entropy.py) takes off a message and what it costs: per setting, a
+message's bytes packed and coded, the ratio, the coder's time each side (ns a byte of the packed message, the least of
 `--repeats` runs), and the link rate below which the bytes saved take longer to send than both sides spend coding
 (the stage runs on the host, beside the compute, so above that rate it slows a step that waits on the link).
 
@@ -16,7 +16,7 @@ import time
 import torch
 
 from benchmarks.code_entropy import gaussian_message
-from compression import entropy
+from aqpipe.compression import entropy
 
 
 def _message(setting: str, width: int, tokens: int) -> torch.Tensor:

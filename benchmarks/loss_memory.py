@@ -1,5 +1,5 @@
 """The last stage's peak memory with the causal-LM loss whole (today's: a micro-batch's float32 logits and their
-gradient at once) against chunked over the sequence (pipeline/stages/lm_loss.py), on CPU.
+gradient at once) against chunked over the sequence (aqpipe/pipeline/stages/lm_loss.py), on CPU.
 
 A Llama last stage (one block, hidden 256, tied head) with Llama 3's vocabulary (128,256 tokens), a micro-batch of
 4 x 1024 tokens: whole logits are 4 * 1024 * 128256 * 4 bytes = 2.1 GB. Each mode runs forward and backward in a
@@ -25,8 +25,8 @@ VOCAB, HIDDEN = 128256, 256
 def one(mode: str, rows: int, seq: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.loading import build_stage
-    from pipeline.stages import lm_loss
+    from aqpipe.pipeline.loading import build_stage
+    from aqpipe.pipeline.stages import lm_loss
 
     if mode == "whole":
         lm_loss.CHUNK_BYTES = 1 << 62

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from compression import forward_codec  # noqa: E402
+from aqpipe.compression import forward_codec  # noqa: E402
 
 BUFFERS = {"float16": (torch.float16, None), "float32": (torch.float32, None),  # name: (buffer_dtype, buffer_bits)
            "8-bit": (torch.float16, 8), "4-bit": (torch.float16, 4)}

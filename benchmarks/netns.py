@@ -5,7 +5,7 @@ bridge in a hub namespace, so every host reaches every other (gloo connects all 
 rendezvous store lives on host 0). Each host's egress is shaped with a token-bucket qdisc (`tc ...
 tbf`), so every direction of every pair is limited to the link rate, as on machines with that
 uplink. The kernel here has no netem: latency, when wanted, is added in the transport
-(`AQPIPE_LINK_LATENCY_MS`, see pipeline/transport.py).
+(`AQPIPE_LINK_LATENCY_MS`, see aqpipe/pipeline/transport.py).
 
 Needs root and iproute2. `Network` is a context manager: on exit (normal, exception or Ctrl-C) it
 kills whatever still runs in its namespaces and deletes them, which removes the links too.

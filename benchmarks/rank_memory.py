@@ -108,8 +108,8 @@ def stage_parameters(config: dict[str, Any], stages: int) -> list[int]:
     its embeddings, the last its norm and head (a tied head: its own copy)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.loading import meta_model
-    from pipeline.partitioning import partition
+    from aqpipe.pipeline.loading import meta_model
+    from aqpipe.pipeline.partitioning import partition
 
     model = meta_model(LlamaForCausalLM, LlamaConfig(**config))
     return [sum(p.numel() for p in s.parameters()) for s in partition(model, stages, copy_modules=False)]

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks.netns import Network, can_build, rate_bits  # noqa: E402
 from benchmarks.recipe_runs import free_port  # noqa: E402
-from pipeline.schedule import SCHEDULES  # noqa: E402
+from aqpipe.pipeline.schedule import SCHEDULES  # noqa: E402
 
 SCRIPTS = {"aqpipe": [str(ROOT / "recipes" / "finetune_gpt2.py")], "deepspeed": ["-m", "benchmarks.deepspeed_pipeline"]}
 LLAMA_SCRIPT = ["-m", "aqpipe", "causal-lm"]  # --family llama: the generic task, the family from the model's config

@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from compression import BackwardCodec, forward_codec, Message
+from aqpipe.compression import BackwardCodec, forward_codec, Message
 
 SEQ, WIDTH, CLASSES, FEATURES = 8, 128, 10, 32
 

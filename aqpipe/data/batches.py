@@ -8,7 +8,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from compression.fields import check_int, is_int
+from aqpipe.compression.fields import check_int, is_int
 
 
 

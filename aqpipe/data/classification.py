@@ -18,7 +18,7 @@ from .corpus import fetch_shakespeare, verse_runs
 from .datasets import TensorDictDataset, check_seq_len, check_split, split_slice
 from .sources import TABLE_FORMATS, hub_split, load_hub, load_table, local_file
 from .tokens import cached
-from compression.fields import check_int
+from aqpipe.compression.fields import check_int
 
 
 BUILTIN_TASKS = ("acceptability", "next_line")

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from compression.fields import check_int
+from aqpipe.compression.fields import check_int
 
 
 SPLITS = ("train", "eval")

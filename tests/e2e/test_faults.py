@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from aqpipe import faults
 from tests.helpers.killed_recipe import FLAGS, RECIPE, run_on_one_machine
 from tests.helpers.processes import ROOT, checkout_env, free_port, spawn

@@ -34,7 +34,7 @@ def test_the_wheel_holds_every_package_and_runs_both_fine_tunes_from_elsewhere(t
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     assert shipped - names == set()  # every module, subpackages too (pipeline.stages was once left out)
-    assert "compression/native/quant.c" in names
+    assert "aqpipe/compression/native/quant.c" in names
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names)
 
     venv = tmp_path / "venv"

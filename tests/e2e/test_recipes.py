@@ -63,7 +63,7 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
     """The preset's first-visit codec is auto: a one-epoch run (no sample read back) sends 3-bit Hadamard rows from
     step 1 and keeps no buffer row; a two-epoch run sends its first visits whole, the base of its later deltas, and
     says at start where their rows live."""
-    from compression import QuantizedTensor
+    from aqpipe.compression import QuantizedTensor
 
     runs = {}
     plans = {"1": "AQ-SGD buffers: none kept: no sample is visited twice in this run's 32 visits",  # nor stored

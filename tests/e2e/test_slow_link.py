@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import netns, slow_link
 from aqpipe.environment import link_latency_s
-from pipeline import transport
+from aqpipe.pipeline import transport
 
 from tests.helpers.processes import ROOT, checkout_env
 

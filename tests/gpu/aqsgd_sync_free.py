@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from compression import forward_codec, Message
+from aqpipe.compression import forward_codec, Message
 
 STEPS = [[[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 8, 9], [2, 3, 10, 11]], [[4, 5, 6, 7], [8, 9, 10, 11]]]
 

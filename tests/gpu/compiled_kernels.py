@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from compression import dequantize, kernels, quantize
+from aqpipe.compression import dequantize, kernels, quantize
 
 
 def main() -> int:

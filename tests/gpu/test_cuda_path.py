@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression.staging import HostStaging
+from aqpipe.compression.staging import HostStaging
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from pipeline.seeding import derive_seed, reseed
+from aqpipe.pipeline.seeding import derive_seed, reseed
 
 # where each family's dropout draws, by part: the module a stage seeds the part before (the embeddings' dropout,
 # block i, the head), named in the unpartitioned model

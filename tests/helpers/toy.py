@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pipeline import Tie
+from aqpipe.pipeline import Tie
 
 
 VOCAB, HIDDEN = 40, 16

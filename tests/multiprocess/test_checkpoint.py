@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import data_parallel
+from aqpipe import data_parallel
 from tests.helpers.processes import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
-from pipeline.adapters import LoraSettings
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe.pipeline.adapters import LoraSettings
 from aqpipe import checkpoint
 from aqpipe.storage import Storage
 from aqpipe.world import World
@@ -122,7 +122,7 @@ def test_engine_resume_equals_uninterrupted_under_every_algorithm(resumed, name)
 def test_a_resume_inside_the_first_epoch_of_compressed_first_visits_equals_uninterrupted(tmp_path):
     """Saved after step 1 of 2 of the first epoch: step 2's first visits draw the first-visit codec's dither as the
     uninterrupted run's did, and the rows both sides stored before the save carry on."""
-    from compression import QuantizedTensor
+    from aqpipe.compression import QuantizedTensor
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), FIRST_VISITS, 1)
     for rank in ranks:

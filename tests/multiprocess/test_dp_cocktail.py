@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from compression import dequantize, quantize
-from data_parallel.base import create
-from data_parallel.cocktail import CocktailSGD
-from data_parallel.comm import Comm
-from data_parallel.flat import worker_seed
+from aqpipe.compression import dequantize, quantize
+from aqpipe.data_parallel.base import create
+from aqpipe.data_parallel.cocktail import CocktailSGD
+from aqpipe.data_parallel.comm import Comm
+from aqpipe.data_parallel.flat import worker_seed
 from tests.helpers.dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 from tests.helpers.processes import spawn
 

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import data_parallel.decentralized as dec
-from compression import QuantizedTensor, dequantize, quantize
-from data_parallel.base import REGISTRY, create
-from data_parallel.comm import Comm
-from data_parallel.flat import worker_seed
+import aqpipe.data_parallel.decentralized as dec
+from aqpipe.compression import QuantizedTensor, dequantize, quantize
+from aqpipe.data_parallel.base import REGISTRY, create
+from aqpipe.data_parallel.comm import Comm
+from aqpipe.data_parallel.flat import worker_seed
 from tests.helpers.processes import spawn
 
 STEPS, LR, GS = 5, 0.1, dec.DEFAULT_GROUP_SIZE

@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from compression import dequantize, quantize
-from data_parallel import qadam  # noqa: F401  (registers "qadam")
-from data_parallel.base import create
-from data_parallel.comm import Comm
-from data_parallel.flat import worker_seed
-from data_parallel.qadam import QAdam, QAdamOptimizer
+from aqpipe.compression import dequantize, quantize
+from aqpipe.data_parallel import qadam  # noqa: F401  (registers "qadam")
+from aqpipe.data_parallel.base import create
+from aqpipe.data_parallel.comm import Comm
+from aqpipe.data_parallel.flat import worker_seed
+from aqpipe.data_parallel.qadam import QAdam, QAdamOptimizer
 from tests.helpers.processes import spawn
 from tests.helpers.dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 

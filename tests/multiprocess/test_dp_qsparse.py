@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from compression import QuantizedTensor, randk, topk
-from data_parallel import qsparse  # noqa: F401  (registers "qsparse_local_sgd")
-from data_parallel.base import create
-from data_parallel.comm import Comm
-from data_parallel.flat import worker_seed
-from data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
+from aqpipe.compression import QuantizedTensor, randk, topk
+from aqpipe.data_parallel import qsparse  # noqa: F401  (registers "qsparse_local_sgd")
+from aqpipe.data_parallel.base import create
+from aqpipe.data_parallel.comm import Comm
+from aqpipe.data_parallel.flat import worker_seed
+from aqpipe.data_parallel.qsparse import QsparseLocalSGD, decode_indices, encode_indices
 from tests.helpers.processes import spawn
 from tests.helpers.dp_toy import flat, loss_of, restored, straight_and_saved, train_steps
 

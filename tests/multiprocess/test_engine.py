@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from compression import SampleBuffer
+from aqpipe.compression import SampleBuffer
 from tests.helpers.buffers import by_sample
 from tests.helpers.processes import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
-from pipeline.compression_config import AUTO_GROUP_SIZE
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
+from aqpipe.pipeline.compression_config import AUTO_GROUP_SIZE
 from tests.helpers.toy import VOCAB, ToyStage, toy_batches, toy_stages, toy_ties
 
 SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
@@ -259,7 +259,7 @@ def test_the_gradient_sent_back_is_taken_at_what_the_receiver_computed_with(reco
 
 
 def channels_in_use(rank, world):
-    from pipeline.topology import BOUNDARY, TIE
+    from aqpipe.pipeline.topology import BOUNDARY, TIE
 
     groups = build_groups(Grid.for_world(world, world), rank)
     stage = toy_stages(world)[groups.stage]

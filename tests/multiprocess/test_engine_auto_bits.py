@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-import data_parallel
+from aqpipe import data_parallel
 from tests.helpers.processes import spawn
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from aqpipe import data
 from tests.helpers.toy import toy_batches, toy_dataset, toy_stages, toy_ties
 
@@ -215,7 +215,7 @@ def test_aqsgd_with_replicas_resends_nothing_whole_after_the_first_epoch(sharded
 def test_compressed_first_visits_with_replicas_keep_buffers_identical_and_resend_nothing(sharded):
     """Hadamard 3-bit first visits on 2 stages x 2 replicas: the first epoch's rows compressed, later epochs all
     deltas, each boundary's two sides holding the same decoded rows."""
-    from compression import QuantizedTensor
+    from aqpipe.compression import QuantizedTensor
 
     ranks = sharded["hadamard"]
     for replica in (0, 1):

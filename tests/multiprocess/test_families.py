@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
-from pipeline.loading import build_stage
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe.pipeline.loading import build_stage
 from tests.helpers.files import stored_dtypes
 from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches, train_reference

@@ -6,8 +6,8 @@ import collections
 import pytest
 import torch
 
-from compression import quantizer
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
+from aqpipe.compression import quantizer
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 import transformers
 
-import data_parallel
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
-from pipeline.loading import build_stage
-from pipeline.adapters import adapter_state_dict, seed_adapters
-from pipeline.lora import LoraSettings, add_lora, lora_config
+from aqpipe import data_parallel
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe.pipeline.loading import build_stage
+from aqpipe.pipeline.adapters import adapter_state_dict, seed_adapters
+from aqpipe.pipeline.lora import LoraSettings, add_lora, lora_config
 from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches, train_reference
 

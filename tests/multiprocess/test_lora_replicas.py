@@ -13,10 +13,10 @@ from aqpipe.settings import build
 from aqpipe.data import load_tokenizer
 from aqpipe.models import resolve_model
 from aqpipe.world import World
-from data_parallel import DataParallelConfig
-from pipeline import CompressionConfig, owned_parameters
-from pipeline.adapters import LoraSettings, adapter_state_dict
-from pipeline.lora import lora_config
+from aqpipe.data_parallel import DataParallelConfig
+from aqpipe.pipeline import CompressionConfig, owned_parameters
+from aqpipe.pipeline.adapters import LoraSettings, adapter_state_dict
+from aqpipe.pipeline.lora import lora_config
 from tests.helpers.files import tiny_llama_dir
 from tests.helpers.processes import spawn
 from tests.helpers.reference import random_batches

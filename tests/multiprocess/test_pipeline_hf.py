@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from pipeline import (
+from aqpipe.pipeline import (
     CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters, partition, tie_groups,
 )
 from tests.helpers.processes import spawn
 from tests.helpers.reference import train_reference
-from pipeline.compression_config import AUTO_GROUP_SIZE
+from aqpipe.pipeline.compression_config import AUTO_GROUP_SIZE
 
 SEQ, MBS, MICRO, SAMPLES, VOCAB = 16, 2, 2, 16, 96
 

@@ -5,8 +5,8 @@ with the mean of micro-batch means."""
 import pytest
 import torch
 
-import data_parallel
-from pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe import data_parallel
+from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_stages, toy_ties, toy_tokens
 

@@ -2,10 +2,10 @@
 state."""
 import pytest
 
-from compression import QuantizedTensor
-from pipeline.auto_bits import THEOREM_C_Q, AutoBits, Link, Step, allowed_bits, choose
-from pipeline.compression_config import CompressionConfig
-from pipeline.schedule import train_schedule
+from aqpipe.compression import QuantizedTensor
+from aqpipe.pipeline.auto_bits import THEOREM_C_Q, AutoBits, Link, Step, allowed_bits, choose
+from aqpipe.pipeline.compression_config import CompressionConfig
+from aqpipe.pipeline.schedule import train_schedule
 
 WIDTH, ELEMENTS = 768, 4 * 128 * 768  # a micro-batch of 4 x 128 tokens of GPT-2 small
 

@@ -4,8 +4,8 @@ unbiased; they travel as 4 bytes a group instead of 8, and both sides of a codec
 import pytest
 import torch
 
-from compression import BackwardCodec, forward_codec, QuantizedTensor, dequantize, quantize
-from compression.group_math import bfloat16_down, bfloat16_up
+from aqpipe.compression import BackwardCodec, forward_codec, QuantizedTensor, dequantize, quantize
+from aqpipe.compression.group_math import bfloat16_down, bfloat16_up
 
 BF16 = torch.bfloat16
 
@@ -92,7 +92,7 @@ def test_a_checkpoint_names_a_different_scale_dtype_and_earlier_ones_load_as_flo
 @pytest.mark.parametrize("stochastic", [True, False])
 def test_the_c_kernels_and_tensor_ops_give_the_same_codes_and_scales(gs, stochastic):
     """Two implementations of bfloat16 scales (Triton's kernels lack them; a GPU tensor takes tensor ops)."""
-    from compression import kernels
+    from aqpipe.compression import kernels
 
     flat = torch.randn(3000, generator=torch.Generator().manual_seed(gs)) * 40 - 7
     flat[:64] = 0.0  # a constant group (zero span)

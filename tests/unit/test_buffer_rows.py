@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from compression import forward_codec, Message, SampleBuffer
-from compression.row_store import RowStore
+from aqpipe.compression import forward_codec, Message, SampleBuffer
+from aqpipe.compression.row_store import RowStore
 
 SHAPE = (4, 64)
 
@@ -222,7 +222,8 @@ def test_a_runs_last_checkpoint_takes_the_buffer_file_itself(tmp_path, monkeypat
     buf.store(torch.tensor([10, 4, 49_999]), torch.randn(3, 2, 3))
     held, state = buf.held(), buf.state_dict()
     if across_filesystems:  # a rename cannot cross filesystems: the rows are copied, the live file removed
-        monkeypatch.setattr("compression.row_store.os.replace", lambda *_: (_ for _ in ()).throw(OSError(18, "EXDEV")))
+        monkeypatch.setattr("aqpipe.compression.row_store.os.replace",
+                            lambda *_: (_ for _ in ()).throw(OSError(18, "EXDEV")))
     buf.hand_over(tmp_path / "checkpoint.buf")
     assert not (tmp_path / "live.buf").exists() and (tmp_path / "checkpoint.buf").stat().st_size == 3 * 12
     again = SampleBuffer(50_000, (2, 3))
@@ -235,7 +236,8 @@ def test_a_runs_last_checkpoint_takes_the_buffer_file_itself(tmp_path, monkeypat
 def test_a_hand_over_that_fails_other_than_across_filesystems_says_so(tmp_path, monkeypatch):
     buf = SampleBuffer(10, (2,), path=tmp_path / "live.buf")
     buf.store(torch.tensor([3]), torch.ones(1, 2))
-    monkeypatch.setattr("compression.row_store.os.replace", lambda *_: (_ for _ in ()).throw(PermissionError(13, "no")))
+    monkeypatch.setattr("aqpipe.compression.row_store.os.replace",
+                        lambda *_: (_ for _ in ()).throw(PermissionError(13, "no")))
     with pytest.raises(PermissionError):
         buf.hand_over(tmp_path / "checkpoint.buf")
     assert not (tmp_path / "checkpoint.buf").exists() and (tmp_path / "live.buf").stat().st_size == 4  # rows kept

@@ -2,9 +2,9 @@
 boundaries, replicas or tied-weight links round alike, up to 16 replicas."""
 import torch
 
-from compression import AQSGDCodec, BackwardCodec, ForwardCodec
-from pipeline import CompressionConfig
-from pipeline.codec_factory import CodecFactory
+from aqpipe.compression import AQSGDCodec, BackwardCodec, ForwardCodec
+from aqpipe.pipeline import CompressionConfig
+from aqpipe.pipeline.codec_factory import CodecFactory
 
 AUTO = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4, first_visit="auto",
                          first_visit_bits=3, first_visit_base="position", tie="aqsgd", tie_bits=8)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compression import (BackwardCodec, BufferRangeError, forward_codec, Message, QuantizedTensor, SampleBuffer,
+from aqpipe.compression import (BackwardCodec, BufferRangeError, forward_codec, Message, QuantizedTensor, SampleBuffer,
                          SampleIds, dequantize, quantize)
 
 N, SHAPE = 24, (4, 64)  # dataset size, one sample's activation (seq, hidden)
@@ -440,7 +440,7 @@ def outlier_activation(n: int = 6, seed: int = 0) -> torch.Tensor:
 
 
 def test_hadamard_rotation_is_orthonormal_and_undone_exactly_enough():
-    from compression.hadamard import block_size, random_signs, rotate, unrotate
+    from aqpipe.compression.hadamard import block_size, random_signs, rotate, unrotate
 
     signs = random_signs(64, seed=3)
     assert set(signs.tolist()) == {-1.0, 1.0} and torch.equal(signs, random_signs(64, seed=3))

@@ -7,11 +7,11 @@ import torch
 
 from aqpipe import cli
 from aqpipe.config import CheckpointingSettings, DataSettings, DistributedSettings, OptimizationSettings, RunConfig
-from data_parallel import DataParallelConfig
-from pipeline import CompressionConfig
+from aqpipe.data_parallel import DataParallelConfig
+from aqpipe.pipeline import CompressionConfig
 from aqpipe.settings import resolve
 from aqpipe.tasks import TASKS
-from pipeline.compression_config import AUTO_GROUP_SIZE
+from aqpipe.pipeline.compression_config import AUTO_GROUP_SIZE
 
 
 def run(argv, monkeypatch, world=1):
@@ -129,8 +129,7 @@ def test_unknown_run_setting_and_bad_json_are_refused(tmp_path, monkeypatch, cap
 
 
 def test_odd_replicas_for_shift_one_are_refused_before_starting(monkeypatch, capsys):
-    import data_parallel
-
+    from aqpipe import data_parallel
     monkeypatch.setitem(data_parallel.REGISTRY, "decentralized", object)  # registered by its own module
     with pytest.raises(SystemExit):
         run(["--replicas", "3", "--pipeline_stages", "1", "--dp_algorithm", "decentralized"], monkeypatch, world=3)
@@ -326,7 +325,7 @@ def test_a_bad_flag_is_one_line_from_rank_0_first(rank, monkeypatch, capsys):
 
 
 def test_qadam_warms_up_for_a_tenth_of_the_run_and_says_so(monkeypatch):
-    from data_parallel import DataParallelConfig
+    from aqpipe.data_parallel import DataParallelConfig
 
     cfg = run(["--replicas", "2", "--pipeline_stages", "2", "--dp_algorithm", "qadam"], monkeypatch, world=4)
     assert cfg.data_parallel.warmup_steps == "auto" and cfg.data_parallel.warmup_for(96) == 10
@@ -445,7 +444,7 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     its run block reads the same, and a checkpoint with flat lora_* keys and no chat settings (one conversation a
     sample, a micro-batch's mean loss) resumes with those, and is refused with others, naming them."""
     from aqpipe import checkpoint
-    from pipeline.adapters import LoraSettings
+    from aqpipe.pipeline.adapters import LoraSettings
 
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"run": {"lora_rank": 4, "lora_target_modules": ["q_proj"]}}))

@@ -4,8 +4,8 @@ order, and a row beyond a float16 buffer reported at `settle` with the sample an
 
 import torch
 
-from compression import ForwardCodec, forward_codec, SampleBuffer
-from compression.buffers import Prepared
+from aqpipe.compression import ForwardCodec, forward_codec, SampleBuffer
+from aqpipe.compression.buffers import Prepared
 from tests.unit.test_codecs import N, SHAPE, activation, wire
 
 STEPS = [[[0, 1], [2, 3]], [[0, 4], [5, 1]], [[2, 3], [4, 5]]]  # first visits, mixed, changes

@@ -1,10 +1,10 @@
-"""The entropy stage over a quantized message's bytes (compression/entropy.py): lossless, shorter where codes are
+"""The entropy stage over a quantized message's bytes (aqpipe/compression/entropy.py): lossless, shorter where codes are
 skewed, never longer than its receiver's buffer, and a clear error for a message that does not decode."""
 import pytest
 import torch
 
-from compression import entropy, quantize
-from pipeline.transport import Wire
+from aqpipe.compression import entropy, quantize
+from aqpipe.pipeline.transport import Wire
 
 
 def _packed(bits: int, group_size=None, rows: int = 512, width: int = 256) -> torch.Tensor:

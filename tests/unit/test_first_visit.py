@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from compression import forward_codec, Message, QuantizedTensor
+from aqpipe.compression import forward_codec, Message, QuantizedTensor
 from tests.unit.test_codecs import N, SHAPE, activation, run_epochs, wire
 
 FIRST = [("direct", 4), ("hadamard", 4), ("hadamard", 3)]
@@ -125,7 +125,7 @@ def test_auto_sends_a_kept_samples_first_visit_whole_and_the_rest_as_hadamard_ch
     """auto: the first visit of a sample the run reads back is the base of its later changes (full precision); a
     sample kept out of the buffer (never read back) goes as a 3-bit Hadamard change from the running base, at every
     visit, as a one-epoch run's every sample."""
-    from pipeline import CompressionConfig
+    from aqpipe.pipeline import CompressionConfig
 
     auto = CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="auto", first_visit_bits=3,
                              first_visit_base="position")

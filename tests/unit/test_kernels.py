@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from compression import dequantize, kernels, quantize
+from aqpipe.compression import dequantize, kernels, quantize
 
 BACKENDS = ["native", "triton", "torch"]
 
@@ -143,7 +143,7 @@ def test_unknown_backend_is_refused(backend):
 
 def test_triton_asked_for_but_missing_is_one_line(backend, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    monkeypatch.delitem(sys.modules, "compression.triton_kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "aqpipe.compression.triton_kernels", raising=False)
     backend("triton")  # configure() asks again whether Triton imports
     with pytest.raises(RuntimeError, match="AQPIPE_KERNELS=triton but Triton cannot be imported"):
         quantize(torch.randn(4, 8), 2)

@@ -4,9 +4,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from pipeline.loading import build_stage
-from pipeline.stages import lm_loss
-from pipeline.stages.lm_loss import causal_lm_loss
+from aqpipe.pipeline.loading import build_stage
+from aqpipe.pipeline.stages import lm_loss
+from aqpipe.pipeline.stages.lm_loss import causal_lm_loss
 
 B, T, H, V = 2, 37, 16, 50
 

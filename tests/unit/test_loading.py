@@ -1,5 +1,5 @@
-"""A stage built alone (pipeline/loading.py): it reads its own tensors and no other's, a config alone gives the same
-values on any stage count, and what cannot load is said in one line."""
+"""A stage built alone (aqpipe/pipeline/loading.py): it reads its own tensors and no other's, a config alone gives the
+same values on any stage count, and what cannot load is said in one line."""
 import json
 import warnings
 
@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from aqpipe.models import model_class
-from pipeline.loading import CheckpointReader, build_stage
+from aqpipe.pipeline.loading import CheckpointReader, build_stage
 
 SMALL = dict(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)

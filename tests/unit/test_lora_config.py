@@ -3,7 +3,7 @@ all-linear kept to the blocks, and every target a user could get wrong refused i
 import pytest
 import transformers
 
-from pipeline.lora import LoraSettings, lora_config
+from aqpipe.pipeline.lora import LoraSettings, lora_config
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
          "num_attention_heads": 4, "pad_token_id": 0}

@@ -9,7 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from aqpipe import data
 from aqpipe.data.chat import IGNORE, encode_instruction
 from aqpipe.data.packing import best_fit_decreasing, pack
-from pipeline import partition
+from aqpipe.pipeline import partition
 from tests.helpers.chat import chat_tokenizer
 
 VOCAB, SEQ = 64, 24

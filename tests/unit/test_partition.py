@@ -18,8 +18,8 @@ from transformers import (
     GPT2Model,
 )
 
-from pipeline import Tie
-from pipeline.partitioning import (
+from aqpipe.pipeline import Tie
+from aqpipe.pipeline.partitioning import (
     PipelineStage,
     StageOutput,
     balance_by_size,

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from compression import QuantizedTensor, dequantize, quantize
+from aqpipe.compression import QuantizedTensor, dequantize, quantize
 
 
 def gen(seed: int = 0) -> torch.Generator:

@@ -1,7 +1,7 @@
 """Schedules as data: every stage's list runs together without deadlock, in a valid order."""
 import pytest
 
-from pipeline import schedule as sched
+from aqpipe.pipeline import schedule as sched
 
 
 @pytest.mark.parametrize("name", sched.SCHEDULES)
@@ -178,7 +178,7 @@ def test_torch_pipelinings_validator_rejects_a_weight_gradient_before_its_input_
 
 
 def test_the_engines_bubble_is_waiting_over_the_schedules_time_of_all_ranks():
-    from pipeline.engine import StepTotals
+    from aqpipe.pipeline.engine import StepTotals
 
     assert StepTotals(schedule_seconds=4.0, compute_seconds=3.0).bubble() == pytest.approx(0.25)
     assert StepTotals().bubble() is None  # no schedule ran (nothing to say)

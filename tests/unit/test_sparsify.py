@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from compression import QuantizedTensor, dequantize, randk, topk
+from aqpipe.compression import QuantizedTensor, dequantize, randk, topk
 
 
 def test_topk_keeps_the_largest_magnitudes():

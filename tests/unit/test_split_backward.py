@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline import partition
-from pipeline.split_backward import backward_input
+from aqpipe.pipeline import partition
+from aqpipe.pipeline.split_backward import backward_input
 from tests.unit.test_partition import make_batch, make_model
 
 

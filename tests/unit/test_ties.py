@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pipeline import Tie
+from aqpipe.pipeline import Tie
 
 
 def test_the_owner_is_the_last_holder_using_every_row():

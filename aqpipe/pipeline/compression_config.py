@@ -5,12 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
-from compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, SCALE_DTYPES, check_bits
-from compression.running_base import BASES
+from aqpipe.compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, SCALE_DTYPES, check_bits
+from aqpipe.compression.running_base import BASES
 
 from .ties import TIE_MODES
-from compression.fields import check_int, is_int
-from compression.fields import setting
+from aqpipe.compression.fields import check_int, is_int
+from aqpipe.compression.fields import setting
 
 BUFFER_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # "auto" groups: a quantizer at 2 bits or fewer takes groups of this many elements (where rows are wider),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from compression import AQSGDCodec, BackwardCodec, ForwardCodec, aqsgd_codec, derive_seed, forward_codec
+from aqpipe.compression import AQSGDCodec, BackwardCodec, ForwardCodec, aqsgd_codec, derive_seed, forward_codec
 
 from .compression_config import CompressionConfig
 

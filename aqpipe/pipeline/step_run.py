@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from compression import SampleIds
+from aqpipe.compression import SampleIds
 
 from . import schedule as sched
 from . import split_backward

@@ -10,8 +10,8 @@ seeds each adapter by its module's name, so the initial values are the same on a
 `pipeline.loading` seeds weights). Everything else is frozen except the task's new head (a classifier, which a
 base checkpoint lacks: PEFT's `modules_to_save`), and the trainable weights are cast to `dtype`.
 
-The stage's `hf_state_dict()` then folds each adapter into its base weight (the merged model: pipeline/adapters.py,
-which also gives the trained tensors under the names `PeftModel.save_pretrained` writes).
+The stage's `hf_state_dict()` then folds each adapter into its base weight (the merged model: adapters.py, which
+also gives the trained tensors under the names `PeftModel.save_pretrained` writes).
 """
 from __future__ import annotations
 

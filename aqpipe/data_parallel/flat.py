@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from compression import derive_seed
+from aqpipe.compression import derive_seed
 
 
 def worker_seed(seed: int, rank: int) -> int:

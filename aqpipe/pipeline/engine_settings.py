@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.fields import check_int
+from aqpipe.compression.fields import check_int
 
 from .schedule import SCHEDULES
 from .step_run import LOSS_AVERAGES

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from compression.fields import check_int
-from compression.fields import setting
+from aqpipe.compression.fields import check_int
+from aqpipe.compression.fields import setting
 
 from .base import REGISTRY, Algorithm
 from .comm import Comm

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from compression import BackwardCodec, BufferRangeError, ForwardCodec
+from aqpipe.compression import BackwardCodec, BufferRangeError, ForwardCodec
 
 from .step_guard import finite_or_zeros
 from .transport import Boundary, Wire

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
-from compression import QuantizedTensor
-from compression.quantizer import error_constant
+from aqpipe.compression import QuantizedTensor
+from aqpipe.compression.quantizer import error_constant
 
 from .schedule import COMPUTE, Action, makespan, train_schedule
 

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from compression import QuantizedTensor, dequantize, quantize
-from compression.staging import HostStaging
+from aqpipe.compression import QuantizedTensor, dequantize, quantize
+from aqpipe.compression.staging import HostStaging
 
 
 class Comm:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compression import BufferRangeError
+from aqpipe.compression import BufferRangeError
 
 if TYPE_CHECKING:
     from .topology import Groups

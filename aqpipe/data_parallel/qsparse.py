@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from compression import QuantizedTensor, SparseTensor, randk, topk
-from compression.fields import check_int
+from aqpipe.compression import QuantizedTensor, SparseTensor, randk, topk
+from aqpipe.compression.fields import check_int
 
 from .base import Algorithm, register
 from .comm import Comm

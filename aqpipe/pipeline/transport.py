@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compression import BackwardCodec, ForwardCodec, Message, SampleIds, entropy
-from compression.buffers import to_device
-from compression.staging import HostStaging
+from aqpipe.compression import BackwardCodec, ForwardCodec, Message, SampleIds, entropy
+from aqpipe.compression.buffers import to_device
+from aqpipe.compression.staging import HostStaging
 
 PROBE_REPEATS = 2  # round trips per size in a link probe; the faster counts
 

@@ -8,7 +8,7 @@
     # ties: tie_groups(stages) names the weights several stages hold (PipelineEngine keeps them in step)
     merge_into(fresh_model, [s.hf_state_dict() for s in stages]).save_pretrained(out_dir)
 
-A rank that should hold only its own stage builds it from the model's config instead (pipeline/loading.py).
+A rank that should hold only its own stage builds it from the model's config instead (aqpipe/pipeline/loading.py).
 Supported: `supported_classes()` (GPT2, DeBERTa, BERT, RoBERTa, and the Llama lineage: Llama, Qwen2, Qwen3, Mistral,
 Gemma 3 text, Phi-3, their causal LM and sequence classification heads).
 """
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from .stages import Family, PipelineStage, StageOutput, family_for, supported_classes
 from .stages.base import present
 from .ties import Tie
-from compression.fields import check_int, is_int
+from aqpipe.compression.fields import check_int, is_int
 
 METHODS = ("parameters", "uniform")
 
@@ -153,8 +153,8 @@ def partition(model: PreTrainedModel, num_stages: int, method: str | list[int] =
     the last stage the final norm, head and loss. Weights several stages need (a tied LM head, DeBERTa's relative
     embeddings) are held by each of them; ``tied_parameters()`` / ``tie_groups`` name them. ``copy_modules``: each
     stage deep-copies its parts (so the stages can train apart), or takes the modules themselves (a model on the meta
-    device, of which each rank materializes one stage: pipeline/loading.py). ``activation_checkpointing`` wraps each
-    block call in non-reentrant ``torch.utils.checkpoint`` while training.
+    device, of which each rank materializes one stage: loading.py). ``activation_checkpointing`` wraps each block
+    call in non-reentrant ``torch.utils.checkpoint`` while training.
     """
     family = model_family(model)
     counts = stage_block_counts(model, num_stages, method)

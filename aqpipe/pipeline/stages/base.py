@@ -167,7 +167,7 @@ class PipelineStage(nn.Module):
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """Tie key (HF name of the shared weight) -> this stage's copy, for weights other stages also hold.
 
-        ``tie_groups`` lists the stages holding each; PipelineEngine keeps the copies in step (pipeline/ties.py).
+        ``tie_groups`` lists the stages holding each; PipelineEngine keeps the copies in step (aqpipe/pipeline/ties.py).
         A weight shared only inside this stage is not listed.
         """
         return {key: self.get_parameter(local) for key, local in self._tie_keys.items()}
@@ -186,7 +186,7 @@ class PipelineStage(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and persistent buffers under their names in the unpartitioned HF model; with LoRA
-        adapters (pipeline/lora.py), each folded into its base weight: the merged model."""
+        adapters (aqpipe/pipeline/lora.py), each folded into its base weight: the merged model."""
         return merged_state_dict(self) if has_adapters(self) else dict(self.state_dict())
 
     # ------------------------------------------------------------------ helpers for subclasses

@@ -1,4 +1,4 @@
-"""The user's LoRA settings, and a stage's adapters once injected (pipeline/lora.py injects them): their seeded
+"""The user's LoRA settings, and a stage's adapters once injected (aqpipe/pipeline/lora.py injects them): their seeded
 initial values, the merged model's tensors and the adapter's own, by the names PEFT writes. A leaf: the settings
 (aqpipe/config.py) and the stages (`hf_state_dict`) read it without loading the partitioner, the loader and
 transformers that lora.py needs to resolve targets."""
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compression.fields import check_int, setting
+from aqpipe.compression.fields import check_int, setting
 
 from .seeding import derive_seed
 

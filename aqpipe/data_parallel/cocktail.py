@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from compression import QuantizedTensor, derive_seed, dequantize, quantize
-from compression.kernels import pack_codes, unpack_codes
-from compression.fields import check_int
+from aqpipe.compression import QuantizedTensor, derive_seed, dequantize, quantize
+from aqpipe.compression.kernels import pack_codes, unpack_codes
+from aqpipe.compression.fields import check_int
 
 from .base import Algorithm, register
 from .comm import Comm

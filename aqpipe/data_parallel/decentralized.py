@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from compression import QuantizedTensor, check_bits, dequantize, quantize
-from compression.fields import check_int
+from aqpipe.compression import QuantizedTensor, check_bits, dequantize, quantize
+from aqpipe.compression.fields import check_int
 
 from .base import Algorithm, register
 from .comm import Comm

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from compression.staging import HostStaging
-from compression.fields import check_int
+from aqpipe.compression.staging import HostStaging
+from aqpipe.compression.fields import check_int
 
 BOUNDARY, TIE = "boundary", "tie"  # the kinds of channel between two stages of a pipeline
 

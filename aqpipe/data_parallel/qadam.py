@@ -52,7 +52,7 @@ import warnings
 from typing import Any, Callable, Iterable
 
 import torch
-from compression.fields import check_int
+from aqpipe.compression.fields import check_int
 
 from .base import Algorithm, register
 from .comm import Comm

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from compression.seeds import derive_seed
+from aqpipe.compression.seeds import derive_seed
 
 __all__ = ["derive_seed", "reseed"]
 
