@@ -128,6 +128,8 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: theirs[auto]})})
     theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
     theirs.setdefault("compression.scale_dtype", "float32")
+    # checkpoints from before subspace codecs: no basis, so any rank (a subspace run's compression.forward differs)
+    theirs.setdefault("compression.subspace_rank", mine.get("compression.subspace_rank"))
     theirs.setdefault("param_dtype", "float32")
     theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
     for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None)):

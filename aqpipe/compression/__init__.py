@@ -6,7 +6,8 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
   unbiased stochastic rounding, packed densely into bytes.
 - `ForwardCodec` / `BackwardCodec` / `Message`: dense boundary codecs (`none`, `direct`, `hadamard`);
   `AQSGDCodec` (built by `aqsgd_codec`; `forward_codec` builds either kind): AQ-SGD, with per-sample buffers in
-  memory or on disk, in a float dtype or quantized, holding rows only for the samples they keep, once written.
+  memory or on disk, in a float dtype or quantized, holding rows only for the samples they keep, once written;
+  `subspace_codecs`: a boundary's activations and gradients as k coefficients a token in a basis both sides hold.
 - `entropy`: a lossless Huffman stage over a message's bytes (a transport's, where it takes short messages).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
@@ -16,12 +17,14 @@ from .codecs import (BACKWARD_MODES, DENSE_MODES, FIRST_VISIT_MODES, FORWARD_MOD
                      ForwardCodec, Message)
 from .aqsgd import AQSGDCodec, aqsgd_codec, forward_codec
 from .seeds import derive_seed
+from .subspace import Subspace, SubspaceCodec, SubspaceGradCodec, subspace_codecs
 from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
     "AQSGDCodec", "BACKWARD_MODES", "BUFFER_BITS", "DENSE_MODES", "FIRST_VISIT_MODES", "FORWARD_MODES",
     "BackwardCodec", "BufferRangeError", "DenseCodec", "ForwardCodec", "Message", "SCALE_DTYPES",
-    "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "aqsgd_codec", "check_bits", "check_finite",
-    "derive_seed", "dequantize", "forward_codec", "quantize", "randk", "row_nbytes", "topk",
+    "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "Subspace", "SubspaceCodec", "SubspaceGradCodec",
+    "aqsgd_codec", "check_bits", "check_finite",
+    "derive_seed", "dequantize", "forward_codec", "quantize", "randk", "row_nbytes", "subspace_codecs", "topk",
 ]

@@ -257,6 +257,8 @@ def forward_codec(mode: str, bits: int | None = None, *, num_samples: int | None
     not used), or aqsgd (`aqsgd_codec`'s options, `num_samples` and `sample_shape` needed)."""
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(FORWARD_MODES)}")
+    if mode == "subspace":
+        raise ValueError("mode='subspace' is built with its gradient codec around one basis: subspace_codecs")
     if mode != "aqsgd":
         dense = {k: v for k, v in options.items() if k in DENSE_OPTIONS}
         return ForwardCodec(mode, bits, **dense)

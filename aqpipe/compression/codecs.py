@@ -8,7 +8,8 @@ Modes:
   hadamard  Q(R a), decoded as R^T deQ(...): a seeded randomized Hadamard rotation R first spreads
           outliers across each block (hadamard.py), so min-max groups lose less; no buffer, no
           state between steps (for buffers that do not fit, or samples seen once).
-AQ-SGD, the codec that keeps a row per sample, is built from these and a buffer: aqsgd.py. `forward_codec` (there)
+AQ-SGD, the codec that keeps a row per sample, is built from these and a buffer: aqsgd.py. A boundary subspace (k
+coefficients a token in a basis both sides hold, both directions): subspace.py. `forward_codec` (there)
 builds either kind from one set of options.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ from .quantizer import (QuantizedTensor, check_bits, check_finite, check_float, 
                         dequantize, quantize)
 
 DENSE_MODES = ("none", "direct", "hadamard")
-FORWARD_MODES = (*DENSE_MODES, "aqsgd")
-BACKWARD_MODES = DENSE_MODES
+FORWARD_MODES = (*DENSE_MODES, "aqsgd", "subspace")  # subspace: subspace.py, with its gradient codec
+BACKWARD_MODES = (*DENSE_MODES, "subspace")
 FIRST_VISIT_MODES = DENSE_MODES  # cache-free codecs for AQ-SGD's whole rows
 # keys saved before adaptive codecs and first-visit codecs take the values those versions had (transient_visit: as
 # first_visit, check_config)

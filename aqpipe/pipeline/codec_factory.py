@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from aqpipe.compression import AQSGDCodec, BackwardCodec, ForwardCodec, aqsgd_codec, derive_seed, forward_codec
+from aqpipe.compression import (AQSGDCodec, BackwardCodec, ForwardCodec, SubspaceCodec, SubspaceGradCodec, aqsgd_codec,
+                                derive_seed, forward_codec, subspace_codecs)
 
 from .compression_config import CompressionConfig
 
-Codec = ForwardCodec | BackwardCodec | AQSGDCodec
+Codec = ForwardCodec | BackwardCodec | AQSGDCodec | SubspaceCodec | SubspaceGradCodec
 
 
 class CodecFactory:
@@ -47,6 +48,8 @@ class CodecFactory:
                     "group_size": c.group_size(direction, width, bits[direction]), "adaptive": c.auto(direction),
                     "rotation_seed": self.rotation_seed("boundary", index, direction), "scale_dtype": c.scales()}
 
+        if c.forward == "subspace":
+            return self._subspace(index, bits, dense)
         backward = BackwardCodec(c.backward, bits["backward"], **dense("backward"))
         if c.forward != "aqsgd":
             return forward_codec(c.forward, bits["forward"], **dense("forward")), backward
@@ -59,6 +62,17 @@ class CodecFactory:
             c.group_size("forward", width, c.first_visit_bits),
             first_visit_base=c.first_visit_base if c.first_visits_compressed() else "none")
         return forward, backward
+
+    def _subspace(self, index: int, bits: dict[str, int | None], dense: Any) -> tuple[Codec, Codec]:
+        """A subspace boundary's codecs around one basis; a dense backward where the backward is not subspace."""
+        c, rank = self.c, self.c.subspace_rank
+        forward, backward = subspace_codecs(
+            rank, bits["forward"], bits["backward"] if c.backward == "subspace" else None, stochastic=c.stochastic,
+            seed=self.dither_seed("boundary", index, "forward"), backward_seed=self.dither_seed("boundary", index,
+                                                                                              "backward"),
+            group_size=c.group_size("forward", rank, bits["forward"]),
+            backward_group_size=c.group_size("backward", rank, bits["backward"]), scale_dtype=c.scales())
+        return forward, backward or BackwardCodec(c.backward, bits["backward"], **dense("backward"))
 
     @staticmethod
     def fallbacks() -> tuple[ForwardCodec, BackwardCodec]:

@@ -29,7 +29,9 @@ def _bits(name: str, value: object, needed: bool) -> None:
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Per boundary: forward none|direct|hadamard|aqsgd, backward none|direct|hadamard, full-precision warm-up epochs.
+    """Per boundary: forward none|direct|hadamard|aqsgd|subspace, backward none|direct|hadamard|subspace, full-precision
+    warm-up epochs. `subspace` (compression/subspace.py): each token as `subspace_rank` coefficients in a basis the
+    sender estimates and sends now and then; its backward in the same basis.
 
     `forward_group_size` / `backward_group_size`: elements per quantization group (its min and step
     travel as 8 bytes); None: a whole row of the last dimension; "auto": AUTO_GROUP_SIZE for a quantizer
@@ -51,6 +53,9 @@ class CompressionConfig:
                                            "its link and the stages' compute make cheap")
     backward: str = setting("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
     backward_bits: int | str | None = setting(None, "bits of backward compression (1-8), or auto")
+    subspace_rank: int = setting(32, "directions of a subspace boundary's basis (forward_compress subspace): each "
+                                     "token travels as this many coefficients, and its gradient too with "
+                                     "backward_compress subspace")
     first_visit: str = setting("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none "
                                      "(whole, at full precision: the paper's), cache-free as direct or hadamard at "
                                      "first_visit_bits (both sides keep what was decoded), or auto: none for a "
@@ -103,6 +108,14 @@ class CompressionConfig:
             raise ValueError(f"forward_compress={self.forward!r}: expected one of {', '.join(FORWARD_MODES)}")
         if self.backward not in BACKWARD_MODES:
             raise ValueError(f"backward_compress={self.backward!r}: expected one of {', '.join(BACKWARD_MODES)}")
+        if self.backward == "subspace" and self.forward != "subspace":
+            raise ValueError(f"backward_compress=subspace: expected forward_compress subspace too (the gradient "
+                             f"travels in the forward's basis), got {self.forward!r}")
+        if self.forward == "subspace":
+            check_int("subspace_rank", self.subspace_rank, 1)
+            for direction in ("forward", "backward"):
+                if getattr(self, direction) == "subspace" and getattr(self, f"{direction}_bits") == "auto":
+                    raise ValueError(f"{direction}_bits=auto: a subspace codec takes fixed bits (1-8)")
         if self.tie != "auto" and self.tie not in TIE_MODES:
             raise ValueError(f"tie_compress={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
         if self.first_visit != "auto" and self.first_visit not in FIRST_VISIT_MODES:

@@ -24,6 +24,8 @@ SEQ, MBS, MICRO, SAMPLES, STEPS, RESUME_AT = 8, 4, 2, 32, 6, 3
 AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4, entropy_coding=False)
 FIRST_VISITS = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
                                  first_visit="hadamard", first_visit_bits=3, entropy_coding=False)
+SUBSPACE = CompressionConfig(forward="subspace", forward_bits=3, backward="subspace", backward_bits=3, subspace_rank=4,
+                             entropy_coding=False)
 OPTIONS = {
     "allreduce": {},
     "decentralized": {"peer_selection": "shift_one"},
@@ -89,7 +91,8 @@ def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=A
                 m = engine.train_batch(mbs, epoch).record()
                 log.append({k: m[k] for k in ("step", "loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
             codecs = engine.state_dict()["codecs"]
-            buffer = codecs.get("next.forward", codecs.get("prev.forward"))["buffer"]
+            forward = codecs.get("next.forward", codecs.get("prev.forward"))
+            buffer = forward.get("buffer") or {"rows": forward["subspace"]["basis"], "ids": torch.zeros(0)}
             runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
                          "buffer": buffer["rows"].clone(), "buffer_ids": buffer["ids"].clone(),
                          "batches": [[mb["sample_id"] for mb in mbs] for _, mbs in plan]})
@@ -133,6 +136,29 @@ def test_a_resume_inside_the_first_epoch_of_compressed_first_visits_equals_unint
     rows = MICRO * (QuantizedTensor.wire_nbytes((MBS, SEQ, 16), 3) + MBS * 8)  # a replica's step of first visits
     log = ranks[0]["allreduce"][1]["log"]
     assert [s["fwd_bytes"] for s in log[:2]] == [2 * rows] * 2 and log[2]["fwd_bytes"] == 1664
+
+
+def test_a_resume_of_subspace_boundaries_with_replicas_equals_uninterrupted(tmp_path):
+    """Rank-4 bases of the 16-wide toy boundary, 2 replicas: the basis each side holds, the losses and the bytes of a
+    run resumed after step 3 are the uninterrupted run's, and a refresh's basis (steps 0, 1, 2 and 4) is in the
+    forward bytes."""
+    from aqpipe.compression import QuantizedTensor, Subspace
+
+    ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), SUBSPACE, RESUME_AT)
+    for rank in ranks:
+        straight, resumed_run = rank["allreduce"]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        for key in ("fwd_bytes", "bwd_bytes"):
+            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
+        assert torch.equal(resumed_run["buffer"], straight["buffer"])  # the basis, bit for bit
+        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+    assert torch.equal(ranks[0]["allreduce"][1]["buffer"], ranks[1]["allreduce"][1]["buffer"])  # both sides' basis
+    coefficients = QuantizedTensor.wire_nbytes((MBS, SEQ, 4), 3) + MBS * 8  # a micro-batch's, and its ids
+    basis = Subspace(4).basis_nbytes(16)
+    log = ranks[0]["allreduce"][1]["log"]
+    assert [s["fwd_bytes"] for s in log] == [2 * (MICRO * coefficients + basis * (s in (0, 1, 2, 4)))
+                                            for s in range(STEPS)]
+    assert [s["bwd_bytes"] for s in log] == [2 * MICRO * QuantizedTensor.wire_nbytes((MBS, SEQ, 4), 3)] * STEPS
 
 
 def test_a_resume_with_rows_kept_for_a_quarter_of_the_samples_equals_uninterrupted(tmp_path):

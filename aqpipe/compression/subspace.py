@@ -1,0 +1,238 @@
+"""A boundary's activations as k coefficients in a basis both sides hold: fewer than one value per element.
+
+A pretrained model's residual stream keeps almost all its energy in a few directions (benchmarks/boundary_spectrum.py:
+on the WAN workload's pretrained start, rank 32 of width 256 keeps 99.84% of a held-out boundary's energy). The
+sender estimates the top-k eigenvectors of its activations' uncentred second moment and sends them (bfloat16), with
+each direction's root-mean-square (float32), in the first message of steps 0, 1, 2, 4, 8, ... (a refresh: its
+bytes are the message's, so they count in the wire's). Each token then travels as k coefficients, each divided by
+its direction's scale (whitened: the massive directions of a pretrained stream would otherwise set every other
+coefficient's step) and quantized per token; the receiver decodes x ~ (c * scale) U^T.
+
+The backward travels in the same subspace. The forward delivers x U U^T (U orthonormal), whose gradient with
+respect to x is g U U^T: the stage after sends g U (k values a token) and the stage before expands it. That is the
+exact gradient of the model the pipeline runs, the projection inside it, not of the model without it: what the
+projection drops is invisible to the loss, so the stage before gets no gradient for it. Both directions of one side
+of a boundary share one `Subspace`.
+
+A refresh takes effect at the first message of a step, when every backward of the step before has been sent and
+received, so one step's forward and backward use one basis on both sides. The receiver learns which of its posted
+messages carries the basis by counting as the sender does (the first message after `settle`, in a refresh step)
+and checks it by the payload's size.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .codecs import Message, _Codec, check_payload
+from .fields import check_int
+from .quantizer import QuantizedTensor, check_float, dequantize
+
+BASIS_DTYPE = torch.bfloat16  # what the basis travels as; both sides use the values as decoded
+
+
+def refresh_step(step: int) -> bool:
+    """Whether the `step`th step (counted from 0, steps with a message only) sends a new basis: 0, 1, 2, 4, 8, ...,
+    so a run of n steps sends log2(n) + 2 of them."""
+    return step == 0 or step & (step - 1) == 0
+
+
+class Subspace:
+    """The rank-`rank` basis one side of a boundary holds, and the step clock that says when it is refreshed.
+
+    The sender also keeps the second moment of every activation it sent (width x width, on the activations'
+    device), from which each refresh estimates the basis."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = check_int("subspace_rank", rank, 1)
+        self.basis: torch.Tensor | None = None  # width x rank, float32, as both sides decoded it
+        self.scales: torch.Tensor | None = None  # rank, float32: each direction's root mean square
+        self.moment: torch.Tensor | None = None  # the sender's sum of x^T x, float32
+        self.tokens = 0  # rows summed into `moment`
+        self.steps = 0  # steps that have had a message
+        self._in_step = False
+
+    def first_message(self) -> bool:
+        """Called once a forward message on each side (the sender as it encodes, the receiver as it posts the
+        receive): True for the first message of a refresh step."""
+        if self._in_step:
+            return False
+        self._in_step, step = True, self.steps
+        self.steps += 1
+        return refresh_step(step)
+
+    def settle(self) -> None:
+        """The step is over: the next message is the first of a step."""
+        self._in_step = False
+
+    def check_width(self, width: int) -> None:
+        if self.rank > width:
+            raise ValueError(f"subspace_rank={self.rank}: expected at most the boundary's width, {width}")
+        if self.basis is not None and self.basis.shape[0] != width:
+            raise ValueError(f"a subspace basis of width {self.basis.shape[0]} cannot code activations of width "
+                             f"{width}")
+
+    def observe(self, rows: torch.Tensor) -> None:
+        """Add a message's rows (tokens x width, float32) to the sender's second moment."""
+        moment = rows.T @ rows
+        self.moment = moment if self.moment is None else self.moment + moment
+        self.tokens += rows.shape[0]
+
+    def basis_nbytes(self, width: int) -> int:
+        return width * self.rank * BASIS_DTYPE.itemsize + self.rank * 4
+
+    def refresh(self) -> torch.Tensor:
+        """The sender's new basis from its moment so far, adopted as the receiver will decode it; its bytes."""
+        values, vectors = torch.linalg.eigh(self.moment.double())
+        top = values.argsort(descending=True)[:self.rank]
+        scales = (values[top].clamp_min(0) / max(self.tokens, 1)).sqrt().clamp_min(1e-12).float()
+        basis = vectors[:, top].to(BASIS_DTYPE).contiguous()
+        payload = torch.cat([basis.reshape(-1).view(torch.uint8), scales.view(torch.uint8)])
+        self.adopt(payload, self.moment.shape[0])
+        return payload
+
+    def adopt(self, payload: torch.Tensor, width: int) -> None:
+        """Take the basis a refresh's `payload` carries (both sides call it on the same bytes)."""
+        cut = width * self.rank * BASIS_DTYPE.itemsize
+        self.basis = payload[:cut].clone().view(BASIS_DTYPE).view(width, self.rank).float()
+        self.scales = payload[cut:].clone().view(torch.float32)
+
+    def basis_for(self, what: str) -> torch.Tensor:
+        if self.basis is None:
+            raise RuntimeError(f"{what} before the subspace's first basis arrived: the sides' step clocks differ")
+        return self.basis
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "basis": self.basis, "scales": self.scales, "moment": self.moment,
+                "tokens": self.tokens, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["rank"] != self.rank:
+            raise ValueError(f"subspace state has rank {state['rank']}, this codec {self.rank} (subspace_rank)")
+        self.basis, self.scales, self.moment = state["basis"], state["scales"], state["moment"]
+        self.tokens, self.steps, self._in_step = int(state["tokens"]), int(state["steps"]), False
+
+
+class _SubspaceCodec(_Codec):
+    """What both directions share: k coefficients a token, quantized per token (or per `group_size`)."""
+
+    modes = ("subspace",)
+    buffer = None  # no per-sample rows
+
+    def __init__(self, subspace: Subspace, bits: int, *, stochastic: bool = True, seed: int = 0,
+                 group_size: int | None = None, scale_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__("subspace", bits, stochastic, seed, group_size, scale_dtype=scale_dtype)
+        self.subspace = subspace
+        self._posted: list[bool] = []  # the receiver's: whether each posted message carries a basis, in order
+
+    def _coefficients_nbytes(self, shape: torch.Size) -> int:
+        return QuantizedTensor.wire_nbytes(torch.Size((*shape[:-1], self.subspace.rank)), self.bits,
+                                           self.group_size, self.scale_dtype)
+
+    def _quantized(self, coefficients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.quantize(coefficients)
+        return q.to_bytes(), dequantize(q)
+
+    def _dequantized(self, payload: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        coefficients = torch.Size((*shape[:-1], self.subspace.rank))
+        return dequantize(QuantizedTensor.from_bytes(payload, coefficients, torch.float32, self.bits, self.group_size,
+                                                     self.scale_dtype))
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "rank": self.subspace.rank}
+
+    def settle(self) -> None:
+        """A step ended: the next forward message is the first of a step (a refresh's, if the step clock says)."""
+        self.subspace.settle()
+
+    def take_change(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def undo_point(self, sample_ids: Any) -> Callable[[], None]:
+        """Nothing to put back: a refresh both sides took stays taken."""
+        return lambda: None
+
+
+class SubspaceCodec(_SubspaceCodec):
+    """A boundary's activations as whitened coefficients in the shared basis (the forward direction)."""
+
+    def encode(self, x: torch.Tensor, sample_ids: Any = None, *, refresh: bool = False) -> Message:
+        check_float(x)
+        self.check_input(x, "SubspaceCodec input")
+        s, width = self.subspace, x.shape[-1]
+        s.check_width(width)
+        rows = x.detach().reshape(-1, width).float()
+        s.observe(rows)
+        head = s.refresh() if s.first_message() else None
+        codes, values = self._quantized((rows @ s.basis / s.scales).view(*x.shape[:-1], s.rank))
+        decoded = ((values * s.scales) @ s.basis.T).to(x.dtype)
+        payload = codes if head is None else torch.cat([head.to(codes.device), codes])
+        return Message(payload, x.shape, x.dtype, decoded=decoded)
+
+    def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
+                       *, refresh: bool = False) -> int:
+        """The size the receiver posts for the next message: the coefficients, and the basis where the step clock
+        says this message carries one (so call it once a message, in the order they are sent)."""
+        shape = torch.Size(shape)
+        self.subspace.check_width(shape[-1])
+        self._posted.append(self.subspace.first_message())
+        return (self.subspace.basis_nbytes(shape[-1]) if self._posted[-1] else 0) + self._coefficients_nbytes(shape)
+
+    def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
+        """The activation a message carries: the next posted one (`payload_nbytes`), or, where none was posted, the
+        next by the step clock."""
+        s, shape = self.subspace, torch.Size(message.shape)
+        carries = self._posted.pop(0) if self._posted else s.first_message()
+        body, head = self._coefficients_nbytes(shape), s.basis_nbytes(shape[-1]) if carries else 0
+        check_payload(message, head + body, f"for a rank-{s.rank} subspace of {tuple(shape)}" +
+                      (" with its basis (a refresh)" if carries else ""))
+        if carries:
+            s.adopt(message.payload[:head], shape[-1])
+        values = self._dequantized(message.payload[head:], shape)
+        return ((values * s.scales) @ s.basis_for("an activation").T).to(message.dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "subspace": self.subspace.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.subspace.load_state_dict(state["subspace"])
+
+
+class SubspaceGradCodec(_SubspaceCodec):
+    """The gradient with respect to a subspace-coded activation, as its k coefficients in the same basis (the
+    backward direction): g U, expanded as (g U) U^T, the exact gradient of the projected forward."""
+
+    def encode(self, g: torch.Tensor, sample_ids: Any = None, *, refresh: bool = False) -> Message:
+        check_float(g)
+        self.check_input(g, "SubspaceGradCodec input")
+        basis = self.subspace.basis_for("a gradient")
+        self.subspace.check_width(g.shape[-1])
+        codes, values = self._quantized(g.detach().float() @ basis)
+        return Message(codes, g.shape, g.dtype, decoded=(values @ basis.T).to(g.dtype))
+
+    def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
+                       *, refresh: bool = False) -> int:
+        return self._coefficients_nbytes(torch.Size(shape))
+
+    def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
+        shape = torch.Size(message.shape)
+        check_payload(message, self._coefficients_nbytes(shape), f"for a rank-{self.subspace.rank} subspace gradient "
+                      f"of {tuple(shape)}")
+        return (self._dequantized(message.payload, shape) @ self.subspace.basis_for("a gradient").T).to(message.dtype)
+
+
+def subspace_codecs(rank: int, forward_bits: int, backward_bits: int | None = None, *, stochastic: bool = True,
+                    seed: int = 0, backward_seed: int = 1, group_size: int | None = None,
+                    backward_group_size: int | None = None, scale_dtype: torch.dtype = torch.float32
+                    ) -> tuple[SubspaceCodec, SubspaceGradCodec | None]:
+    """One side of a boundary's subspace codecs around one basis of rank `rank`: the activations' at
+    `forward_bits` and, where `backward_bits` is given, their gradients' (else None: the backward goes dense)."""
+    subspace = Subspace(rank)
+    forward = SubspaceCodec(subspace, forward_bits, stochastic=stochastic, seed=seed, group_size=group_size,
+                            scale_dtype=scale_dtype)
+    if backward_bits is None:
+        return forward, None
+    return forward, SubspaceGradCodec(subspace, backward_bits, stochastic=stochastic, seed=backward_seed,
+                                      group_size=backward_group_size, scale_dtype=scale_dtype)

@@ -1,0 +1,147 @@
+"""The boundary subspace codec: both sides hold one basis and decode bit for bit what the sender decoded, through
+refreshes and a resume; a refresh's basis is in the message's bytes; the backward is the projected forward's
+gradient."""
+import io
+
+import pytest
+import torch
+
+from aqpipe.compression import Message, Subspace, subspace_codecs
+from aqpipe.compression.subspace import refresh_step
+from aqpipe.pipeline import CompressionConfig
+from aqpipe.pipeline.codec_factory import CodecFactory
+
+WIDTH, RANK, SHAPE = 64, 8, (2, 16, 64)  # a micro-batch of 2 samples x 16 tokens x width 64
+
+
+def side(seed=1):
+    return subspace_codecs(RANK, 3, 3, seed=seed, backward_seed=seed + 1)
+
+
+def wire(message: Message) -> Message:
+    return Message(message.payload.clone(), message.shape, message.dtype)
+
+
+def activations(step: int, mb: int) -> torch.Tensor:
+    """A residual stream with a few large directions and a small rest, drifting as a fine-tune's does."""
+    g = torch.Generator().manual_seed(100 * step + mb)
+    mix = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7))
+    strength = torch.logspace(1, -2, WIDTH)
+    return (torch.randn(*SHAPE, generator=g) * strength) @ mix * (1 + 0.01 * step)
+
+
+def run_steps(sender, receiver, steps, first=0, log=None):
+    """1F1B on 2 stages with 3 micro-batches: the receiver posts every receive at the step's start; forwards of
+    later micro-batches go before backwards of earlier ones. Each decode must equal the sender's own copy."""
+    (fwd_s, bwd_r), (fwd_r, bwd_s) = sender, receiver  # stage 0 sends activations, stage 1 gradients
+    log = [] if log is None else log
+    for step in range(first, first + steps):
+        posted = [fwd_r.payload_nbytes(SHAPE, torch.float32) for _ in range(3)]
+        sent = [fwd_s.encode(activations(step, mb)) for mb in range(3)]
+        assert [m.nbytes for m in sent] == posted
+        for mb in range(3):
+            got = fwd_r.decode(wire(sent[mb]))
+            assert torch.equal(got, sent[mb].decoded)
+            g = torch.randn(SHAPE, generator=torch.Generator().manual_seed(999 + step * 3 + mb))
+            back = bwd_s.encode(g)
+            assert torch.equal(bwd_r.decode(wire(back)), back.decoded)
+            log.append((bytes(sent[mb].payload.numpy()), bytes(back.payload.numpy())))
+        for codec in (fwd_s, fwd_r):
+            codec.settle()
+    return log
+
+
+def test_both_sides_decode_bit_for_bit_through_refreshes():
+    log = run_steps(side(), side(), steps=9)
+    firsts = [len(log[3 * step][0]) for step in range(9)]
+    plain = len(log[1][0])
+    basis = Subspace(RANK).basis_nbytes(WIDTH)
+    assert basis == WIDTH * RANK * 2 + RANK * 4
+    # steps 0, 1, 2, 4 and 8 carry a basis in their first message, in the bytes the wire counts
+    assert firsts == [plain + basis if refresh_step(s) else plain for s in range(9)]
+    assert [s for s in range(9) if refresh_step(s)] == [0, 1, 2, 4, 8]
+    assert all(len(log[3 * s + mb][0]) == plain for s in range(9) for mb in (1, 2))
+
+
+def test_below_one_value_per_element_and_near_exact_on_a_low_rank_stream():
+    fwd, _ = subspace_codecs(RANK, 8, 8)
+    x = torch.randn(4, 16, RANK) @ torch.randn(RANK, 256)  # exactly rank 8, width 256
+    message = fwd.encode(x)
+    assert float((message.decoded - x).norm() / x.norm()) < 0.02
+    fwd.settle()
+    fwd.encode(x)  # step 1 also refreshes; step 2 does
+    fwd.settle()
+    fwd.encode(x)
+    fwd.settle()
+    plain = fwd.encode(x)  # step 3: coefficients only, 8 bits x 8 a token + a token's scales, 16 bytes
+    assert plain.nbytes == 4 * 16 * (RANK + 8)  # 8 values at 8 bits and a token's min and step, float32
+    assert plain.nbytes * 8 / x.numel() < 16 / 20  # bits an element: 20x below a bf16 wire
+
+
+def test_the_backward_is_the_gradient_of_the_projected_forward():
+    fwd, bwd = subspace_codecs(RANK, 8, 8, stochastic=False)
+    fwd.encode(activations(0, 0))
+    basis = fwd.subspace.basis
+    g = torch.randn(SHAPE)
+    projected = (g @ basis) @ basis.T  # d/dx of (x U) U^T, applied to g
+    decoded = bwd.encode(g).decoded
+    assert float((decoded - projected).norm() / projected.norm()) < 0.01
+    outside = float((g - projected).norm() / g.norm())
+    assert outside > 0.5  # most of a random gradient lies outside 8 of 64 directions, and is not sent
+    assert float((decoded - g).norm() / g.norm()) == pytest.approx(outside, abs=0.01)
+
+
+def test_a_resume_goes_on_as_the_uninterrupted_run():
+    straight = run_steps(side(), side(), steps=7)
+    sender, receiver = side(), side()
+    first = run_steps(sender, receiver, steps=3)
+    saved = io.BytesIO()
+    torch.save({"s": [c.state_dict() for c in sender], "r": [c.state_dict() for c in receiver]}, saved)
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    sender, receiver = side(), side()  # new processes
+    for codec, s in zip((*sender, *receiver), (*state["s"], *state["r"])):
+        codec.load_state_dict(s)
+    assert first + run_steps(sender, receiver, steps=4, first=3) == straight  # step 4's refresh included
+
+
+def test_sides_whose_step_clocks_differ_fail_on_the_first_message_they_disagree_on():
+    (fwd_s, _), (fwd_r, _) = side(), side()
+    for step in range(3):  # the receiver misses a settle after step 0: step 1 posts no basis where one comes
+        fwd_r.payload_nbytes(SHAPE, torch.float32)
+        message = fwd_s.encode(activations(step, 0))
+        if step == 1:
+            with pytest.raises(ValueError, match="payload has .* bytes"):
+                fwd_r.decode(wire(message))
+            return
+        fwd_r.decode(wire(message))
+        fwd_s.settle()
+
+
+def test_replicas_draw_their_own_dither_and_a_state_of_another_rank_is_refused():
+    factory = [CodecFactory(CompressionConfig(forward="subspace", forward_bits=3, backward="subspace",
+                                              backward_bits=3, subspace_rank=RANK), 42, r) for r in (0, 1)]
+    codecs = [f.boundary(0, SHAPE[1:], {"forward": 3, "backward": 3}, 8) for f in factory]
+    seeds = {c.generator.initial_seed() for pair in codecs for c in pair}
+    assert len(seeds) == 4
+    (fwd, bwd), _ = codecs
+    assert fwd.subspace is bwd.subspace  # one basis for both directions of a side
+    other, _ = subspace_codecs(RANK * 2, 3, 3)
+    with pytest.raises(ValueError, match="rank"):
+        other.load_state_dict(fwd.state_dict())
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"forward": "direct", "forward_bits": 4, "backward": "subspace", "backward_bits": 3}, "forward_compress subspace"),
+    ({"forward": "subspace", "forward_bits": 3, "subspace_rank": 0}, "subspace_rank=0"),
+    ({"forward": "subspace", "forward_bits": "auto"}, "forward_bits=auto"),
+])
+def test_bad_settings_are_refused_in_one_line(settings, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionConfig(**settings)
+
+
+def test_a_rank_wider_than_the_boundary_is_refused_naming_both():
+    fwd, _ = subspace_codecs(WIDTH + 1, 3)
+    with pytest.raises(ValueError, match=f"subspace_rank={WIDTH + 1}: expected at most the boundary's width, {WIDTH}"):
+        fwd.encode(torch.randn(SHAPE))
