@@ -130,6 +130,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     theirs.setdefault("compression.scale_dtype", "float32")
     # checkpoints from before subspace codecs: no basis, so any rank (a subspace run's compression.forward differs)
     theirs.setdefault("compression.subspace_rank", mine.get("compression.subspace_rank"))
+    theirs.setdefault("compression.tie_rank", 0)  # checkpoints from before the setting: every value of a row
     theirs.setdefault("param_dtype", "float32")
     theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
     for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None)):

@@ -157,6 +157,19 @@ class AQSGDCodec:
     def take_checks(self) -> list[torch.Tensor]:
         return [flag for codec in (self.delta, *self.whole.codecs()) for flag in codec.take_checks()]
 
+    def prime(self, rows: torch.Tensor) -> None:
+        """Where both sides already hold every sample's row (`rows`, in id order: a tied weight both stages loaded
+        from one checkpoint), store them as the buffer's rows, so each goes as a change from its first visit on
+        instead of whole. Only into a buffer holding no row (`empty`: a resumed one holds its own)."""
+        if not self.empty():
+            raise RuntimeError("prime: the buffer already holds rows")
+        ids = torch.arange(rows.shape[0])
+        self.buffer.store(ids, self.buffer.prepare(ids, rows.detach()))
+
+    def empty(self) -> bool:
+        """Whether the buffer holds no row yet (the same on both sides: their buffers are alike)."""
+        return not bool(self.buffer.seen.any())
+
     def settle(self) -> BufferRangeError | None:
         """After a step's schedule: the buffer's deferred writes landed; the first row its dtype could not hold (both
         sides find the same), for the caller to report and undo, or None."""

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from aqpipe.compression import (AQSGDCodec, BackwardCodec, ForwardCodec, SubspaceCodec, SubspaceGradCodec, aqsgd_codec,
-                                derive_seed, forward_codec, subspace_codecs)
+from aqpipe.compression import (AQSGDCodec, BackwardCodec, ForwardCodec, Subspace, SubspaceCodec, SubspaceGradCodec,
+                                aqsgd_codec, derive_seed, forward_codec, subspace_codecs)
 
 from .compression_config import CompressionConfig
 
@@ -80,7 +80,7 @@ class CodecFactory:
         return ForwardCodec("none"), BackwardCodec("none")
 
     def tie(self, key: str, follower: int, matrix_shape: tuple[int, int],
-            dtype: torch.dtype) -> tuple[ForwardCodec | AQSGDCodec, BackwardCodec]:
+            dtype: torch.dtype) -> tuple[ForwardCodec | AQSGDCodec, BackwardCodec | SubspaceCodec]:
         """The codecs of tied weight `key`'s link to stage `follower`: its rows (as AQ-SGD changes against the
         follower's copy, one buffer row per row of the weight) and their gradients, at the tie's bits."""
         c = self.c
@@ -91,6 +91,9 @@ class CodecFactory:
         where = ("tie", key, "follower", follower)
         values = aqsgd_codec(c.tie_bits, num_samples=rows, sample_shape=(width,), buffer_dtype=dtype,
                              stochastic=c.stochastic, seed=self.dither_seed(*where, "rows"), scale_dtype=c.scales())
+        if c.tie_rank:  # the gradients of a row lie near a few directions (benchmarks/boundary_spectrum.py)
+            return values, SubspaceCodec(Subspace(c.tie_rank), c.tie_bits, stochastic=c.stochastic,
+                                         seed=self.dither_seed(*where, "grads"), scale_dtype=c.scales())
         grads = BackwardCodec("direct", c.tie_bits, stochastic=c.stochastic, seed=self.dither_seed(*where, "grads"),
                               scale_dtype=c.scales())
         return values, grads

@@ -93,6 +93,8 @@ class CompressionConfig:
     tie: str = setting("auto", f"tied weights (an embedding and its LM head): auto, {', '.join(TIE_MODES)} (auto: "
                              "none when both boundary codecs are none, else aqsgd)", "tie_compress")
     tie_bits: int = setting(8, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd")
+    tie_rank: int = setting(0, "tied-weight gradients as this many coefficients a row in a basis their sender "
+                               "estimates and sends now and then (as a subspace boundary's); 0: every value of a row")
     auto_bits_min: int = setting(2, "the fewest bits auto may choose")
     auto_bits_max: int = setting(8, "the most bits auto may choose")
     auto_bits_every: int = setting(20, "steps between auto's decisions, each after probing the links")
@@ -133,6 +135,7 @@ class CompressionConfig:
             if value not in (None, "auto") and (not is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r}: expected a positive integer, auto, or none for whole rows")
         check_int("warmup_epochs", self.warmup_epochs, 0)
+        check_int("tie_rank", self.tie_rank, 0)
         if self.buffer_dtype not in BUFFER_DTYPES.values():
             name = str(self.buffer_dtype).removeprefix("torch.")
             raise ValueError(f"buffer_dtype={name!r}: expected one of {', '.join(BUFFER_DTYPES)}")

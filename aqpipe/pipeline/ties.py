@@ -111,6 +111,7 @@ class _Link:
     boundary: Boundary
 
     step: StepRows | None = None  # this step's rows
+    agreed: bool = False  # whether the two sides have compared their copies (prime)
     incoming: list[Any] = field(default_factory=list)  # posted receives, in the order they were posted
     next_mb: int = 0  # follower: the next micro-batch whose rows are due
     next_back: int = 0  # follower: the next micro-batch whose backward sends gradients
@@ -172,6 +173,8 @@ class TiedWeights:
         for link in self.links:
             link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
             matrix, boundary = as_matrix(link.param.detach()), link.boundary
+            if phase == "train" and not link.agreed:
+                sent += _prime(link, matrix)
             if link.owner:
                 header = _header(link.step.every).to(matrix.device)
                 boundary.send_raw(header)
@@ -256,7 +259,33 @@ class TiedWeights:
         """After the schedule: every link's AQ-SGD row buffers' writes landed; the first overflow of rows this stage
         sent (its owner's), or None."""
         found = [link.boundary.forward.settle() for link in self.links]
+        for link in self.links:  # a subspace gradient codec's step clock
+            link.boundary.backward.settle()
         return next((f for f, link in zip(found, self.links) if f is not None and link.owner), None)
+
+
+def _digest(matrix: torch.Tensor) -> torch.Tensor:
+    data = matrix.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return torch.tensor([int.from_bytes(hashlib.sha256(data).digest()[:7], "little")], dtype=torch.int64)
+
+
+def _prime(link: _Link, matrix: torch.Tensor) -> int:
+    """Before a link's first training step: the two sides exchange a digest of their copies, and where the copies are
+    the same (both stages loaded one checkpoint) both store every row as AQ-SGD's buffer rows, so no row ever
+    travels whole: a fine-tune's first visits of 50257 rows at full precision were most of a tie's bytes. Copies that
+    differ (a model built from scratch on each stage) keep whole first visits. A buffer that holds rows (a resumed
+    run's, on both sides alike) is left as it is, and nothing is sent. Returns the bytes sent."""
+    link.agreed = True
+    codec, boundary = link.boundary.forward, link.boundary
+    if not hasattr(codec, "prime") or not codec.empty():
+        return 0
+    mine = _digest(matrix).view(torch.uint8).to(matrix.device)
+    boundary.send_raw(mine)
+    theirs = boundary.recv_raw(8, matrix.device)
+    boundary.wire.flush()
+    if torch.equal(mine.cpu(), theirs.cpu()):
+        codec.prime(matrix)
+    return mine.numel()
 
 
 def _add_rows(param: torch.nn.Parameter, rows: torch.Tensor, values: torch.Tensor) -> None:

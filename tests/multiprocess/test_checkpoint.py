@@ -25,7 +25,7 @@ AQSGD = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", ba
 FIRST_VISITS = CompressionConfig(forward="aqsgd", forward_bits=2, backward="direct", backward_bits=4,
                                  first_visit="hadamard", first_visit_bits=3, entropy_coding=False)
 SUBSPACE = CompressionConfig(forward="subspace", forward_bits=3, backward="subspace", backward_bits=3, subspace_rank=4,
-                             entropy_coding=False)
+                             tie_bits=2, tie_rank=4, entropy_coding=False)  # the tie's gradients in a basis too
 OPTIONS = {
     "allreduce": {},
     "decentralized": {"peer_selection": "shift_one"},
@@ -89,7 +89,7 @@ def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=A
                     engine.load_state_dict(record["engine"])
                     checkpoint.set_rng_state(record["rng"])
                 m = engine.train_batch(mbs, epoch).record()
-                log.append({k: m[k] for k in ("step", "loss", "fwd_bytes", "bwd_bytes", "dp_bytes", "lr")})
+                log.append({k: m[k] for k in ("step", "loss", "fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes", "lr")})
             codecs = engine.state_dict()["codecs"]
             forward = codecs.get("next.forward", codecs.get("prev.forward"))
             buffer = forward.get("buffer") or {"rows": forward["subspace"]["basis"], "ids": torch.zeros(0)}
@@ -139,16 +139,16 @@ def test_a_resume_inside_the_first_epoch_of_compressed_first_visits_equals_unint
 
 
 def test_a_resume_of_subspace_boundaries_with_replicas_equals_uninterrupted(tmp_path):
-    """Rank-4 bases of the 16-wide toy boundary, 2 replicas: the basis each side holds, the losses and the bytes of a
-    run resumed after step 3 are the uninterrupted run's, and a refresh's basis (steps 0, 1, 2 and 4) is in the
-    forward bytes."""
+    """Rank-4 bases of the 16-wide toy boundary and of the tied embedding's gradients, 2 replicas: the basis each side
+    holds, the losses and the bytes of every wire of a run resumed after step 3 are the uninterrupted run's, and a
+    refresh's basis (steps 0, 1, 2 and 4) is in the forward bytes."""
     from aqpipe.compression import QuantizedTensor, Subspace
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), SUBSPACE, RESUME_AT)
     for rank in ranks:
         straight, resumed_run = rank["allreduce"]
         assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
-        for key in ("fwd_bytes", "bwd_bytes"):
+        for key in ("fwd_bytes", "bwd_bytes", "tie_bytes"):
             assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
         assert torch.equal(resumed_run["buffer"], straight["buffer"])  # the basis, bit for bit
         assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)

@@ -13,11 +13,15 @@ SEQ, MBS, MICRO, SAMPLES = 8, 4, 2, 32
 
 
 def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None, hidden=16, bf16=False,
-          weights=torch.float32, relabel_stage=None):
+          weights=torch.float32, relabel_stage=None, nudge_tie_stage=None):
     stages = [s.to(weights) for s in toy_stages(world, hidden=hidden)]
     grid = Grid.for_world(world, world)
     groups = build_groups(grid, rank)
     stage = stages[groups.stage]
+    if rank == nudge_tie_stage:  # this stage's copy of the tied weight differs from the others'
+        with torch.no_grad():
+            for p in stage.tied_parameters().values():
+                p.add_(1e-3)
     engine = PipelineEngine(stage, groups, torch.optim.SGD(stage.parameters(), lr=0.5),
                             EngineSettings(num_samples=SAMPLES, seq_len=SEQ, schedule=schedule, gradient_clipping=1.0,
                                            bf16=bf16),
@@ -311,8 +315,31 @@ def test_bfloat16_scales_reach_every_wire_and_learn_as_float32_scales_do():
     step = logs["bfloat16"][0]
     assert step["fwd_bytes"] == rows * (16 * 4 // 8 + 4) + ids  # 4-bit codes + a bfloat16 min and step per row
     assert step["bwd_bytes"] == rows * (16 * 4 // 8 + 4)
-    # the tie's first step: its rows whole (a first visit, no scales), their 8-bit gradients 4 scale bytes a row fewer
-    assert logs["float32"][0]["tie_bytes"] - step["tie_bytes"] == tied_rows * 4
+    # the tie's first step: its rows as 8-bit changes from the copy both stages loaded (primed, no first visit) and
+    # their 8-bit gradients, each 4 scale bytes a row fewer
+    assert logs["float32"][0]["tie_bytes"] - step["tie_bytes"] == tied_rows * 4 * 2
     losses = {k: [s["loss"] for s in v] for k, v in logs.items()}
     assert losses["bfloat16"] != losses["float32"]  # other scales, other codes...
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.02)  # ...the same learning
+
+
+def test_a_tied_weight_both_stages_loaded_alike_never_sends_a_row_whole():
+    """The copies agree (one checkpoint): the first step sends each row as an 8-bit change against the copy both
+    hold. A follower whose copy differs gets each row whole at its first visit, as before, and ends with the
+    owner's rows all the same."""
+    cfg = CompressionConfig(forward="direct", forward_bits=8, backward="direct", backward_bits=8, tie="aqsgd",
+                            tie_bits=8, entropy_coding=False)  # packed sizes, counted below
+    alike, nudged = spawn(train, 2, cfg, 1), spawn(train, 2, cfg, 1, "1f1b", None, 16, False, torch.float32, None, 0)
+    rows = step_rows().numel()
+    # a row whole is 16 float32 values; a change 16 codes and a float32 min and step
+    assert nudged[0]["log"][0]["tie_bytes"] - alike[0]["log"][0]["tie_bytes"] == rows * (16 * 4 - (16 + 8))
+    # and each row the epoch reads later pays its whole row once, at its first visit
+    seen = torch.unique(torch.cat([mb["input_ids"].reshape(-1) for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)
+                                   for mb in mbs]))
+    extra = [n["tie_bytes"] - a["tie_bytes"] for n, a in zip(nudged[0]["log"], alike[0]["log"])]
+    assert min(extra) >= 0 and sum(extra) == seen.numel() * (16 * 4 - (16 + 8))
+    read = step_rows()
+    for run in (alike, nudged):  # the follower's rows it read are the owner's, to the tie's 8 bits
+        follower, owner = run[0]["tied"]["embed"][read], run[1]["tied"]["embed"][read]
+        assert float((follower - owner).abs().max()) < 1e-2 * float(owner.abs().max())
+    assert alike[0]["log"][-1]["loss"] == pytest.approx(nudged[0]["log"][-1]["loss"], rel=1e-2)

@@ -145,3 +145,22 @@ def test_a_rank_wider_than_the_boundary_is_refused_naming_both():
     fwd, _ = subspace_codecs(WIDTH + 1, 3)
     with pytest.raises(ValueError, match=f"subspace_rank={WIDTH + 1}: expected at most the boundary's width, {WIDTH}"):
         fwd.encode(torch.randn(SHAPE))
+
+
+def test_the_factory_puts_a_tied_weights_gradients_in_a_basis_of_their_own_when_asked():
+    from aqpipe.compression import BackwardCodec, QuantizedTensor, SubspaceCodec
+
+    dense = CompressionConfig(forward="direct", forward_bits=4, backward="direct", backward_bits=4, tie_bits=2)
+    _, grads = CodecFactory(dense, 1, 0).tie("embed", 1, (100, WIDTH), torch.float32)
+    assert type(grads) is BackwardCodec
+    ranked = CompressionConfig(forward="direct", forward_bits=4, backward="direct", backward_bits=4, tie_bits=2,
+                               tie_rank=RANK)
+    _, grads = CodecFactory(ranked, 1, 0).tie("embed", 1, (100, WIDTH), torch.float32)
+    assert isinstance(grads, SubspaceCodec) and grads.subspace.rank == RANK and grads.bits == 2
+    receiver = CodecFactory(ranked, 1, 0).tie("embed", 1, (100, WIDTH), torch.float32)[1]
+    g = torch.randn(30, WIDTH) @ torch.randn(WIDTH, WIDTH)
+    receiver.payload_nbytes(g.shape, g.dtype)
+    message = grads.encode(g)
+    assert torch.equal(receiver.decode(wire(message)), message.decoded)
+    # the first step's message: the basis and 8 coefficients a row at 2 bits (a dense 2-bit row holds 64)
+    assert message.nbytes == Subspace(RANK).basis_nbytes(WIDTH) + QuantizedTensor.wire_nbytes((30, RANK), 2)
