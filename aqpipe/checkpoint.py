@@ -44,6 +44,7 @@ MAY_CHANGE = (
     "save_total_limit", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
     "activation_checkpointing", "compile", "skip_nonfinite",
     "compression.entropy_coding",  # lossless: the same values cross either way
+    "compression_preset",  # the settings it stands for are each checked
     # where the buffers' rows live, and how many samples keep one (a run that keeps fewer sends more whole)
     "compression.buffer_memory_gb", "compression.buffer_disk_gb",
 )

@@ -11,6 +11,7 @@ from typing import Any
 from . import config_file, preflight, trainer_flags
 from .config import ONCE_FLAT, SECTIONS, RunConfig, destinations
 from .environment import launch
+from .presets import preset_layer
 from .flags import build_parser, given, parse_text
 from .speech import speaks
 
@@ -91,7 +92,11 @@ def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
     edits: dict[str, Any] = {}
     for layer in layers:
         edits.update(trainer_flags.split(layer)[1])
-    values = _merge(*(parse_text(RunConfig, nest(trainer_flags.split(layer)[0])) for layer in layers))
+    parsed = [parse_text(RunConfig, nest(trainer_flags.split(layer)[0])) for layer in layers]
+    # a compression preset: a layer of its own above the task's defaults (the first layer), under all else given
+    preset = next((p["compression_preset"] for p in reversed(parsed) if p.get("compression_preset") is not None),
+                  None)
+    values = _merge(*parsed[:1], preset_layer(preset), *parsed[1:])
     if edits:
         defaults, optim = RunConfig(task="causal_lm").optimization, values.setdefault("optimization", {})
         optim["optimizer"], optim["scheduler"] = trainer_flags.apply(
