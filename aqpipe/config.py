@@ -231,7 +231,7 @@ class RunConfig:
     bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     compression_preset: str | None = setting(None, "a measured setting of every wire, under what is given "
                                                  "explicitly: wan (a link of about 100 Mbit/s: every wire about "
-                                                 "30x below bf16 within 1%% of its loss, README)")
+                                                 "37x below bf16 within 1%% of its loss, README)")
     skip_nonfinite: bool = setting(False, "skip a step whose loss, activations or gradients hold NaN/inf (on every "
                                         "rank) instead of stopping")
     data: DataSettings = field(default_factory=DataSettings)

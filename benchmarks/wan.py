@@ -57,8 +57,7 @@ ROWS["aqsgd_lean2"] = [*FIRST_VISIT, "--tie_bits", "2", "--backward_bits", "2"] 
 ROWS["aqsgd_lean_bf16s"] = [*ROWS["aqsgd_lean"], "--scale_dtype", "bfloat16"]  # groups' scales in 4 bytes, not 8
 ROWS["aqsgd_lean2_bf16s"] = [*ROWS["aqsgd_lean2"], "--scale_dtype", "bfloat16"]
 ROWS["subspace_wan"] = ["--compression_preset", "wan"]  # every wire in a subspace: the preset, as users run it
-ROWS["subspace_r32_b4"] = ["--compression_preset", "wan", "--forward_bits", "4", "--backward_bits", "4",
-                           "--tie_bits", "3"]  # the preset one bit wider on every wire
+ROWS["subspace_wan_tie3"] = ["--compression_preset", "wan", "--tie_bits", "3"]  # the preset, the tie a bit wider
 CURVE_KEYS = ("evals", "final_eval_loss", "steps", "steps_per_epoch", "bytes_first_epoch", "bytes_later",
               "compute_s")
 WIRES = ("fwd_bytes", "bwd_bytes", "tie_bytes", "dp_bytes")

@@ -561,12 +561,12 @@ def test_a_compression_preset_sets_every_wire_under_what_is_given(tmp_path, monk
     c = run(["--compression_preset", "wan"], monkeypatch).compression
     for key, value in PRESETS["wan"]["compression"].items():
         assert getattr(c, key) == value, key
-    assert (c.forward, c.backward, c.tie_rank) == ("subspace", "subspace", 32)
+    assert (c.forward, c.backward, c.tie_rank) == ("subspace", "subspace", 16)
     # a flag wins over the preset, and so does a config file's value; the preset wins over the task's defaults
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"compression": {"subspace_rank": 16}, "run": {"compression_preset": "wan"}}))
-    c = run(["--deepspeed_config", str(path), "--forward_bits", "4"], monkeypatch).compression
-    assert (c.forward, c.forward_bits, c.backward_bits, c.subspace_rank) == ("subspace", 4, 3, 16)
+    path.write_text(json.dumps({"compression": {"subspace_rank": 8}, "run": {"compression_preset": "wan"}}))
+    c = run(["--deepspeed_config", str(path), "--forward_bits", "3"], monkeypatch).compression
+    assert (c.forward, c.forward_bits, c.backward_bits, c.subspace_rank) == ("subspace", 3, 4, 8)
     assert run([], monkeypatch).compression.forward == "aqsgd"  # no preset: the defaults
     with pytest.raises(SystemExit) as refused:
         run(["--compression_preset", "lan"], monkeypatch)
