@@ -53,6 +53,14 @@ def summary(run_dir: Path) -> dict[str, Any]:
             "evals": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]}
 
 
+def _rel(value: float, reference: float) -> str:
+    return f"{100 * (value / reference - 1):+.2f}%"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
+
+
 def table(rows: dict[str, dict[str, Any]]) -> str:
     bf16 = rows.get("bf16")
     out = ["| row | fwd MB/step | bwd | tie | all | vs bf16: fwd | bwd | tie | all | eval loss | vs bf16 | export "
@@ -61,13 +69,11 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         b, total = row["bytes"], sum(row["bytes"].values())
         ratio = {w: (bf16["bytes"][w] / b[w] if bf16 and b[w] else None) for w in WIRES}
         loss, export = row["evals"][-1][1], row["export_loss"]
-        rel = (lambda v, ref: f"{100 * (v / ref - 1):+.2f}%" if bf16 else "-")
-        fmt = (lambda v: "-" if v is None else f"{v:.1f}x")
         out.append(f"| {name} | {b['fwd_bytes'] / 1e6:.4f} | {b['bwd_bytes'] / 1e6:.4f} | {b['tie_bytes'] / 1e6:.4f} | "
-                   f"{total / 1e6:.4f} | {fmt(ratio['fwd_bytes'])} | {fmt(ratio['bwd_bytes'])} | "
-                   f"{fmt(ratio['tie_bytes'])} | {fmt(sum(bf16['bytes'].values()) / total if bf16 else None)} | "
-                   f"{loss:.4f} | {rel(loss, bf16['evals'][-1][1]) if bf16 else '-'} | {export:.4f} | "
-                   f"{rel(export, bf16['export_loss']) if bf16 else '-'} |")
+                   f"{total / 1e6:.4f} | {_times(ratio['fwd_bytes'])} | {_times(ratio['bwd_bytes'])} | "
+                   f"{_times(ratio['tie_bytes'])} | {_times(sum(bf16['bytes'].values()) / total if bf16 else None)} | "
+                   f"{loss:.4f} | {_rel(loss, bf16['evals'][-1][1]) if bf16 else '-'} | {export:.4f} | "
+                   f"{_rel(export, bf16['export_loss']) if bf16 else '-'} |")
     return "\n".join(out)
 
 
@@ -91,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                   num_micro_batches=4)
     out = Path(args.output_dir)
     model, corpus = prepare(shape, out, 200, args.timeout)
-    extra = ["--lr", str(args.lr), "--seed", str(args.seed)] + (["--lora_rank", str(args.lora_rank)] if args.lora_rank else [])
+    extra = ["--lr", str(args.lr), "--seed", str(args.seed)]
+    extra += ["--lora_rank", str(args.lora_rank)] if args.lora_rank else []
     results: dict[str, dict[str, Any]] = {}
     for name in rows:
         run_dir = out / args.tag / name
