@@ -4,12 +4,15 @@ A codec below one value per element (issue: a wire a slow link can carry) sends 
 coefficients in a basis both sides hold. Whether that can work is a property of the model, not the codec: the
 share of the activations' energy in the top k directions, estimated on some samples and measured on others. The
 backward sent in the same subspace keeps the part of the gradient inside it; that share is measured too, beside the
-gradient's own top-k share (what a basis of its own would keep).
+gradient's own top-k share (what a basis of its own would keep). The same for the token embeddings' output (a tied
+weight's rows a step reads, and the gradient going back to the weight's owner), and, given the model after a
+fine-tune (--tuned), for the tied embedding's change (what the tie's rows carry).
 
 The model is split as the trainer splits it for 2 stages (by parameters); the basis is the uncentred second moment's
 top eigenvectors over --fit samples, measured on --held_out other samples of the same corpus.
 
-    python -m benchmarks.boundary_spectrum runs/wan/pretrain/model runs/wan/docstrings.txt
+    python -m benchmarks.boundary_spectrum runs/wan/pretrain/model runs/wan/docstrings.txt \
+        --tuned runs/wan/frontier/bf16/model --output benchmarks/results/boundary_spectrum.json
 """
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ from aqpipe.pipeline.partitioning import stage_block_counts
 RANKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def boundary_and_gradient(model: torch.nn.Module, tokens: torch.Tensor, stages: int = 2
+def boundary_and_gradient(model: torch.nn.Module, tokens: torch.Tensor, stages: int = 2, at: str = "boundary"
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream the first stage hands on (tokens x width) and the loss's gradient with respect to it."""
-    first = stage_block_counts(model, stages)[0]
+    """The residual stream the first stage hands on (tokens x width) and the loss's gradient with respect to it; with
+    `at="embedding"`, the token embeddings' output instead (the rows of a tied weight a step reads, and the gradient
+    that goes back to its owner)."""
     held: dict[str, torch.Tensor] = {}
 
     def keep(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
@@ -37,7 +41,9 @@ def boundary_and_gradient(model: torch.nn.Module, tokens: torch.Tensor, stages: 
         hidden.retain_grad()
         held["x"] = hidden
 
-    handle = model.model.layers[first - 1].register_forward_hook(keep)
+    where = model.get_input_embeddings() if at == "embedding" else \
+        model.model.layers[stage_block_counts(model, stages)[0] - 1]
+    handle = where.register_forward_hook(keep)
     try:
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -60,10 +66,12 @@ def kept(rows: torch.Tensor, basis: torch.Tensor) -> tuple[float, float]:
     return float(inside.sum() / total.sum()), float((inside / total).quantile(0.05))
 
 
-def spectrum(model: torch.nn.Module, fit: torch.Tensor, held_out: torch.Tensor) -> dict[str, Any]:
-    x_fit, g_fit = boundary_and_gradient(model, fit)
+def spectrum(model: torch.nn.Module, fit: torch.Tensor, held_out: torch.Tensor, at: str = "boundary"
+             ) -> dict[str, Any]:
+    x_fit, g_fit = boundary_and_gradient(model, fit, at=at)
     model.zero_grad(set_to_none=True)
-    x, g = boundary_and_gradient(model, held_out)
+    x, g = boundary_and_gradient(model, held_out, at=at)
+    model.zero_grad(set_to_none=True)
     act_basis, grad_basis = top_basis(x_fit), top_basis(g_fit)
     width = x.shape[1]
     rows = []
@@ -76,6 +84,18 @@ def spectrum(model: torch.nn.Module, fit: torch.Tensor, held_out: torch.Tensor) 
     return {"width": width, "tokens_fit": x_fit.shape[0], "tokens_held_out": x.shape[0], "ranks": rows}
 
 
+def change_spectrum(before: torch.nn.Module, after: torch.nn.Module) -> dict[str, Any]:
+    """What a fine-tune changed in the tied embedding, row by row (the tie's rows travel as changes): the share of
+    its energy in the top k directions, estimated on half the rows and measured on the other half."""
+    change = (after.get_input_embeddings().weight - before.get_input_embeddings().weight).detach().double()
+    order = torch.randperm(change.shape[0], generator=torch.Generator().manual_seed(0))
+    half = change.shape[0] // 2
+    basis = top_basis(change[order[:half]])
+    return {"relative_change": float(change.norm() / before.get_input_embeddings().weight.double().norm()),
+            "ranks": [{"k": k, "change": kept(change[order[half:]], basis[:, :k])[0]}
+                      for k in RANKS if k <= change.shape[1]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a model directory (bf16 safetensors, as the trainer reads it)")
@@ -83,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", type=int, default=64, help="samples the basis is estimated on")
     p.add_argument("--held_out", type=int, default=64, help="other samples it is measured on")
     p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--tuned", help="the same model after a fine-tune (its export): how low-rank the tied "
+                   "embedding's change is")
     p.add_argument("--output", help="also write the figures here (json)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -98,12 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     out = {"pretrained": spectrum(model, tokens[:args.fit], tokens[args.fit:])}
     fresh = AutoModelForCausalLM.from_config(model.config)  # the same shape at initialisation, for contrast
     out["initialisation"] = spectrum(fresh, tokens[:args.fit], tokens[args.fit:])
+    out["embedding"] = spectrum(model, tokens[:args.fit], tokens[args.fit:], at="embedding")
     for name, block in out.items():
         print(f"{name} (width {block['width']}): k, activation energy kept (held out; worst 5% of tokens), "
               "gradient kept in that basis, gradient in its own")
         for r in block["ranks"]:
             print(f"  k={r['k']:4d} ({r['k_over_width']:.3f})  act {r['activation']:.4f} ({r['activation_p5']:.4f})"
                   f"  grad {r['gradient_in_activation_basis']:.4f}  own {r['gradient_own_basis']:.4f}")
+    if args.tuned:
+        out["tied_change"] = change_spectrum(model, AutoModelForCausalLM.from_pretrained(args.tuned,
+                                                                                        dtype=torch.float32))
+        print(f"tied embedding's change after the fine-tune ({out['tied_change']['relative_change']:.3f} of its "
+              "norm): k, energy kept on the held-out rows")
+        for r in out["tied_change"]["ranks"]:
+            print(f"  k={r['k']:4d}  {r['change']:.4f}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1)

@@ -22,8 +22,11 @@ def test_the_spectrum_keeps_all_energy_at_full_rank_and_more_than_its_share_in_t
     model, corpus = llama
     out = tmp_path / "spectrum.json"
     assert boundary_spectrum.main([str(model), str(corpus), "--fit", "4", "--held_out", "4", "--seq_len", "32",
-                                   "--output", str(out)]) == 0
-    for block in json.loads(out.read_text()).values():
+                                   "--tuned", str(model), "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(result) == ["embedding", "initialisation", "pretrained", "tied_change"]
+    assert result["tied_change"]["relative_change"] == 0.0  # the model against itself changed nothing
+    for block in (result[k] for k in ("pretrained", "initialisation", "embedding")):
         ranks = block["ranks"]
         assert [r["k"] for r in ranks] == [1, 2, 4, 8, 16, 32, 64] and block["width"] == 64
         energy = [r["activation"] for r in ranks]
