@@ -91,7 +91,7 @@ def change_spectrum(before: torch.nn.Module, after: torch.nn.Module) -> dict[str
     order = torch.randperm(change.shape[0], generator=torch.Generator().manual_seed(0))
     half = change.shape[0] // 2
     basis = top_basis(change[order[:half]])
-    return {"relative_change": float(change.norm() / before.get_input_embeddings().weight.double().norm()),
+    return {"relative_change": float(change.norm() / before.get_input_embeddings().weight.detach().double().norm()),
             "ranks": [{"k": k, "change": kept(change[order[half:]], basis[:, :k])[0]}
                       for k in RANKS if k <= change.shape[1]]}
 
