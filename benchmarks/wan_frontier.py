@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 from benchmarks.export_score import score
 from benchmarks.recipe_runs import free_port
 from benchmarks.slow_link import LLAMA_SCRIPT, Shape
-from benchmarks.wan import ROWS, WIRES, job_flags, prepare, records, run
+from benchmarks.wan import ROWS, WIRES, curve, job_flags, prepare, run
 
 SUBSPACE = ["--forward_compress", "subspace", "--backward_compress", "subspace", "--scale_dtype", "bfloat16"]
 
@@ -44,13 +43,6 @@ FRONTIER: dict[str, list[str]] = {
     "r8_b5_tie2_g16": subspace(8, 5, 2, 16),
     "subspace_wan": ROWS["subspace_wan"],  # the preset: rank 16, 4 bits, the tie at 2 bits and rank 16
 }
-
-
-def summary(run_dir: Path) -> dict[str, Any]:
-    rows = records(run_dir)
-    steps = [r for r in rows if "loss" in r]
-    return {"bytes": {w: statistics.fmean(r[w] for r in steps) for w in WIRES},
-            "evals": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]}
 
 
 def _rel(value: float, reference: float) -> str:
@@ -106,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--output_dir", str(run_dir)]
         run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), *LLAMA_SCRIPT, *flags],
             run_dir.with_suffix(".log"), args.timeout)
-        results[name] = {**summary(run_dir), "flags": FRONTIER[name] + extra,
+        ran = curve(run_dir)  # one epoch: its steps' mean bytes are the first epoch's
+        results[name] = {"bytes": ran["bytes_first_epoch"], "evals": ran["evals"], "flags": FRONTIER[name] + extra,
                          "export_loss": score(str(run_dir / "model"), str(corpus), shape.seq_len, 64)}
         print(f"{name}: eval {results[name]['evals'][-1][1]:.4f}, export {results[name]['export_loss']:.4f}",
               flush=True)
