@@ -5,12 +5,14 @@ Before training step STEP (1-based), rank RANK
   raise  raises RuntimeError (a bug on one rank),
   hang   sleeps forever with its heartbeat running (a rank that is alive but stuck),
   nan    makes its stage's output NaN for that step (a numeric blow-up).
-Unset: nothing happens. A bad value is refused up front like any other setting.
+Unset: nothing happens. A bad value is refused up front like any other setting. Under torchrun's `--max_restarts`
+the fault comes in the first attempt only: the restarted run is the recovery a drill measures, not a second fault.
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +52,8 @@ class Injector:
     """Called before each step; does the fault when its rank and step come."""
 
     def __init__(self, fault: Fault | None, rank: int, stage_module: Any) -> None:
-        self.fault = fault if fault is not None and fault.rank == rank else None
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.fault = fault if fault is not None and fault.rank == rank and first_attempt else None
         self.armed = False
         if self.fault is not None and self.fault.kind == "nan":
             stage_module.register_forward_hook(self._poison)
@@ -67,7 +70,9 @@ class Injector:
         self.armed = fault is not None and fault.kind == "nan" and step == fault.step
         if fault is None or step != fault.step:
             return
-        if fault.kind == "kill":
+        if fault.kind == "kill":  # the moment said first, for a drill that times the recovery (wall clock)
+            print(f"AQPIPE_FAULT: rank {fault.rank} killed before step {step} at {time.time():.3f}", file=sys.stderr,
+                  flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "raise":
             raise RuntimeError(f"injected fault (AQPIPE_FAULT) at step {step}")

@@ -176,7 +176,7 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
         try:
             if world.distributed:
                 watchdog = Watchdog(world.rank, world.size, describer(cfg), prog,
-                                    peer_timeout=cfg.distributed.peer_timeout).start()
+                                    peer_timeout=cfg.distributed.peer_timeout, prefix=world.round_prefix).start()
                 world = dataclasses.replace(world, watchdog=watchdog)
             summary = train(task, cfg, world, data)
             barrier(world)  # rank 0 may still be writing the merged model

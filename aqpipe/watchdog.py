@@ -36,13 +36,14 @@ _BAD_INPUT = "bad input: "  # a report of bad input: the rank that found it said
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, describe: Callable[[int], str], prog: str, *,
-                 peer_timeout: float, interval: float = 1.0, host: str | None = None, port: int | None = None) -> None:
+                 peer_timeout: float, interval: float = 1.0, host: str | None = None, port: int | None = None,
+                 prefix: str | None = None) -> None:
         self.rank, self.world_size, self.describe, self.prog = rank, world_size, describe, prog
         self.peer_timeout, self.interval = peer_timeout, interval
         self.host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.port = int(port or os.environ.get("MASTER_PORT", "29500"))
-        # torchrun keeps its store across restarts: keys of an earlier attempt must not count
-        self.prefix = f"aqpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # torchrun keeps its store across restarts: keys of an earlier round must not count (world.join_group)
+        self.prefix = prefix or f"aqpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(2.0, 2 * interval)))
         self.lock = threading.Lock()

@@ -21,6 +21,7 @@ from .config import RunConfig
 from .environment import launch, link_latency_s, show_tracebacks
 from . import interrupts
 from .host_memory import keep_freed_memory
+from .launch_round import join_group
 from .placement import place_here
 from .watchdog import Watchdog
 
@@ -33,6 +34,7 @@ class World:
     device: torch.device
     transport: torch.device = torch.device("cpu")  # where the backend moves tensors from (placement.py)
     watchdog: Watchdog | None = None  # a multi-process run's; its store holds the barriers set-up waits at
+    round_prefix: str = "aqpipe/0/"  # this launch's keys in the launcher's store (a restart gets new ones)
     link_latency_s: float = 0.0  # an emulated one-way link delay (AQPIPE_LINK_LATENCY_MS), for the benchmarks
 
     @property
@@ -51,9 +53,11 @@ def init_world(cfg: RunConfig) -> World:
     keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch
     if placed.device.type == "cuda":
         torch.cuda.set_device(placed.device)
+    prefix = "aqpipe/0/"
     if size > 1:
-        dist.init_process_group(placed.backend, timeout=timedelta(seconds=cfg.distributed.dist_timeout))
-    return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s())
+        prefix = join_group(placed.backend, rank, size, timedelta(seconds=cfg.distributed.dist_timeout))
+    return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s(),
+                 round_prefix=prefix)
 
 
 def barrier(world: World) -> None:

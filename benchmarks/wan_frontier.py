@@ -9,6 +9,7 @@ benchmarks/export_score.py against the bf16 row's.
 
     python -m benchmarks.wan_frontier --output_dir runs/wan          # ~25 min on 2 cores (pretraining: wan.py's)
     python -m benchmarks.wan_frontier --rows bf16,subspace_wan --lora_rank 16 --lr 1e-3   # LoRA
+    python -m benchmarks.wan_frontier --width 1024 --output_dir runs/wan1024 --timeout 5400   # a wider model
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters instead of every weight (0: full)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--width", type=int, default=256, help="a wider model pretrains its own start in --output_dir")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--pretrain_steps", type=int, default=200)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
@@ -85,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r not in FRONTIER:
             p.error(f"row {r!r}: expected one of {', '.join(FRONTIER)}")
-    shape = Shape(width=256, layers=4, family="llama", vocab="gpt2", seq_len=128, micro_batch_size=4,
+    shape = Shape(width=args.width, layers=args.layers, family="llama", vocab="gpt2", seq_len=128, micro_batch_size=4,
                   num_micro_batches=4)
     out = Path(args.output_dir)
-    model, corpus = prepare(shape, out, 200, args.timeout)
+    model, corpus = prepare(shape, out, args.pretrain_steps, args.timeout)
     extra = ["--lr", str(args.lr), "--seed", str(args.seed)]
     extra += ["--lora_rank", str(args.lora_rank)] if args.lora_rank else []
     results: dict[str, dict[str, Any]] = {}
