@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from . import checkpoint_copies as copies
 from .config import NAMED_ALONE, SECTIONS, RunConfig
 from .storage import Storage, broadcast, gather
 from .world import World, barrier
@@ -41,7 +42,7 @@ MANIFEST = "manifest.json"
 # checkpoint's, and a resume with another value is refused naming it
 MAY_CHANGE = (
     "epochs", "max_steps", "max_eval_samples", "eval_every", "output_dir", "report_to", "save_every",
-    "save_total_limit", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
+    "save_total_limit", "copy_checkpoints", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
     "activation_checkpointing", "compile", "skip_nonfinite",
     "compression.entropy_coding",  # lossless: the same values cross either way
     "compression_preset",  # the settings it stands for are each checked
@@ -231,7 +232,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- save and load
 def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "RunConfig", world: "World",
          storage: "Storage", keep: int | None = None, last: bool = False,
-         buffer_plan: dict[str, Any] | None = None) -> Path:
+         buffer_plan: dict[str, Any] | None = None, keepers: list[tuple[int, ...]] | None = None) -> Path:
     """Every rank calls this after step `step`; returns the checkpoint directory.
 
     `progress` is the training loop's own state (data position, totals, losses, metrics time). Each rank writes its
@@ -239,7 +240,9 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     gathers every rank's checksums over the process group, and every finalizer (one per storage: storage.py)
     writes the same manifest into its copy of the directory, renames it into place and moves its `latest`. `last`:
     the run trains no more, so AQ-SGD buffers kept in files hand their files over instead of copying them.
-    `buffer_plan`: the note of the run's buffer plan (aqpipe.buffer_plan), which a resume keeps where it can."""
+    `buffer_plan`: the note of the run's buffer plan (aqpipe.buffer_plan), which a resume keeps where it can.
+    `keepers`: the storages (checkpoint_copies.storage_groups) among which each rank's files are copied to the next
+    one before the manifest is written (None or one storage: no copy)."""
     state = engine.state_dict()
     place = state["place"]
     partial = root / f"step_{step:08d}.partial"
@@ -259,6 +262,8 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     note = {"rank": world.rank, "file": name, "sha256": write_state(partial / name, record),
             "external_buffers": externals}
     barrier(world)  # every rank's files complete
+    if keepers and len(keepers) > 1:
+        copies.copy_to_keepers(partial, copies.rank_files(note), world, keepers)
     notes = gather(note, world)
     manifest = None
     if notes is not None and sorted(n["rank"] for n in notes) == list(range(world.size)):
@@ -294,27 +299,40 @@ def complete_steps(root: Path, rank: int) -> list[int]:
     return steps
 
 
-def agree(found: Path | None, root: Path, world: "World") -> Path | None:
+def agree(found: Path | None, root: Path, world: "World", storage: "Storage | None" = None) -> Path | None:
     """The checkpoint every rank resumes from (None: every rank starts fresh): the one each found on its own
-    storage (`found`, under `root`) when they agree, else the newest step every rank holds complete (a machine
-    stopped while the others finalized a later one). ValueError, on every rank alike, when some rank resumes and
-    they hold no step in common."""
-    here = {"name": found.name if found is not None else None, "steps": complete_steps(root, world.rank)}
+    storage (`found`, under `root`) when they agree, else the newest step whose every rank's files some machine holds
+    (a machine stopped while the others finalized a later one, or came back empty: checkpoint_copies.py gives it
+    its files from the machine holding a copy). ValueError, on every rank alike, when some rank resumes and no step
+    has every rank's files anywhere."""
+    here = {"name": found.name if found is not None else None, "steps": complete_steps(root, world.rank),
+            "held": copies.held(root)}
     everyone = gather(here, world)
     verdict: Any = None
+    wants: dict[int, int] = {}
     if everyone is not None:
         names = {e["name"] for e in everyone}
-        common = set.intersection(*(set(e["steps"]) for e in everyone))
+        holders: dict[int, dict[int, int]] = {}  # step -> rank -> the lowest rank holding its files
+        for holder, e in enumerate(everyone):
+            for step, ranks in e["held"].items():
+                for r in ranks:
+                    holders.setdefault(int(step), {}).setdefault(r, holder)
+        whole = [step for step, by in holders.items() if len(by) == world.size]
         if len(names) == 1:
             verdict = names.pop() or ""
-        elif common:
-            verdict = step_dir(Path(), max(common)).name
+        elif whole:
+            step = max(whole)
+            verdict = step_dir(Path(), step).name
+            wants = {r: holders[step][r] for r in range(world.size) if step not in everyone[r]["steps"]}
         else:
-            verdict = f"resume: no checkpoint every rank holds complete (steps by rank: " \
-                      f"{[e['steps'] for e in everyone]})"
-    verdict = broadcast(verdict, world)
+            verdict = f"resume: no checkpoint whose every rank's files some machine holds (steps by rank: " \
+                      f"{[e['steps'] for e in everyone]}); a machine that lost its files has no copy elsewhere " \
+                      "(--copy_checkpoints, the default, keeps one): restore them, or start anew with --overwrite_output_dir"
+    verdict, wants = broadcast((verdict, wants), world)
     if verdict and not verdict.startswith("step_"):
         raise ValueError(verdict)
+    if wants:
+        copies.bring_back(root, verdict, wants, world, storage or Storage(world.rank, tuple(range(world.size))))
     return root / verdict if verdict else None
 
 

@@ -157,6 +157,11 @@ class CheckpointingSettings:
     output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
     save_every: int = setting(0, "write a resumable checkpoint every N steps and at the end (0: never)")
     save_total_limit: int = setting(2, "keep only the N newest checkpoints (0: all)")
+    copy_checkpoints: bool = setting(True, "where ranks save to different machines' disks (no shared filesystem), "
+                                           "also copy each rank's checkpoint files to the next machine at every "
+                                           "save, so a machine that comes back empty resumes from there (each "
+                                           "rank's checkpoint crosses the link once a save); --no_copy_checkpoints "
+                                           "keeps each machine's files on it alone")
     overwrite_output_dir: bool = setting(False, "replace another run's results (summary, metrics, model, "
                                               "checkpoints) in --output_dir")
     resume: str | None = setting(None, "continue from a checkpoint: latest (under --output_dir; the default with no "

@@ -36,6 +36,7 @@ from .lr_plan import PlannedLR
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
 from .progress import Progress
+from .checkpoint_copies import storage_groups
 from .storage import Storage
 from .storage import detect as detect_storage
 from .models import ModelSpec, model_positions, resolve_model, set_dropout
@@ -323,9 +324,13 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     storage = detect_storage(cfg.checkpointing.output_dir, world)  # which ranks write where this one writes
     clear_previous_results(cfg, storage)
     checkpoints = Path(cfg.checkpointing.output_dir) / "checkpoints"
-    resumed = checkpoint.agree(Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None, checkpoints, world)
+    resumed = checkpoint.agree(Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None, checkpoints, world,
+                               storage)
+    if resumed is not None:  # a machine given its files by a peer (checkpoint_copies.py) resolves its settings now
+        cfg = checkpoint.check_compatible(resumed, cfg)
     cfg = dataclasses.replace(cfg, checkpointing=dataclasses.replace(
         cfg.checkpointing, resume=str(resumed) if resumed is not None else None))
+    keepers = storage_groups(storage, world) if cfg.checkpointing.copy_checkpoints else None
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
     stages = cfg.distributed.pipeline_stages
@@ -355,7 +360,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
 
     def save(last: bool = False) -> None:
         checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
-                        cfg.checkpointing.save_total_limit or None, last, buffers.note if buffers else None)
+                        cfg.checkpointing.save_total_limit or None, last, buffers.note if buffers else None, keepers)
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)

@@ -4,6 +4,7 @@ each holds only its own rank's checkpoint files, a machine killed mid-run leaves
 checkpoints, the resume takes the newest both hold, and the merged model arrives complete on node 0, streamed from
 node 1. The losses and the model are those of the run on one machine."""
 import json
+import re
 import subprocess
 import time
 
@@ -62,7 +63,8 @@ def records(out):
 def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_on_node_0(tmp_path, network,
                                                                                          reference_run):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    (rc0, err0), (rc1, _) = two_machines(nodes, network, fault="kill:1:5")  # node 1's rank dies before step 5
+    # no copies (--no_copy_checkpoints): what each machine holds is its own; node 1's rank dies before step 5
+    (rc0, err0), (rc1, _) = two_machines(nodes, network, "--no_copy_checkpoints", fault="kill:1:5")
     assert rc0 != 0 and rc1 != 0 and "stopping: rank 1 (stage 1, replica 0)" in err0, err0[-2000:]
     for rank, node in enumerate(nodes):  # each machine holds its own rank's files, and a manifest naming both
         for step in ("step_00000002", "step_00000004"):
@@ -76,7 +78,7 @@ def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_o
     (stopped / "step_00000004").rename(stopped / "step_00000004.partial")
     (stopped / "latest").write_text("step_00000002\n")
 
-    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--resume")
+    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--no_copy_checkpoints", "--resume")
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "model: stage 1's" in err0 and "received from rank 1" in err0  # streamed, not read from a shared disk
     want, got = records(reference_run), records(nodes[0] / "out")
@@ -91,3 +93,41 @@ def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_o
     assert set(ref) == set(merged)
     for key, value in ref.items():
         assert torch.allclose(merged[key], value, rtol=1e-6, atol=0), key
+
+
+def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holding_a_copy(tmp_path, network,
+                                                                                           reference_run):
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    (rc0, err0), (rc1, _) = two_machines(nodes, network, fault="kill:1:5")  # node 1's rank dies before step 5
+    assert rc0 != 0 and rc1 != 0, err0[-2000:]
+    held = nodes[0] / "out" / "checkpoints" / "step_00000004"  # machine 0 holds machine 1's files too (a copy)
+    assert sorted(p.name for p in held.glob("*.pt")) == ["stage0_replica0.pt", "stage1_replica0.pt"]
+    assert "copied to rank 0 on another machine" in err0 or "copied to rank 1 on another machine" in err0, err0[-2000:]
+    for wiped in (nodes[1] / "out",):  # a new machine in its place: nothing of the run on its disk
+        for path in sorted(wiped.rglob("*"), reverse=True):
+            path.unlink() if path.is_file() else path.rmdir()
+        wiped.rmdir()
+
+    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--resume", "auto")
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert "step_00000004's files of rank 1" in err1 and "received from rank 0" in err1, err1[-2000:]
+    want, got = records(reference_run), records(nodes[0] / "out")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # resumed at step 4: nothing redone but step 5's start
+    for a, b in zip(want, got):
+        for key in ("loss", "eval_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a, b)
+
+
+def test_with_no_copy_anywhere_a_machine_that_lost_its_files_is_refused_in_one_line(tmp_path, network):
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    two_machines(nodes, network, "--no_copy_checkpoints", "--max_steps", "4")
+    assert not (nodes[0] / "out" / "checkpoints" / "step_00000004" / "stage1_replica0.pt").exists()
+    for path in sorted((nodes[1] / "out").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--no_copy_checkpoints", "--resume", "auto")
+    assert rc0 != 0 and rc1 != 0, err0[-2000:] + err1[-2000:]  # torchrun's status for a worker's 2 is 1
+    for err in (err0, err1):  # one line on each machine, naming what each rank holds
+        said = [line for line in err.splitlines() if "a machine that lost its files has no copy" in line]
+        assert len(said) == 1 and "steps by rank: [[2, 4], []]" in said[0], err[-2000:]
+    assert not re.search(r'File "[^"]*/aqpipe/', err0 + err1), err0[-2000:]  # no rank's traceback
