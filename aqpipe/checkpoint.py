@@ -139,7 +139,8 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
         theirs.setdefault(key, value)  # checkpoints from before packing: one conversation a sample, cut to fit
     theirs.setdefault("loss_average", "micro_batches")  # checkpoints from before the setting: a micro-batch's mean
     theirs.setdefault("dropout", mine.get("dropout"))  # checkpoints from before it was fingerprinted: unknown
-    for field_name, value in (("rank", 0), ("alpha", None), ("dropout", None), ("target_modules", None)):
+    for field_name, value in (("rank", 0), ("alpha", None), ("dropout", None), ("target_modules", None),
+                              ("load_in_4bit", False), ("bnb_4bit_quant_type", "nf4"), ("use_bnb_nested_quant", False)):
         # checkpoints from before LoRA: none; from before its section: the flat lora_* keys
         theirs.setdefault(f"lora.{field_name}", theirs.pop(f"lora_{field_name}", value))
     diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
@@ -327,7 +328,8 @@ def agree(found: Path | None, root: Path, world: "World", storage: "Storage | No
         else:
             verdict = f"resume: no checkpoint whose every rank's files some machine holds (steps by rank: " \
                       f"{[e['steps'] for e in everyone]}); a machine that lost its files has no copy elsewhere " \
-                      "(--copy_checkpoints, the default, keeps one): restore them, or start anew with --overwrite_output_dir"
+                      "(--copy_checkpoints, the default, keeps one): restore them, or start anew with " \
+                      "--overwrite_output_dir"
     verdict, wants = broadcast((verdict, wants), world)
     if verdict and not verdict.startswith("step_"):
         raise ValueError(verdict)

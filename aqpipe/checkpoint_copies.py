@@ -84,9 +84,9 @@ def copy_to_keepers(directory: Path, mine: list[str], world: World, groups: list
             _write(directory, recv_tensors(src, world.transport))
     if sent and not _said:
         _said = True
-        print(f"checkpoint: rank {world.rank}'s files ({sent / 1e6:.1f} MB) copied to rank {keeper(groups, world.rank)} "
-              "on another machine at each save, so a machine that comes back empty resumes (--no_copy_checkpoints: "
-              "no copy)", file=sys.stderr, flush=True)
+        print(f"checkpoint: rank {world.rank}'s files ({sent / 1e6:.1f} MB) copied to rank "
+              f"{keeper(groups, world.rank)} on another machine at each save, so a machine that comes back empty "
+              "resumes (--no_copy_checkpoints: no copy)", file=sys.stderr, flush=True)
     return sent
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from aqpipe import data_parallel
 from aqpipe.pipeline import Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
 from aqpipe.pipeline.lora import add_lora, lora_config
+from aqpipe.pipeline.quantized_base import FourBit
 
 from aqpipe.compression import row_nbytes
 
@@ -252,10 +253,12 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     # the frozen base in its checkpoint's dtype, but float16's (which computes only with a loss scaler) in float32
     frozen = torch.float32 if spec.dtype == torch.float16 else spec.dtype
     try:
+        four_bit = FourBit(cfg.lora.bnb_4bit_quant_type, cfg.lora.use_bnb_nested_quant, frozen) \
+            if cfg.lora.load_in_4bit else None
         stage, ties, _ = spec.build_stage(groups.stage, grid.stages, partition_method=cfg.distributed.partition,
                                           seed=cfg.seed,
                                           dtype=frozen if adapters is not None else trained, device=world.device,
-                                          activation_checkpointing=cfg.activation_checkpointing)
+                                          activation_checkpointing=cfg.activation_checkpointing, four_bit=four_bit)
     except ValueError as exc:  # the library names its argument; a user typed the flag (a hub model preflight
         # could not read before it was fetched)
         raise ValueError(str(exc).replace("num_stages=", "pipeline_stages=")) from None

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for name, results in runs.items():
         for i, r in enumerate(results):
-            print(f"| {name} ({i + 1}) | {r['status']} | {r['wall_s']:.1f} | +{r['wall_s'] - reference[i]['wall_s']:.1f} "
+            lost = r["wall_s"] - reference[i]["wall_s"]
+            print(f"| {name} ({i + 1}) | {r['status']} | {r['wall_s']:.1f} | {lost:+.1f} "
                   f"| {r.get('kill_to_first_new_step_s', '-')} | {r.get('steps_redone', '-')} | "
                   f"{r['final_eval_loss']} |")
     if args.json:

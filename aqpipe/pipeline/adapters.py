@@ -12,6 +12,7 @@ from torch import nn
 
 from aqpipe.compression.fields import check_int, setting
 
+from .quantized_base import QUANT_TYPES, plain_state_dict
 from .seeding import derive_seed
 
 
@@ -34,9 +35,26 @@ class LoraSettings:
                                                      "(q_proj,v_proj for the Llama lineage, c_attn for GPT2, "
                                                      "query_proj,value_proj for DeBERTa, query,value for BERT)",
                                                "lora_target_modules")
+    load_in_4bit: bool = setting(False, "QLoRA: hold the frozen base's block linears in 4 bits (bitsandbytes), each "
+                                        "stage quantizing its own as it reads them from the shards; embeddings, "
+                                        "the head and norms stay in the checkpoint's dtype; needs --lora_rank",
+                                 "load_in_4bit")
+    bnb_4bit_quant_type: str = setting("nf4", "the 4-bit type with --load_in_4bit: nf4 (normal float) or fp4",
+                                       "bnb_4bit_quant_type")
+    use_bnb_nested_quant: bool = setting(False, "with --load_in_4bit, quantize the 4-bit blocks' scales too "
+                                                "(double quantization: about 0.4 bits a weight fewer)",
+                                         "use_bnb_nested_quant")
 
     def __post_init__(self) -> None:
         check_int("lora_rank", self.rank, 0)
+        if self.bnb_4bit_quant_type not in QUANT_TYPES:
+            raise ValueError(f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r}: expected one of "
+                             f"{', '.join(QUANT_TYPES)}")
+        if (self.load_in_4bit or self.use_bnb_nested_quant) and not self.rank:
+            raise ValueError("--load_in_4bit without --lora_rank: a 4-bit base cannot train; expected a LoRA rank "
+                             ">= 1 for the adapters that do")
+        if self.use_bnb_nested_quant and not self.load_in_4bit:
+            raise ValueError("--use_bnb_nested_quant without --load_in_4bit: expected both, or neither")
         if not self.rank:
             others = [f"lora_{name}={getattr(self, name)!r}" for name in ("alpha", "dropout", "target_modules")
                       if getattr(self, name) is not None]
@@ -91,7 +109,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     names the model had before the adapters came; the adapters' own tensors left out."""
     layers = {path: model.get_submodule(path) for path in adapted_paths(model)}
     out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
+    for key, value in plain_state_dict(model).items():  # a 4-bit base's weights dequantized
         path, _, leaf = key.rpartition(".")
         owner, _, part = path.rpartition(".")
         if owner in layers and part == "base_layer":

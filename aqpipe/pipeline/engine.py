@@ -386,7 +386,8 @@ class PipelineEngine:
         frozen = self._frozen()
         return {
             "place": self._place(), "global_step": self.global_step, "skipped_steps": self.skipped_steps,
-            "model": {k: v for k, v in self.stage.state_dict().items() if k not in frozen},
+            "model": {k: v for k, v in self.stage.state_dict().items()  # a 4-bit weight's statistics are frozen too
+                      if k not in frozen and not any(k.startswith(f"{f}.") for f in frozen)},
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "codecs": {name: codec.state_dict() for name, codec in self.codecs().items()},

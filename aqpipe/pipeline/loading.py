@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .partitioning import model_family, partition, tie_groups
+from .quantized_base import FourBit, is_four_bit, quantize_into, swap_in
 from .seeding import derive_seed
 from .stages import PipelineStage
 from .ties import Tie
@@ -116,6 +117,8 @@ def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device | st
     made: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in list(m.named_parameters(recurse=False)):
+            if name == "weight" and is_four_bit(m):
+                continue  # made real as it is read, in 4 bits (quantized_base.py)
             if id(p) not in made:
                 kind = dtype if p.is_floating_point() else p.dtype
                 made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=kind, device=device),
@@ -228,17 +231,25 @@ def weight_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def load_weights(stage: PipelineStage, reader: CheckpointReader, model: nn.Module, aliases: dict[str, list[str]],
-                 vocabulary: set[str]) -> list[str]:
+                 vocabulary: set[str], device: torch.device | str = "cpu") -> list[str]:
     """Read the stage's tensors from the checkpoint, each under any of its names in the whole model (`aliases`,
     taken before the stage was made real: a tied weight is stored under one of its names), as transformers renames
     stored keys; marks them loaded. The `vocabulary` tables (a row per token) may grow. Returns the local names the
     checkpoint lacks."""
     stored = checkpoint_names(model, reader.names())
     origin, missing = stage.hf_parameter_names(), []
-    for local, param in stage.named_parameters():
+    for local, param in list(stage.named_parameters()):
         found = next((n for n in (local, *aliases[origin[local]]) if n in stored), None)
         if found is None:
             missing.append(local)
+            continue
+        path, _, leaf = local.rpartition(".")
+        owner = stage.get_submodule(path) if path else stage
+        if leaf == "weight" and is_four_bit(owner):  # one tensor in bf16 at a time: kept in its 4-bit form only
+            try:
+                quantize_into(owner, reader.get(stored[found]), device)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {stored[found]!r}: {exc}") from None
             continue
         _fill(param, reader.get(stored[found]), stored[found], grows=local in vocabulary)
         _mark(param)
@@ -287,11 +298,12 @@ def init_weights(stage: PipelineStage, model: nn.Module, seed: int) -> None:
 def build_stage(model_class: type, config: Any, stage_index: int, num_stages: int, *,
                 checkpoint: str | os.PathLike | None = None, partition_method: str | list[int] = "parameters",
                 seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                activation_checkpointing: bool = False,
-                reader: CheckpointReader | None = None) -> tuple[PipelineStage, dict[str, Tie], list[str]]:
+                activation_checkpointing: bool = False, reader: CheckpointReader | None = None,
+                four_bit: FourBit | None = None) -> tuple[PipelineStage, dict[str, Tie], list[str]]:
     """Stage `stage_index` of `num_stages` of `model_class(config)`, its weights from `checkpoint` (a model
     directory) or `reader`, else seeded from `seed`; returns it, the job's ties (`tie_groups` of every stage) and
-    the names of the parameters the checkpoint lacked (initialized)."""
+    the names of the parameters the checkpoint lacked (initialized). `four_bit`: the blocks' linears held in 4 bits
+    as they are read (quantized_base.py; QLoRA's frozen base)."""
     model = meta_model(model_class, config)
     family = model_family(model)  # refuses an unsupported class or configuration before anything is made
     stages = partition(model, num_stages, partition_method, activation_checkpointing, copy_modules=False)
@@ -299,13 +311,23 @@ def build_stage(model_class: type, config: Any, stage_index: int, num_stages: in
     del stages
     aliases, vocabulary = weight_names(model), vocabulary_weights(model)  # while the model still holds its ties
     reader = reader or (CheckpointReader(checkpoint) if checkpoint is not None else None)
+    if four_bit is not None:
+        if reader is None:
+            raise ValueError(f"--load_in_4bit: model {model_class.__name__} has no weights to quantize; expected a "
+                             "model directory or hub name with its checkpoint")
+        origin = stage.hf_parameter_names()
+        if not swap_in(stage, origin, lambda name: name in vocabulary or family.in_head(name), four_bit):
+            raise ValueError(f"--load_in_4bit: stage {stage_index} of {model_class.__name__} has no nn.Linear in "
+                             "its blocks to hold in 4 bits (GPT2's are Conv1D); expected a Llama-lineage, BERT or "
+                             "DeBERTa model")
+        stage.is_loaded_in_4bit = True  # PEFT's LoRA wraps bitsandbytes' layers by this mark
     # a seeded init is drawn on the CPU (the same weights on any device) and moved once; a checkpoint is read where
     # the stage computes, its few missing tensors visiting the CPU for their draw (_seeded_init)
     materialize(stage, dtype, device if reader is not None else "cpu")
     missing = [name for name, _ in stage.named_parameters()]
     if reader is not None:
         try:
-            missing = load_weights(stage, reader, model, aliases, vocabulary)
+            missing = load_weights(stage, reader, model, aliases, vocabulary, device)
         finally:
             reader.close()
         body = [name for name in missing if not family.in_head(name)]

@@ -16,7 +16,7 @@ def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("killed", [0, 1])
+@pytest.mark.parametrize("killed", [1])  # rank 0 too in benchmarks/restart_drill.py
 def test_a_worker_killed_under_max_restarts_rejoins_resumes_and_finishes_as_the_uninterrupted_run(
         tmp_path, reference_run, killed):
     out = tmp_path / "out"

@@ -1,0 +1,114 @@
+"""QLoRA's frozen base: a stage's block linears held in 4 bits, each quantized as its tensor is read.
+
+bitsandbytes' `Linear4bit` (NF4 or FP4 blocks of 64, optionally double-quantized statistics), which PEFT's LoRA
+wraps natively and which runs on CPUs (torch ops) and NVIDIA GPUs (its CUDA kernels) alike. Each linear of the
+stage's blocks is swapped for one on the meta device before the stage is made real (`swap_in`), so its bf16 weight
+never exists whole in the stage: `quantize_into` takes the one tensor read from the shards and keeps only its 4-bit
+form. What quantized fine-tuning keeps in full precision stays so: embeddings, a (tied) head, norms and a
+classification head are not `nn.Linear`s of a block. `plain_state_dict` gives the weights back dequantized (an
+export, a merge); a checkpoint holds none of them (the base is re-read on resume).
+
+    four = FourBit("nf4", nested=True, compute_dtype=torch.bfloat16)
+    swapped = swap_in(stage, keep=lambda name: name in vocabulary or family.in_head(name), four=four)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+QUANT_TYPES = ("nf4", "fp4")
+
+
+@dataclass(frozen=True)
+class FourBit:
+    """How the frozen base is held: bitsandbytes' quant type, double quantization, the dtype it computes in."""
+
+    quant_type: str = "nf4"
+    nested: bool = False
+    compute_dtype: torch.dtype = torch.bfloat16
+
+
+def _bnb():
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'aqpipe[qlora]'") from None
+    return bnb
+
+
+def is_four_bit(module: nn.Module) -> bool:
+    bnb = _optional_bnb()
+    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
+
+
+def _optional_bnb():
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return None
+    return bnb
+
+
+def swap_in(stage: nn.Module, origin: dict[str, str], keep: Callable[[str], bool], four: FourBit) -> list[str]:
+    """Replace each `nn.Linear` of `stage` (still on the meta device) whose weight's HF name (`origin`: local ->
+    HF name) `keep` does not keep in full precision by a 4-bit one on the meta device; their local paths."""
+    bnb = _bnb()
+    swapped = []
+    for path, module in list(stage.named_modules()):
+        if type(module) is not nn.Linear or keep(origin.get(f"{path}.weight", f"{path}.weight")):
+            continue
+        four_bit = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                     compute_dtype=four.compute_dtype, compress_statistics=four.nested,
+                                     quant_type=four.quant_type, device="meta")
+        if module.bias is not None:
+            four_bit.bias = module.bias
+        parent, _, leaf = path.rpartition(".")
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, four_bit)
+        swapped.append(path)
+    return swapped
+
+
+def quantize_into(module: nn.Module, value: torch.Tensor, device: torch.device | str) -> None:
+    """`value` (one weight as stored) quantized into the 4-bit `module` on `device`; the full tensor is dropped."""
+    bnb = _bnb()
+    if tuple(value.shape) != (module.out_features, module.in_features):
+        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)}; the model expects "
+                         f"{(module.out_features, module.in_features)}")
+    weight = bnb.nn.Params4bit(value.detach().to("cpu", module.compute_dtype or torch.float32), requires_grad=False,
+                               compress_statistics=module.weight.compress_statistics,
+                               quant_type=module.weight.quant_type, module=module)
+    module.weight = weight.to(device)  # quantized as it moves
+    module.weight._is_hf_initialized = True
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with each 4-bit weight dequantized (in its compute dtype) and its quantization
+    statistics left out: the tensors an HF checkpoint holds."""
+    state = dict(model.state_dict())
+    bnb = _optional_bnb()
+    if bnb is None:
+        return state
+    for path, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = f"{path}.weight" if path else "weight"
+            for extra in [k for k in state if k.startswith(key + ".")]:
+                del state[extra]
+            w = module.weight
+            state[key] = bnb.functional.dequantize_4bit(w.data, w.quant_state).to(module.compute_dtype)
+    return state
+
+
+def four_bit_bytes(model: nn.Module) -> int:
+    """What the 4-bit weights hold, statistics included."""
+    bnb = _optional_bnb()
+    total = 0
+    for module in model.modules():
+        if bnb is not None and isinstance(module, bnb.nn.Linear4bit):
+            total += module.weight.numel() * module.weight.element_size()
+            qs = module.weight.quant_state
+            for t in (qs.absmax, getattr(qs, "code", None), *((qs.state2.absmax, qs.state2.code) if qs.nested else ())):
+                total += t.numel() * t.element_size() if t is not None else 0
+    return total

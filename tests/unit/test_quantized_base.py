@@ -1,0 +1,90 @@
+"""QLoRA's frozen base (aqpipe/pipeline/quantized_base.py): each stage holds its own blocks' linears in 4 bits,
+quantized from its own tensors as they are read; embeddings, the tied head and norms stay in the checkpoint's
+dtype; the adapters train on top through PEFT; a checkpoint holds none of the 4-bit base."""
+import pytest
+import torch
+from bitsandbytes.nn import Linear4bit
+from safetensors.torch import load_file
+from transformers import AutoConfig, LlamaForCausalLM
+
+from aqpipe.pipeline.adapters import LoraSettings, merged_state_dict
+from aqpipe.pipeline.loading import CheckpointReader, build_stage
+from aqpipe.pipeline.lora import add_lora, lora_config
+from aqpipe.pipeline.quantized_base import FourBit, four_bit_bytes, plain_state_dict
+from tests.helpers.files import tiny_llama_dir
+
+FOUR = FourBit("nf4", nested=True, compute_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tiny_llama_dir(tmp_path_factory.mktemp("llama") / "model")
+    stored = {}
+    for shard in path.glob("*.safetensors"):
+        stored.update(load_file(shard))
+    return path, AutoConfig.from_pretrained(path), stored
+
+
+def _stage(llama, index, four=FOUR):
+    path, config, _ = llama
+    reader = CheckpointReader(path)
+    stage, _, _ = build_stage(LlamaForCausalLM, config, index, 2, reader=reader, dtype=torch.bfloat16, four_bit=four)
+    return stage, reader
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_stage_holds_its_block_linears_in_4_bits_from_its_own_tensors_and_the_rest_in_bf16(llama, index):
+    stage, reader = _stage(llama, index)
+    origin, stored = stage.hf_parameter_names(), llama[2]
+    four = {path for path, m in stage.named_modules() if isinstance(m, Linear4bit)}
+    linears = {path for path, m in stage.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert four and four == linears - {"lm_head"}  # every block linear, never the (tied) head
+    for name, p in stage.named_parameters():
+        if name.rpartition(".")[0] not in four:  # embeddings, norms, the head: the checkpoint's dtype
+            assert p.dtype == torch.bfloat16, name
+    plain = plain_state_dict(stage)
+    for path in four:  # each weight its own stored tensor, to 4-bit precision (a wrong tensor is off by ~100%)
+        want = stored[origin[f"{path}.weight"]].float()
+        got = plain[f"{path}.weight"].float()
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got - want).norm() < 0.12 * want.norm(), path
+    # read: this stage's tensors alone, each once (the other stage's blocks never)
+    theirs = {n for n in stored if n.startswith(f"model.layers.{1 - index}.")}
+    assert not theirs & set(reader.read) and len(reader.read) == len(set(reader.read))
+    for path in four:  # half a byte a weight, packed
+        w = stage.get_submodule(path).weight
+        assert w.dtype == torch.uint8 and w.numel() == stored[origin[f"{path}.weight"]].numel() // 2, path
+    weights = sum(stored[origin[f"{p}.weight"]].numel() for p in four)
+    # the statistics: a scale per 64 weights (nested: a byte each), and each layer's 16- and 256-entry code books
+    assert weights // 2 < four_bit_bytes(stage) < weights // 2 + weights // 64 * 4 + len(four) * (16 + 256 + 8) * 4
+
+
+def test_lora_wraps_the_4_bit_layers_trains_only_adapters_and_the_merge_is_dequantized_plus_delta(llama):
+    stage, _ = _stage(llama, 0)
+    config = lora_config(LlamaForCausalLM, llama[1], LoraSettings(rank=4, load_in_4bit=True), False, 2, "parameters")
+    add_lora(stage, config, seed=0, dtype=torch.float32)
+    trained = [n for n, p in stage.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    with torch.no_grad():
+        for n, p in stage.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    q = stage.get_submodule("model.layers.0.self_attn.q_proj")
+    plain = plain_state_dict(stage)
+    merged = merged_state_dict(stage)
+    base = plain["model.layers.0.self_attn.q_proj.base_layer.weight"].float()
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], base + q.get_delta_weight("default"))
+    assert not any(".absmax" in k or "quant_" in k for k in merged)  # the statistics are not model weights
+    x = torch.randn(1, 8, 64, dtype=torch.bfloat16)
+    out = q(x)
+    out.float().sum().backward()
+    assert q.lora_A["default"].weight.grad is not None and q.base_layer.weight.grad is None
+
+
+def test_settings_refuse_a_4_bit_base_without_adapters_and_an_unknown_type():
+    with pytest.raises(ValueError, match="--load_in_4bit without --lora_rank"):
+        LoraSettings(load_in_4bit=True)
+    with pytest.raises(ValueError, match="bnb_4bit_quant_type='int4': expected one of nf4, fp4"):
+        LoraSettings(rank=4, load_in_4bit=True, bnb_4bit_quant_type="int4")
+    with pytest.raises(ValueError, match="--use_bnb_nested_quant without --load_in_4bit"):
+        LoraSettings(rank=4, use_bnb_nested_quant=True)
