@@ -48,6 +48,7 @@ MAY_CHANGE = (
     "compression_preset",  # the settings it stands for are each checked
     # where the buffers' rows live, and how many samples keep one (a run that keeps fewer sends more whole)
     "compression.buffer_memory_gb", "compression.buffer_disk_gb",
+    "lora.merge",  # what the run exports at its end
 )
 
 

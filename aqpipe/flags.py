@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 import types
 import typing
 from dataclasses import MISSING, Field, fields, is_dataclass
@@ -21,6 +22,33 @@ import torch
 from . import trainer_flags
 from .speech import let_rank_0_speak, speaks
 from .environment import launch
+
+# HF Trainer's and TRL's names for settings aqpipe has under its own: each an alias of the one flag it means, shown
+# beside it in --help; the same setting under two names in one command is refused
+HF_NAMES = {
+    "learning_rate": "optimization.lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "num_micro_batches",
+    "max_length": "data.seq_len",
+    "max_seq_length": "data.seq_len",  # TRL's older name
+    "max_grad_norm": "optimization.gradient_clipping",
+    "eval_steps": "eval_every",
+    "save_steps": "checkpointing.save_every",
+    "resume_from_checkpoint": "checkpointing.resume",
+    "gradient_checkpointing": "activation_checkpointing",
+    "dataset_name": "data.dataset",
+    "dataset_text_field": "data.text_column",
+    "chat_template_path": "data.chat_template",
+}
+
+# HF's and TRL's flags for things aqpipe does its own way: accepted, and what aqpipe does instead said in one line
+HF_NOTED = {
+    "logging_steps": "aqpipe writes every step's row to metrics.jsonl and the tracker",
+    "eval_strategy": "aqpipe evaluates every --eval_steps (= --eval_every) steps and at the end",
+    "save_strategy": "aqpipe saves every --save_steps (= --save_every) steps and at the end",
+    "per_device_eval_batch_size": "aqpipe evaluates in micro-batches of --per_device_train_batch_size",
+}
 
 SECTION_SHORTHANDS = {  # one flag for several settings; a one-sided flag given beside it wins
     "group_size": ("elements per quantization group on both boundaries, auto, or none for whole rows; sets "
@@ -40,6 +68,20 @@ def int_or_word(text: str) -> int | str | None:
         if not word.isidentifier():
             raise argparse.ArgumentTypeError(f"{text!r}: expected an integer or auto") from None
         return word
+
+
+def integer(text: str) -> int:
+    """A count, also written as HF writes its epochs (`3.0`)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not value.is_integer():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+        return int(value)
 
 
 def numbers(kind: type) -> Callable[[str], list[Any]]:
@@ -82,7 +124,7 @@ def parser_for(tp: Any) -> Callable[[str], Any] | None:
     union = typing.get_origin(tp) in (typing.Union, types.UnionType)
     kinds = set(typing.get_args(tp) if union else (tp,)) - {type(None)}
     table: list[tuple[set[Any], Callable[[str], Any] | None]] = [
-        ({bool}, None), ({int}, int), ({float}, float), ({str}, str), ({int, str}, int_or_word),
+        ({bool}, None), ({int}, integer), ({float}, float), ({str}, str), ({int, str}, int_or_word),
         ({list[float]}, numbers(float)), ({list[int], str}, ints_or_word), ({list[str]}, names),
         ({torch.dtype}, dtype)]
     for match, parse in table:
@@ -120,6 +162,20 @@ class Parser(argparse.ArgumentParser):
                     return f"; did you mean {near[0]}?"
         return ""
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, after refusing one setting given under two of its names (--lr and --learning_rate)."""
+        words = list(sys.argv[1:] if args is None else args)
+        by_dest: dict[str, str] = {}
+        for word in words:
+            action = self._option_string_actions.get(word.split("=", 1)[0]) if word.startswith("--") else None
+            if action is None or action.dest in ("help", argparse.SUPPRESS):
+                continue
+            name = word.split("=", 1)[0]
+            first = by_dest.setdefault(action.dest, name)
+            if first != name:
+                self.error(f"{first} and {name} both set {action.dest.rpartition('.')[2]}: expected one of them")
+        return super().parse_known_args(args, namespace)
+
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
         if status and message and not speaks():
             let_rank_0_speak()
@@ -156,21 +212,28 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
                    help="print the settings as a DeepSpeed-style JSON config (to edit and pass to "
                         "--deepspeed_config) and exit")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    aliases: dict[str, list[str]] = {}
+    for alias, dest in HF_NAMES.items():
+        aliases.setdefault(dest, []).append(f"--{alias}")
     for dest, f, tp in settings(config):
         name, text = f.metadata.get("flag", f.name), f.metadata["help"]
+        names = [f"--{name}", *aliases.get(dest, [])]
         default = value_at(shown, dest) if shown is not None else f.default
         if default not in (None, MISSING) and not isinstance(default, bool) and "default" not in text:
             text += f" (default: {as_typed(default)})"
         parse = parser_for(tp)
         if parse is not None:
             extra = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}
-            p.add_argument(f"--{name}", dest=dest, type=parse, help=text, metavar=name.upper(), **extra)
+            p.add_argument(*names, dest=dest, type=parse, help=text, metavar=name.upper(), **extra)
         else:
-            p.add_argument(f"--{name}", dest=dest, action="store_const", const=True, help=text)
-            if f.default is True:
+            p.add_argument(*names, dest=dest, action="store_const", const=True, help=text)
+            if f.default is not False:  # on by default, or decided by other settings (None)
                 p.add_argument(f"--no_{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
     for name, (text, _) in SECTION_SHORTHANDS.items():
         p.add_argument(f"--{name}", type=int_or_word, help=text)
+    for name, note in HF_NOTED.items():
+        p.add_argument(f"--{name}", dest=f"noted.{name}", help=f"HF's and TRL's flag, taken and not used: {note}",
+                       metavar=name.upper())
     now = trainer_flags.shown(shown.optimization.optimizer, shown.optimization.scheduler) if shown is not None else {}
     for name, (parse, text) in trainer_flags.FLAGS.items():
         text += f" (default: {as_typed(now[name])})" if name in now else ""
@@ -179,9 +242,15 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags given, as settings: top-level fields by name, section fields as {"section": {...}}."""
-    return layer({dest: value for dest, value in vars(args).items()
-                  if dest not in ("deepspeed_config", "print_config", "local_rank")})
+    """The flags given, as settings: top-level fields by name, section fields as {"section": {...}}. An HF flag
+    aqpipe does not use (HF_NOTED) is said in one line, on rank 0."""
+    values = {dest: value for dest, value in vars(args).items()
+              if dest not in ("deepspeed_config", "print_config", "local_rank")}
+    for dest in [d for d in values if d.startswith("noted.")]:
+        name, value = dest.removeprefix("noted."), values.pop(dest)
+        if speaks():
+            print(f"note: --{name} {value}: {HF_NOTED[name]}", file=sys.stderr)
+    return layer(values)
 
 
 def layer(values: dict[str, Any]) -> dict[str, Any]:

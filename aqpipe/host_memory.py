@@ -32,3 +32,16 @@ def keep_freed_memory(limit: int = KEEP_UP_TO) -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, limit)) and bool(mallopt(M_TRIM_THRESHOLD, limit))
+
+
+def release_freed_memory() -> bool:
+    """Hand the kernel back what the process freed so far (glibc's malloc_trim): after set-up, whose temporaries
+    (a 4-bit base's quantization, one tensor at a time) the kept thresholds would otherwise hold for the whole run.
+    False where that is not glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

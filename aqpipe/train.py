@@ -38,6 +38,7 @@ from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
 from .progress import Progress
 from .checkpoint_copies import storage_groups
+from .host_memory import release_freed_memory
 from .storage import Storage
 from .storage import detect as detect_storage
 from .models import ModelSpec, model_positions, resolve_model, set_dropout
@@ -266,6 +267,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
         set_dropout(stage, None, float(cfg.dropout))
     if adapters is not None:  # after the dropout: the adapters' own is --lora_dropout
         add_lora(stage, adapters, cfg.seed, trained)
+    release_freed_memory()  # what reading (and quantizing) the stage freed, not held for the run
     if cfg.compile:
         stage.compile()  # in place: the stage's names, state_dict and attributes stay its own
     barrier(world)  # every stage built (a model download takes what it takes) before the first message
@@ -395,7 +397,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
         # goes on from it
     writer.close()
     elapsed = time.perf_counter() - started
-    model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage)
+    model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage) \
+        if adapters is None or cfg.lora.merges else None
     if adapters is not None:
         save_adapter(engine, adapters, cfg, world)
     return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,

@@ -50,7 +50,8 @@ def init_world(cfg: RunConfig) -> World:
     placed = place_here(cfg.distributed.backend)  # preflight checked it can run here
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here.local_world_size))
-    keep_freed_memory()  # a step's large tensors are reused, not page-faulted in anew each micro-batch
+    if not cfg.lora.load_in_4bit:  # a step's large tensors are reused, not page-faulted in anew each micro-batch;
+        keep_freed_memory()  # but a 4-bit base's dequantized weights, one size per layer, would pile up (+0.4 GB)
     if placed.device.type == "cuda":
         torch.cuda.set_device(placed.device)
     prefix = "aqpipe/0/"

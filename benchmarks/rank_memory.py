@@ -83,8 +83,10 @@ def write_model(family: str, path: Path, config: dict[str, Any] | None = None) -
     return sum(p.numel() for p in model.parameters())
 
 
-def run_job(checkout: Path, task: str, model: Path, stages: int, work: Path) -> list[float]:
-    """The job at `stages` stages from `checkout`; every rank's peak resident MB, by rank."""
+def run_job(checkout: Path, task: str, model: Path, stages: int, work: Path,
+            job: list[str] | None = None) -> list[float]:
+    """The job (`job`: its flags, default JOB) at `stages` stages from `checkout`; every rank's peak resident MB."""
+    job = JOB if job is None else job
     peaks, hook = work / f"peaks{stages}", work / "hook"
     peaks.mkdir(parents=True)
     hook.mkdir(exist_ok=True)
@@ -93,10 +95,10 @@ def run_job(checkout: Path, task: str, model: Path, stages: int, work: Path) -> 
            "OMP_NUM_THREADS": "1", "AQPIPE_PEAK_ALONE": "1" if stages == 1 else ""}
     out = ["--output_dir", str(work / f"out{stages}")]
     if stages == 1:
-        cmd = [sys.executable, "-m", "aqpipe", task, "--model", str(model), *JOB, *out]
+        cmd = [sys.executable, "-m", "aqpipe", task, "--model", str(model), *job, *out]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stages), "--master_port",
-               str(29500 + stages), "-m", "aqpipe", task, "--model", str(model), *JOB, *out]
+               str(29500 + stages), "-m", "aqpipe", task, "--model", str(model), *job, *out]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"memory --per_rank: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")

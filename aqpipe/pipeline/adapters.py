@@ -41,6 +41,10 @@ class LoraSettings:
                                  "load_in_4bit")
     bnb_4bit_quant_type: str = setting("nf4", "the 4-bit type with --load_in_4bit: nf4 (normal float) or fp4",
                                        "bnb_4bit_quant_type")
+    merge: bool | None = setting(None, "with adapters, also write the merged model (each adapter folded into its "
+                                       "weight) in <output_dir>/model; default: yes for a base in its checkpoint's "
+                                       "dtype, no for a 4-bit base (its merge dequantizes the stage to bf16)",
+                                 "merge")
     use_bnb_nested_quant: bool = setting(False, "with --load_in_4bit, quantize the 4-bit blocks' scales too "
                                                 "(double quantization: about 0.4 bits a weight fewer)",
                                          "use_bnb_nested_quant")
@@ -79,6 +83,11 @@ class LoraSettings:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def merges(self) -> bool:
+        """Whether the run writes the merged model beside the adapter."""
+        return self.merge if self.merge is not None else not self.load_in_4bit
 
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter

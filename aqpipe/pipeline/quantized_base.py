@@ -71,16 +71,42 @@ def swap_in(stage: nn.Module, origin: dict[str, str], keep: Callable[[str], bool
     return swapped
 
 
+CHUNK = 1 << 20  # elements quantized at once: bitsandbytes' temporaries are about 5x a tensor's bf16 bytes
+
+
+def quantize(value: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Tensor, object]:
+    """bitsandbytes' `quantize_4bit` of `value`, a chunk of `CHUNK` elements at a time: its blocks of 64 are
+    independent, so the packed values and the scales are the whole tensor's (tested), and the transient memory is
+    the chunk's, not the tensor's (a 2048 x 8192 weight: +171 MB at once, +0 chunked). Double quantization quantizes
+    the scales of the whole tensor as bitsandbytes does (their mean taken off, blocks of 256)."""
+    F = _bnb().functional
+    flat = value.reshape(-1)
+    parts = [F.quantize_4bit(chunk, quant_type=quant_type, compress_statistics=False)
+             for chunk in flat.split(CHUNK - CHUNK % 64)]
+    packed = torch.cat([packed for packed, _ in parts])
+    absmax, first = torch.cat([state.absmax for _, state in parts]), parts[0][1]
+    common = {"shape": value.shape, "dtype": value.dtype, "blocksize": first.blocksize, "code": first.code,
+              "quant_type": quant_type}
+    if not nested:
+        return packed, F.QuantState(absmax=absmax, **common)
+    offset = absmax.mean()
+    scales, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+    return packed, F.QuantState(absmax=scales, offset=offset, state2=state2, **common)
+
+
 def quantize_into(module: nn.Module, value: torch.Tensor, device: torch.device | str) -> None:
     """`value` (one weight as stored) quantized into the 4-bit `module` on `device`; the full tensor is dropped."""
     bnb = _bnb()
     if tuple(value.shape) != (module.out_features, module.in_features):
         raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)}; the model expects "
                          f"{(module.out_features, module.in_features)}")
-    weight = bnb.nn.Params4bit(value.detach().to("cpu", module.compute_dtype or torch.float32), requires_grad=False,
-                               compress_statistics=module.weight.compress_statistics,
-                               quant_type=module.weight.quant_type, module=module)
-    module.weight = weight.to(device)  # quantized as it moves
+    old = module.weight
+    packed, state = quantize(value.detach().to("cpu", module.compute_dtype or torch.float32), old.quant_type,
+                             old.compress_statistics)
+    weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=state.blocksize,
+                               compress_statistics=old.compress_statistics, quant_type=old.quant_type,
+                               module=module, bnb_quantized=True)
+    module.weight = weight.to(device)
     module.weight._is_hf_initialized = True
 
 

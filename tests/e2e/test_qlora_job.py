@@ -1,7 +1,7 @@
 """QLoRA through the pipeline: `--load_in_4bit --lora_rank` on a tied bf16 Llama, 2 stages under torchrun with AQ-SGD
 on the boundary; a worker killed mid-run resumes (the 4-bit base re-read, not checkpointed) to the uninterrupted
 run's losses; the adapter loads on the bf16 base with PEFT, and the merged model is the dequantized base plus the
-adapters, in bf16."""
+adapters, in bf16, with --merge (without it, a 4-bit base exports the adapter alone)."""
 import json
 import subprocess
 
@@ -18,9 +18,9 @@ FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "
          "--resume", "auto"]
 
 
-def _run(model, out, fault=""):
+def _run(model, out, *flags, fault=""):
     cmd = ["torchrun", "--nproc_per_node", "2", "--max_restarts", "1", "--master_port", str(free_port()), "-m",
-           "aqpipe", "causal-lm", "--model", str(model), *FLAGS, "--output_dir", str(out)]
+           "aqpipe", "causal-lm", "--model", str(model), *FLAGS, "--output_dir", str(out), *flags]
     proc = subprocess.run(cmd, cwd=out.parent, env=checkout_env(AQPIPE_FAULT=fault), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -29,8 +29,9 @@ def _run(model, out, fault=""):
 
 def test_a_4_bit_base_trains_adapters_resumes_exactly_and_exports_adapter_and_merged_bf16_model(tmp_path):
     model = tiny_llama_dir(tmp_path / "llama")
-    whole = _run(model, tmp_path / "whole")
+    whole = _run(model, tmp_path / "whole", "--merge")
     resumed = _run(model, tmp_path / "resumed", fault="kill:1:4")  # dies before step 4: resumes from step 2
+    assert (tmp_path / "resumed" / "adapter").is_dir() and not (tmp_path / "resumed" / "model").exists()
     assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4, 4]
     for a, b in zip(whole, resumed):
         for key in ("loss", "eval_loss", "fwd_bytes"):

@@ -572,3 +572,46 @@ def test_a_compression_preset_sets_every_wire_under_what_is_given(tmp_path, monk
         run(["--compression_preset", "lan"], monkeypatch)
     assert refused.value.code == 2
     assert "compression_preset='lan': expected one of wan" in capsys.readouterr().err
+
+
+TRL_COMMAND = ["--learning_rate", "2e-4", "--num_train_epochs", "2.0", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "8", "--max_length", "512", "--max_grad_norm", "0.5",
+               "--eval_steps", "10", "--save_steps", "20", "--save_total_limit", "1", "--warmup_ratio", "0.03",
+               "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--seed", "3", "--bf16",
+               "--gradient_checkpointing", "--dataset_name", "data.jsonl", "--dataset_text_field", "body",
+               "--chat_template_path", "chatml", "--packing", "--output_dir", "out"]
+OURS = ["--lr", "2e-4", "--epochs", "2", "--micro_batch_size", "2", "--num_micro_batches", "8", "--seq_len", "512",
+        "--gradient_clipping", "0.5", "--eval_every", "10", "--save_every", "20", "--save_total_limit", "1",
+        "--warmup_ratio", "0.03", "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--seed", "3", "--bf16",
+        "--activation_checkpointing", "--dataset", "data.jsonl", "--text_column", "body", "--chat_template",
+        "chatml", "--packing", "--output_dir", "out"]
+
+
+def test_hf_and_trl_names_set_the_very_settings_aqpipes_names_set(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"body": "a line"}\n')
+    trl, ours = run(TRL_COMMAND, monkeypatch), run(OURS, monkeypatch)
+    assert trl == ours
+    assert (trl.optimization.lr, trl.epochs, trl.data.seq_len, trl.eval_every) == (2e-4, 2, 512, 10)
+    assert run(["--max_seq_length", "64"], monkeypatch).data.seq_len == 64
+    with pytest.raises(SystemExit):  # HF's name for --resume: the checkpoint it names is looked for
+        run(["--resume_from_checkpoint", "ckpt"], monkeypatch)
+    assert "resume='ckpt': no checkpoint at ckpt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("twice", [["--lr", "1e-3", "--learning_rate", "2e-3"], ["--max_length", "64",
+                                                                                   "--max_seq_length=32"]])
+def test_one_setting_under_two_names_is_refused_in_one_line(twice, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as refused:
+        run(twice, monkeypatch)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    first, second = twice[0], twice[2].split("=")[0]
+    assert len(err) == 1 and f"{first} and {second} both set" in err[0], err
+
+
+def test_hf_flags_aqpipe_does_its_own_way_are_said_in_one_line_and_change_nothing(monkeypatch, capsys):
+    cfg = run(["--logging_steps", "10", "--eval_strategy", "steps"], monkeypatch)
+    assert cfg == run([], monkeypatch)
+    err = capsys.readouterr().err
+    assert "note: --logging_steps 10: aqpipe writes every step's row" in err and "note: --eval_strategy steps" in err

@@ -88,3 +88,20 @@ def test_settings_refuse_a_4_bit_base_without_adapters_and_an_unknown_type():
         LoraSettings(rank=4, load_in_4bit=True, bnb_4bit_quant_type="int4")
     with pytest.raises(ValueError, match="--use_bnb_nested_quant without --load_in_4bit"):
         LoraSettings(rank=4, use_bnb_nested_quant=True)
+
+
+@pytest.mark.parametrize("quant_type,nested", [("nf4", True), ("nf4", False), ("fp4", True)])
+def test_quantizing_a_chunk_at_a_time_gives_bitsandbytes_whole_tensor_result(quant_type, nested, monkeypatch):
+    import bitsandbytes.functional as F
+
+    from aqpipe.pipeline import quantized_base
+
+    monkeypatch.setattr(quantized_base, "CHUNK", 64 * 40)  # several chunks, the last a partial one
+    torch.manual_seed(0)
+    w = (torch.randn(96, 80) * 0.02).to(torch.bfloat16)
+    packed, state = quantized_base.quantize(w, quant_type, nested)
+    want, whole = F.quantize_4bit(w, quant_type=quant_type, compress_statistics=nested)
+    assert torch.equal(packed, want) and torch.equal(state.absmax, whole.absmax)
+    assert torch.equal(F.dequantize_4bit(packed, state), F.dequantize_4bit(want, whole))
+    if nested:
+        assert torch.equal(state.offset, whole.offset) and torch.equal(state.state2.absmax, whole.state2.absmax)
