@@ -63,6 +63,10 @@ def swap_in(stage: nn.Module, origin: dict[str, str], keep: Callable[[str], bool
         four_bit = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                      compute_dtype=four.compute_dtype, compress_statistics=four.nested,
                                      quant_type=four.quant_type, device="meta")
+        # bitsandbytes 0.50 repacks a weight in place for its CPU inference kernel the first time it runs in eval
+        # mode on an AVX512-BF16 CPU, and never back: the training after an evaluation then gets no gradient
+        # through any 4-bit layer (the adapters stop learning at the first eval). The packing is for inference.
+        four_bit.support_avx512bf16_for_cpu = False
         if module.bias is not None:
             four_bit.bias = module.bias
         parent, _, leaf = path.rpartition(".")

@@ -105,3 +105,20 @@ def test_quantizing_a_chunk_at_a_time_gives_bitsandbytes_whole_tensor_result(qua
     assert torch.equal(F.dequantize_4bit(packed, state), F.dequantize_4bit(want, whole))
     if nested:
         assert torch.equal(state.offset, whole.offset) and torch.equal(state.state2.absmax, whole.state2.absmax)
+
+
+def test_gradients_still_flow_through_the_4_bit_layers_after_an_evaluation(llama):
+    """bitsandbytes repacks a 4-bit weight for its CPU inference kernel the first time it runs in eval mode (on an
+    AVX512-BF16 CPU) and never back; the training after an eval then had no gradient (the adapters froze)."""
+    stage, _ = _stage(llama, 0)
+    config = lora_config(LlamaForCausalLM, llama[1], LoraSettings(rank=4, load_in_4bit=True), False, 2, "parameters")
+    add_lora(stage, config, seed=0, dtype=torch.float32)
+    batch = {"input_ids": torch.randint(0, llama[1].vocab_size, (2, 16))}
+    stage.eval()
+    with torch.no_grad():
+        stage(None, batch)
+    stage.train()
+    stage(None, batch).float().pow(2).mean().backward()
+    grads = [p.grad for n, p in stage.named_parameters() if "lora_A" in n]  # lora_B starts at 0: A's grad is 0 too
+    grads += [p.grad for n, p in stage.named_parameters() if "lora_B" in n]
+    assert all(g is not None for g in grads) and all(float(g.abs().max()) > 0 for g in grads[len(grads) // 2:])
