@@ -54,11 +54,14 @@ def drill(out: Path, steps: int, save_every: int, fault: str, timeout: float) ->
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
         seen: list[str] = []
         events: list[tuple[float, dict[str, Any]]] = []
+        rewrites: list[float] = []
         while True:
             ended = proc.poll() is not None
             lines = _lines(out / "metrics.jsonl")
             kept = next((i for i, (a, b) in enumerate(zip(lines, seen)) if a != b), min(len(lines), len(seen)))
-            events += [(time.time(), json.loads(line)) for line in lines[kept:]]  # a resume's rewrite keeps a prefix
+            if kept < len(seen):  # a resume rewrote the file, keeping the rows up to its checkpoint
+                rewrites.append(time.time())
+            events += [(time.time(), json.loads(line)) for line in lines[kept:]]
             seen = lines
             if ended or time.time() - started > timeout:
                 break
@@ -75,7 +78,8 @@ def drill(out: Path, steps: int, save_every: int, fault: str, timeout: float) ->
     killed = KILLED.search(text)
     if killed:
         rank, step, when = int(killed[1]), int(killed[2]), float(killed[3])
-        after = [(t, r) for t, r in events if t > when and "loss" in r]
+        resumed = next((t for t in rewrites if t > when), None)  # rows written after it are the restarted run's
+        after = [(t, r) for t, r in events if resumed is not None and t >= resumed and "loss" in r]
         result.update(killed_rank=rank, killed_before_step=step)
         if after:
             result["kill_to_first_new_step_s"] = round(after[0][0] - when, 2)
