@@ -20,7 +20,7 @@ def stated_defaults(help_text: str) -> dict[str, str]:
     out = {}
     for entry in re.split(r"\n(?=  -)", help_text):
         flat = " ".join(entry.split())
-        m = re.match(r"--(\w+) [A-Z_]+ .*\(default: ([^()]*)\)$", flat)
+        m = re.match(r"--(\w+) [A-Z_]+(?:, --\w+ [A-Z_]+)* .*\(default: ([^()]*)\)$", flat)  # HF's names beside
         if m:
             out[m.group(1)] = m.group(2)
     return out
