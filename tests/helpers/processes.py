@@ -36,7 +36,7 @@ def free_port() -> int:
 
 # Workers fork from a server that imported these once (3 s a spawn becomes 0.1 s); it was started with the first
 # test's environment, so each worker takes the test's own at its start (_entry; multiprocessing sets the directory)
-PRELOAD = ["torch", "torch.distributed", "pipeline", "data_parallel", "compression", __name__]
+PRELOAD = ["torch", "torch.distributed", "aqpipe.pipeline", "aqpipe.data_parallel", "aqpipe.compression", __name__]
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, environ: dict[str, str]
