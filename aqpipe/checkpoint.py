@@ -16,19 +16,19 @@ another stage count, model or codec config is refused before any process group s
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import checkpoint_copies as copies
+from .atomic_files import atomic_write, fsync_dir, sha256_of
 from .config import NAMED_ALONE, SECTIONS, RunConfig
 from .storage import Storage, broadcast, gather
 from .world import World, barrier
@@ -151,58 +151,15 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     return cfg
 
 
-# ---------------------------------------------------------------------- atomic files
-class _HashingWriter:
-    """A file object that hashes what passes through it (torch.save writes into it)."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic(path: Path, fill: Any) -> str:
-    """Write path through a temporary name (fsync, rename); `fill(f)` writes the bytes. Returns their sha256."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        fill(writer)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return writer.sha.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
+# ---------------------------------------------------------------------- state files
 def write_state(path: Path, state: dict[str, Any]) -> str:
     """torch.save(state) atomically; returns the file's sha256."""
-    return _atomic(path, lambda f: torch.save(state, f))
+    return atomic_write(path, lambda f: torch.save(state, f))
 
 
 def read_state(path: Path, sha256: str | None = None) -> dict[str, Any]:
     """torch.load(weights_only=True), after checking the file against its recorded checksum."""
-    if sha256 is not None and _sha256(path) != sha256:
+    if sha256 is not None and sha256_of(path) != sha256:
         raise ValueError(f"checkpoint file {path} does not match its checksum: it was changed or is incomplete")
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -254,10 +211,10 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
         target = partial / f"{Path(buffer.path).stem}.buf"
         if last:
             buffer.hand_over(target)
-            _fsync_dir(partial)
-            externals[name] = {"file": target.name, "sha256": _sha256(target)}
+            fsync_dir(partial)
+            externals[name] = {"file": target.name, "sha256": sha256_of(target)}
         else:
-            externals[name] = {"file": target.name, "sha256": _atomic(target, buffer.write_rows)}
+            externals[name] = {"file": target.name, "sha256": atomic_write(target, buffer.write_rows)}
     record = {"fingerprint": fingerprint(cfg), "step": step, "engine": state, "progress": progress,
               "rng": rng_state(), "external_buffers": externals}
     name = rank_file(place["stage"], place["replica"])
@@ -276,29 +233,15 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
         raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")
     final = step_dir(root, step)
     if storage.finalizer:
-        _atomic(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        atomic_write(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         if final.exists():
             shutil.rmtree(final)  # a stale copy from an earlier attempt at the same step
         os.replace(partial, final)
-        _fsync_dir(root)
-        _atomic(root / LATEST, lambda f: f.write(f"{final.name}\n".encode()))  # only now is it the one to load
+        fsync_dir(root)
+        atomic_write(root / LATEST, lambda f: f.write(f"{final.name}\n".encode()))  # only now is it the one to load
         _prune(root, keep, final)
     barrier(world)  # every storage's copy in place before any rank goes on
     return final
-
-
-def complete_steps(root: Path, rank: int) -> list[int]:
-    """The steps under `root` whose checkpoint is complete here and holds this rank's file."""
-    steps = []
-    for directory in sorted(root.glob("step_*")):
-        try:
-            manifest = json.loads((directory / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue  # unfinished
-        entry = next((f for f in manifest.get("files", []) if f.get("rank") == rank), None)
-        if entry is not None and (directory / entry["file"]).is_file():
-            steps.append(int(manifest["step"]))
-    return steps
 
 
 def agree(found: Path | None, root: Path, world: "World", storage: "Storage | None" = None) -> Path | None:
@@ -307,8 +250,9 @@ def agree(found: Path | None, root: Path, world: "World", storage: "Storage | No
     (a machine stopped while the others finalized a later one, or came back empty: checkpoint_copies.py gives it
     its files from the machine holding a copy). ValueError, on every rank alike, when some rank resumes and no step
     has every rank's files anywhere."""
-    here = {"name": found.name if found is not None else None, "steps": complete_steps(root, world.rank),
-            "held": copies.held(root)}
+    held = copies.held(root)  # step -> the ranks whose files are all on this rank's storage
+    here = {"name": found.name if found is not None else None,
+            "steps": [step for step, ranks in held.items() if world.rank in ranks], "held": held}
     everyone = gather(here, world)
     verdict: Any = None
     wants: dict[int, int] = {}
@@ -360,7 +304,7 @@ def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
         raise ValueError(f"checkpoint {directory} has no {name} for stage {stage}, replica {replica}")
     record = read_state(directory / name, entry["sha256"])
     for codec_name, ref in record["external_buffers"].items():  # the .pt names the samples; the rows are the copy's
-        if _sha256(directory / ref["file"]) != ref["sha256"]:
+        if sha256_of(directory / ref["file"]) != ref["sha256"]:
             raise ValueError(f"AQ-SGD buffer snapshot {directory / ref['file']} does not match its checksum")
         record["engine"]["codecs"][codec_name]["buffer"]["rows_file"] = str(directory / ref["file"])
     engine.load_state_dict(record["engine"])

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .atomic_files import atomic_write
 from .storage import Storage, broadcast, gather
 from .stream import recv_tensors, send_tensors
 from .world import World, barrier
@@ -48,15 +49,10 @@ def _as_tensors(directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _write(directory: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """Each file whole or not at all (a temporary name renamed); returns the bytes written."""
+    """Each file whole or not at all; returns the bytes written."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, data in tensors.items():
-        tmp = directory / f".{name}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data.numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
+        atomic_write(directory / name, lambda f, data=data: f.write(data.numpy().tobytes()))
     return sum(t.numel() for t in tensors.values())
 
 
@@ -131,5 +127,5 @@ def bring_back(root: Path, step_name: str, wants: dict[int, int], world: World, 
             os.replace(received_manifest, directory / MANIFEST)
         for leftover in directory.glob(f".{MANIFEST}.received*"):
             leftover.unlink()
-        (root / "latest").write_text(f"{step_name}\n")
+        atomic_write(root / "latest", lambda f: f.write(f"{step_name}\n".encode()))  # only now the one to load
     barrier(world)  # every storage's copy finalized before any rank loads it

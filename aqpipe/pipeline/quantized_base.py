@@ -13,6 +13,7 @@ export, a merge); a checkpoint holds none of them (the base is re-read on resume
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,25 +32,26 @@ class FourBit:
     compute_dtype: torch.dtype = torch.bfloat16
 
 
-def _bnb():
+@functools.cache
+def _optional_bnb():
+    """bitsandbytes, or None where it is not installed (looked for once: every parameter of every stage asks)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'aqpipe[qlora]'") from None
+        return None
+    return bnb
+
+
+def _bnb():
+    bnb = _optional_bnb()
+    if bnb is None:
+        raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'aqpipe[qlora]'")
     return bnb
 
 
 def is_four_bit(module: nn.Module) -> bool:
     bnb = _optional_bnb()
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
-
-
-def _optional_bnb():
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return None
-    return bnb
 
 
 def swap_in(stage: nn.Module, origin: dict[str, str], keep: Callable[[str], bool], four: FourBit) -> list[str]:
@@ -118,25 +120,21 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model.state_dict()` with each 4-bit weight dequantized (in its compute dtype) and its quantization
     statistics left out: the tensors an HF checkpoint holds."""
     state = dict(model.state_dict())
-    bnb = _optional_bnb()
-    if bnb is None:
-        return state
     for path, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear4bit):
+        if is_four_bit(module):
             key = f"{path}.weight" if path else "weight"
             for extra in [k for k in state if k.startswith(key + ".")]:
                 del state[extra]
             w = module.weight
-            state[key] = bnb.functional.dequantize_4bit(w.data, w.quant_state).to(module.compute_dtype)
+            state[key] = _bnb().functional.dequantize_4bit(w.data, w.quant_state).to(module.compute_dtype)
     return state
 
 
 def four_bit_bytes(model: nn.Module) -> int:
     """What the 4-bit weights hold, statistics included."""
-    bnb = _optional_bnb()
     total = 0
     for module in model.modules():
-        if bnb is not None and isinstance(module, bnb.nn.Linear4bit):
+        if is_four_bit(module):
             total += module.weight.numel() * module.weight.element_size()
             qs = module.weight.quant_state
             for t in (qs.absmax, getattr(qs, "code", None), *((qs.state2.absmax, qs.state2.code) if qs.nested else ())):
