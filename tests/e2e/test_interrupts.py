@@ -18,9 +18,8 @@ QUICK = ["--seq_len", "32", "--max_train_samples", "64", "--max_eval_samples", "
          "--num_micro_batches", "2", "--epochs", "50", "--save_every", "2"]
 LAUNCHERS = {
     "python": lambda port: [sys.executable, "-m", "aqpipe", "gpt2"],
-    "torchrun": lambda port: ["torchrun", "--nproc_per_node", "2", "--master_port", str(port), "-m", "aqpipe",
-                              "gpt2"],
-    # restarts allowed: Ctrl-C still ends the run, never a restart loop (the lines below appear once a rank)
+    # torchrun with restarts allowed (what a plain torchrun launch does, and more): Ctrl-C still ends the run, never a
+    # restart loop (the lines below appear once a rank)
     "torchrun_restarts": lambda port: ["torchrun", "--nproc_per_node", "2", "--max_restarts", "2", "--master_port",
                                        str(port), "-m", "aqpipe", "gpt2"],
     "deepspeed": lambda port: ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "aqpipe",

@@ -2,7 +2,8 @@
 (`--output_dir out`, relative) and, where namespaces can be built, a network namespace of its own on a shaped link:
 each holds only its own rank's checkpoint files, a machine killed mid-run leaves the two with different latest
 checkpoints, the resume takes the newest both hold, and the merged model arrives complete on node 0, streamed from
-node 1. The losses and the model are those of the run on one machine."""
+node 1. The losses and the model are those of the run on one machine. With a copy of each machine's files on the
+other, a machine that comes back empty gets its files from its peer; with none, it is refused in one line."""
 import json
 import re
 import subprocess
@@ -94,6 +95,18 @@ def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_o
     for key, value in ref.items():
         assert torch.allclose(merged[key], value, rtol=1e-6, atol=0), key
 
+    # with no copy anywhere, a machine that lost its files is refused in one line on each machine
+    held = sorted(int(p.parent.name.split("_")[1]) for p in nodes[0].glob("out/checkpoints/step_*/stage0_replica0.pt"))
+    assert held and not list(nodes[0].glob("out/checkpoints/step_*/stage1_replica0.pt"))
+    for path in sorted((nodes[1] / "out").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--no_copy_checkpoints", "--resume", "auto")
+    assert rc0 != 0 and rc1 != 0, err0[-2000:] + err1[-2000:]  # torchrun's status for a worker's 2 is 1
+    for err in (err0, err1):  # naming what each rank holds
+        said = [line for line in err.splitlines() if "a machine that lost its files has no copy" in line]
+        assert len(said) == 1 and f"steps by rank: [{held}, []]" in said[0], err[-2000:]
+    assert not re.search(r'File "[^"]*/aqpipe/', err0 + err1), err0[-2000:]  # no rank's traceback
+
 
 def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holding_a_copy(tmp_path, network,
                                                                                            reference_run):
@@ -117,17 +130,3 @@ def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holdi
         for key in ("loss", "eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a, b)
-
-
-def test_with_no_copy_anywhere_a_machine_that_lost_its_files_is_refused_in_one_line(tmp_path, network):
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    two_machines(nodes, network, "--no_copy_checkpoints", "--max_steps", "4")
-    assert not (nodes[0] / "out" / "checkpoints" / "step_00000004" / "stage1_replica0.pt").exists()
-    for path in sorted((nodes[1] / "out").rglob("*"), reverse=True):
-        path.unlink() if path.is_file() else path.rmdir()
-    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--no_copy_checkpoints", "--resume", "auto")
-    assert rc0 != 0 and rc1 != 0, err0[-2000:] + err1[-2000:]  # torchrun's status for a worker's 2 is 1
-    for err in (err0, err1):  # one line on each machine, naming what each rank holds
-        said = [line for line in err.splitlines() if "a machine that lost its files has no copy" in line]
-        assert len(said) == 1 and "steps by rank: [[2, 4], []]" in said[0], err[-2000:]
-    assert not re.search(r'File "[^"]*/aqpipe/', err0 + err1), err0[-2000:]  # no rank's traceback

@@ -1,12 +1,15 @@
 """QLoRA through the pipeline: `--load_in_4bit --lora_rank` on a tied bf16 Llama, 2 stages under torchrun with AQ-SGD
-on the boundary; a worker killed mid-run resumes (the 4-bit base re-read, not checkpointed) to the uninterrupted
-run's losses; the adapter loads on the bf16 base with PEFT, and the merged model is the dequantized base plus the
-adapters, in bf16, with --merge (without it, a 4-bit base exports the adapter alone)."""
+on the boundary; a worker SIGKILLed mid-run under torchrun's own restarts (`--max_restarts`) rejoins under fresh
+keys of its store, resumes from the newest checkpoint every rank holds (`--resume auto`; the 4-bit base re-read, not
+checkpointed) and finishes with the uninterrupted run's losses and adapter, each step logged once; the adapter loads
+on the bf16 base with PEFT, and the merged model is the dequantized base plus the adapters, in bf16, with --merge
+(without it, a 4-bit base exports the adapter alone)."""
 import json
 import subprocess
 
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.files import stored_dtypes, tiny_llama_dir
@@ -24,18 +27,23 @@ def _run(model, out, *flags, fault=""):
     proc = subprocess.run(cmd, cwd=out.parent, env=checkout_env(AQPIPE_FAULT=fault), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stderr
 
 
 def test_a_4_bit_base_trains_adapters_resumes_exactly_and_exports_adapter_and_merged_bf16_model(tmp_path):
     model = tiny_llama_dir(tmp_path / "llama")
-    whole = _run(model, tmp_path / "whole", "--merge")
-    resumed = _run(model, tmp_path / "resumed", fault="kill:1:4")  # dies before step 4: resumes from step 2
+    whole, _ = _run(model, tmp_path / "whole", "--merge")
+    resumed, err = _run(model, tmp_path / "resumed", fault="kill:1:4")  # dies before step 4: resumes from step 2
+    assert "local_rank: 1" in err and "exitcode: -9" in err  # it did die, and came back
+    assert err.count("data: train 16") == 2, err[-3000:]  # one restart: the fault fires once
     assert (tmp_path / "resumed" / "adapter").is_dir() and not (tmp_path / "resumed" / "model").exists()
-    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4, 4]
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4, 4]  # step 3 redone, logged once
     for a, b in zip(whole, resumed):
-        for key in ("loss", "eval_loss", "fwd_bytes"):
+        for key in ("loss", "eval_loss", "fwd_bytes", "bwd_bytes"):
             assert a.get(key) == b.get(key), (key, a, b)
+    adapters = [load_file(tmp_path / run / "adapter" / "adapter_model.safetensors") for run in ("whole", "resumed")]
+    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(v, adapters[1][k])
+                                                            for k, v in adapters[0].items())
     losses = [r["loss"] for r in whole if "loss" in r]
     assert losses[-1] < losses[0]
     state = torch.load(tmp_path / "whole" / "checkpoints" / "step_00000004" / "stage0_replica0.pt",
