@@ -41,7 +41,7 @@ def finetune(task: str, *, model: str | None = None, dataset: Any = None, config
     `DatasetDict` (its own train and validation splits). Call it on every rank under torchrun or deepspeed, or in
     one process."""
     from . import config_file  # deferred: `import aqpipe` starts without torch
-    from .settings import settle  # deferred: as above
+    from .settings import finalize  # deferred: as above
     from .train import run  # deferred: as above
 
     if task not in TASKS:
@@ -49,5 +49,5 @@ def finetune(task: str, *, model: str | None = None, dataset: Any = None, config
     chosen = TASKS[task]
     named = {"model": model, **({"dataset": dataset} if isinstance(dataset, str) else {})}
     layer = as_layer({**{k: v for k, v in named.items() if v is not None}, **settings_})
-    cfg = settle(chosen.kind, [chosen.defaults, config_file.read(config) if config else {}, layer])
+    cfg = finalize(chosen.kind, [chosen.defaults, config_file.read(config) if config else {}, layer])
     return run(chosen, cfg, f"aqpipe.finetune({task!r})", data=None if isinstance(dataset, str) else dataset)

@@ -104,7 +104,7 @@ def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
     return values, values.pop("_train_batch_size", None)
 
 
-def settle(task: str, layers: list[dict[str, Any]]) -> RunConfig:
+def finalize(task: str, layers: list[dict[str, Any]]) -> RunConfig:
     """Settings layered (later wins; text parsed as its flag parses it), validated for the launcher's world, then
     the checks that read files (preflight); frozen from here on. Raises ValueError naming the first bad value."""
     values, batch = _layered(layers)
@@ -124,7 +124,7 @@ def settle(task: str, layers: list[dict[str, Any]]) -> RunConfig:
 
 def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[str, Any] | None = None,
             prog: str | None = None) -> RunConfig:
-    """The command line: defaults < a --deepspeed_config file < flags, settled.
+    """The command line: defaults < a --deepspeed_config file < flags, finalized.
 
     Exits with status 2 and one line on bad input; `--print_config` prints the settings as a file and exits 0."""
     parser = build_parser(RunConfig, description, prog, shown=build(task, _layered([defaults or {}])[0]))
@@ -138,7 +138,7 @@ def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[
             if speaks():
                 print(json.dumps(config_file.write(cfg), indent=2))
             parser.exit(0)
-        return settle(task, layers)
+        return finalize(task, layers)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     raise AssertionError("unreachable: parser.exit ends the process")

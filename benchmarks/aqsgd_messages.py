@@ -61,7 +61,7 @@ def _settle(pair, device: torch.device) -> None:
         torch.cuda.synchronize(device)
     for codec in pair or ():
         if codec.buffer is not None:
-            codec.settle()
+            codec.end_step()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

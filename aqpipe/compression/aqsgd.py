@@ -83,7 +83,7 @@ class AQSGDCodec:
 
         Returns what the receiver computes with: whole rows as sent, m[ξ] for the others, as `dtype`.
         BufferRangeError, before anything is stored, when a row does not fit the buffer's dtype (deferred checks: the
-        buffer's `settle` reports it instead)."""
+        buffer's `land_writes` reports it instead)."""
         buf, device = self.buffer, moved.device
         whole_ids, delta_ids = ids[whole], ids[delta]
         changed = buf.prepare(delta_ids, moved)
@@ -149,7 +149,7 @@ class AQSGDCodec:
 
     # ------------------------------------------------------------------ a step
     def defer_checks(self) -> None:
-        """As a dense codec's (DenseCodec.defer_checks), and the buffer's writes wait for `settle`."""
+        """As a dense codec's (DenseCodec.defer_checks), and the buffer's writes wait for `end_step`."""
         for codec in (self.delta, *self.whole.codecs()):
             codec.defer_checks()
         self.buffer.defer()
@@ -170,10 +170,10 @@ class AQSGDCodec:
         """Whether the buffer holds no row yet (the same on both sides: their buffers are alike)."""
         return not bool(self.buffer.seen.any())
 
-    def settle(self) -> BufferRangeError | None:
+    def end_step(self) -> BufferRangeError | None:
         """After a step's schedule: the buffer's deferred writes landed; the first row its dtype could not hold (both
         sides find the same), for the caller to report and undo, or None."""
-        return self.buffer.settle()
+        return self.buffer.land_writes()
 
     def take_change(self) -> tuple[float, float]:
         """(sum of ||a - m||^2, sum of ||a||^2) over the changes encoded since the last call: the root of their ratio

@@ -14,7 +14,7 @@ half of float16; at 4 bits about a quarter.
 
 Rows live in host memory (a dataset's worth does not fit a GPU). A pipeline step `defer`s its buffers' writes so
 that no message waits for the GPU: rows read for a GPU travel through pinned memory without a host sync, rows
-written are copied back the same way and are checked at `settle`, once the step's schedule is done (the first row
+written are copied back the same way and are checked at `land_writes`, once the step's schedule is done (the first row
 that overflows the buffer's dtype, as a BufferRangeError to report, not raise); rows from a GPU then land in the
 buffer on a worker thread while the next step computes, and a read of them waits for that.
 """
@@ -96,7 +96,7 @@ def _pinned_like(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
 class Prepared(NamedTuple):
     """What `prepare` makes of rows about to be stored: `stored`, the buffer's own form (what `store` writes);
     `held`, the rows as the buffer will then hold them; `peaks`, each row's largest magnitude (inf where a
-    quantized row's range passes float32), kept by a deferred buffer for `settle`'s range check, else None."""
+    quantized row's range passes float32), kept by a deferred buffer for `land_writes`'s range check, else None."""
 
     stored: torch.Tensor
     held: torch.Tensor
@@ -172,12 +172,13 @@ class SampleBuffer:
         self.used = 0  # slots taken: rows 0..used-1 of the store hold samples
         self.store_rows = RowStore(num_samples if keep is None else int(keep.sum()), row_shape, storage, self.path)
         self._writes: list[_Write] | None = None  # deferred writes (defer); None: each written at once
-        self._overflow: BufferRangeError | None = None  # the first a landed write found since the last settle
-        self._landing: tuple[Future, torch.Tensor] | None = None  # settled rows still landing on the worker, their ids
+        self._overflow: BufferRangeError | None = None  # the first a landed write found since the last land_writes
+        self._landing: tuple[Future, torch.Tensor] | None = None  # rows still landing on the worker, their ids
 
     def defer(self) -> None:
-        """From now on rows are written at `settle` (seen bits at once): for a caller that calls it after each step's
-        schedule and undoes a step whose settle reports an overflow. Nothing then waits for the GPU per message."""
+        """From now on rows are written at `land_writes` (seen bits at once): for a caller that calls it after each
+        step's schedule and undoes a step whose `land_writes` reports an overflow. Nothing then waits for the GPU per
+        message."""
         if self._writes is None:
             self._writes = []
 
@@ -265,7 +266,7 @@ class SampleBuffer:
     def prepare(self, ids: torch.Tensor, rows: torch.Tensor) -> Prepared:
         """`rows` (one per id) made ready to store, on rows' device. At once: BufferRangeError before anything
         changes when a row does not fit (float16 beyond 65504). Deferred: no check here, which would read the
-        device; the rows' peaks go with them to `settle`."""
+        device; the rows' peaks go with them to `land_writes`."""
         deferred = self._writes is not None
         peaks = rows.detach().flatten(1).abs().amax(dim=1).float() if deferred and rows.shape[0] else None
         if self.bits is None:
@@ -303,7 +304,7 @@ class SampleBuffer:
     def store(self, ids: torch.Tensor, prepared: Prepared | torch.Tensor) -> None:
         """Write rows in the buffer's own form (`prepare`'s result; for a float buffer, rows in any dtype) for `ids`,
         which must be kept (`keeps`): at once, or, deferred, a host copy of them (from a GPU: pinned, without
-        waiting for it) kept until `settle`."""
+        waiting for it) kept until `land_writes`."""
         if not ids.numel():
             return
         stored = prepared.stored if isinstance(prepared, Prepared) else prepared
@@ -321,7 +322,7 @@ class SampleBuffer:
             ready.record(torch.cuda.current_stream(device))
         self._writes.append(_Write(ids, slots, stored, peaks, ready))
 
-    def settle(self) -> BufferRangeError | None:
+    def land_writes(self) -> BufferRangeError | None:
         """Check every deferred write (waiting for the GPU's copies once) and land them, in order; the first row that
         overflows the buffer's dtype, or None. An overflowing row lands too (as inf): the caller undoes the step.
         Rows copied from a GPU land on a worker thread, overlapping the next step's compute: a later read of them

@@ -248,7 +248,7 @@ class DenseCodec(_Codec):
         """The payload size `decode` expects: what a receiver allocates before it receives."""
         return self._dense_nbytes(torch.Size(shape), dtype)
 
-    def settle(self) -> None:
+    def end_step(self) -> None:
         """Nothing lands after a step: no buffer."""
 
     def take_change(self) -> tuple[float, float]:

@@ -16,7 +16,7 @@ of a boundary share one `Subspace`.
 
 A refresh takes effect at the first message of a step, when every backward of the step before has been sent and
 received, so one step's forward and backward use one basis on both sides. The receiver learns which of its posted
-messages carries the basis by counting as the sender does (the first message after `settle`, in a refresh step)
+messages carries the basis by counting as the sender does (the first message after `end_step`, in a refresh step)
 and checks it by the payload's size.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Subspace:
         self.steps += 1
         return refresh_step(step)
 
-    def settle(self) -> None:
+    def end_step(self) -> None:
         """The step is over: the next message is the first of a step."""
         self._in_step = False
 
@@ -142,9 +142,9 @@ class _SubspaceCodec(_Codec):
     def config(self) -> dict[str, Any]:
         return {**super().config(), "rank": self.subspace.rank}
 
-    def settle(self) -> None:
+    def end_step(self) -> None:
         """A step ended: the next forward message is the first of a step (a refresh's, if the step clock says)."""
-        self.subspace.settle()
+        self.subspace.end_step()
 
     def take_change(self) -> tuple[float, float]:
         return 0.0, 0.0

@@ -60,7 +60,7 @@ class Stage(Protocol):
     def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepMetrics:
     """What `train_batch` returns, alike on every rank: the step's loss (NaN when skipped), its learning rate
     and gradient norm, the bytes every wire carried over the whole job, and the step's time."""
@@ -170,7 +170,7 @@ class PipelineEngine:
                                                   self.buffer_keep, path)
         ahead, back = (index, index + 1), (index + 1, index)  # activations flow ahead, gradients back
         out_link, in_link = (ahead, back) if side == "send" else (back, ahead)
-        return Boundary(self.wire, peer, forward, backward, *self.factory.fallbacks(),
+        return Boundary(self.wire, peer, forward, backward, *self.factory.fallbacks(), sends_activations=side == "send",
                         outgoing=self.groups.channel(BOUNDARY, *out_link),
                         incoming=self.groups.channel(BOUNDARY, *in_link))
 
@@ -183,9 +183,10 @@ class PipelineEngine:
     def _runtime(self) -> StageRuntime:
         """What this step's actions may touch (step_run.py)."""
         buffered = self.compression.forward == "aqsgd" and (self.prev is not None or self.next is not None)
-        return StageRuntime(self.stage, self.prev, self.next, self.tied, self.wire, self.wire_dtype, self.device,
-                            self.autocast, self.seed, self.groups.replica, self.global_step, self.num_samples,
-                            buffered, timed=self.device.type == "cuda" and self.auto_bits is not None,
+        return StageRuntime(stage=self.stage, prev=self.prev, next=self.next, tied=self.tied, wire=self.wire,
+                            wire_dtype=self.wire_dtype, device=self.device, autocast=self.autocast, seed=self.seed,
+                            replica=self.groups.replica, step=self.global_step, num_samples=self.num_samples,
+                            buffered=buffered, timed=self.device.type == "cuda" and self.auto_bits is not None,
                             per_token=self.per_token)
 
     def codecs(self) -> dict[str, Any]:
@@ -215,9 +216,8 @@ class PipelineEngine:
         except BaseException:  # stopped short (a peer lost, a data-order error, an interrupt): no trace of it stays
             guard.undo()
             raise
-        self.tied.finish()  # the owner's tied gradient is whole from here
-        table = StepTable.exchange(self.groups, Row(guard.findings, self._grad_squares(guard),
-                                                    run.totals(self._sent_change(), link)))
+        table = StepTable.exchange(self.groups, Row(guard.findings, self._grad_squares(guard, run.part.finite_flags),
+                                                    run.totals(link)))
         totals, verdict = table.totals(), table.verdict(self.global_step + 1, self.compression.buffer_dtype)
         decision = self._decide_bits(table, verdict is None, micro_batches) if self.auto_bits is not None else None
         if verdict is not None:
@@ -287,17 +287,15 @@ class PipelineEngine:
                 if boundary is not None}
         return self.auto_bits.decide(table, self.global_step + 1, rows, seq, len(micro_batches), here)
 
-    def _sent_change(self) -> tuple[float, float]:
-        """The AQ-SGD sender's squares of this step's changes and activations (none on the last stage)."""
-        return self.next.forward.take_change() if self.next is not None else (0.0, 0.0)
-
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  bits: dict[str, int] | None, decision: dict[str, Any] | None,
                  skipped: str | None = None) -> StepMetrics:
         loss = float("nan") if skipped is not None else self._loss(t, m)
-        return StepMetrics(self.global_step, epoch, loss, lr, grad_norm, t.fwd_bytes, t.bwd_bytes, t.tie_bytes,
-                           t.dp_bytes, phase, time.perf_counter() - start, skipped, t.bubble(), t.change(), bits,
-                           decision, t.staging(), t.target_tokens or None)
+        return StepMetrics(step=self.global_step, epoch=epoch, loss=loss, lr=lr, grad_norm=grad_norm,
+                           fwd_bytes=t.fwd_bytes, bwd_bytes=t.bwd_bytes, tie_bytes=t.tie_bytes, dp_bytes=t.dp_bytes,
+                           phase=phase, seconds=time.perf_counter() - start, skipped=skipped, bubble=t.bubble(),
+                           fwd_change=t.change(), bits=bits, bits_decision=decision, staging=t.staging(),
+                           target_tokens=t.target_tokens or None)
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -305,12 +303,12 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.stage.zero_grad(set_to_none=True)
 
-    def _grad_squares(self, guard: StepGuard) -> float:
+    def _grad_squares(self, guard: StepGuard, finite_flags: list[torch.Tensor]) -> float:
         """This stage's share of the squared global gradient norm (a tied weight counts once, at its owner); notes
         PARAM_GRAD when a gradient it holds is not finite (a followed tied copy's: found in the rows it sent,
         without a scan of the whole copy, which for GPT2's embedding is vocabulary x width)."""
         squares = self._owned_squares()  # inf or NaN where a gradient is not finite
-        flags = [f.to(torch.float64) for f in self.tied.finite_flags]
+        flags = [f.to(torch.float64) for f in finite_flags]  # what the tied weights sent was finite
         squares, *finite = torch.stack([squares, *flags]).tolist()  # one read for all of them
         if not guard.findings.bad and (not all(finite) or not math.isfinite(squares)):
             guard.findings.bad |= PARAM_GRAD
@@ -348,7 +346,7 @@ class PipelineEngine:
         self.stage.eval()
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         run = StepRun(self._runtime(), micro_batches, "eval", False, None).run(actions)
-        t = StepTable.exchange(self.groups, Row(run.guard.findings, 0.0, run.totals(self._sent_change()))).totals()
+        t = StepTable.exchange(self.groups, Row(run.guard.findings, 0.0, run.totals())).totals()
         loss = self._loss(t, len(micro_batches))
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if t.counted:

@@ -34,7 +34,7 @@ class StepGuard:
 
     def finite(self, x: torch.Tensor, kind: int, mb: int) -> torch.Tensor:
         """Whether x is all finite, as a 0-dim bool on x's device (no host sync inside the schedule); noted with
-        what and where once the step's device values are read (`Findings.settle`)."""
+        what and where once the step's device values are read (`Findings.resolve`)."""
         ok = torch.isfinite(x).all()
         self.findings.check(kind, mb, ok)
         return ok

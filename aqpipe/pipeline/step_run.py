@@ -7,7 +7,9 @@ gloo starts a transfer once its receive is posted, so each message's flight over
 NaN/inf about to be sent goes as zeros (the peer waits for a message of a known size) and is noted on the guard.
 
 Nothing in the schedule reads a device value on the host: losses, accuracy counts and finiteness flags stay on
-the device, so a GPU runs ahead of the Python that queues its work; `settle` reads them all at once at the end.
+the device, so a GPU runs ahead of the Python that queues its work; `read_device_values` reads them all at once at
+the end. What else keeps state across the step (each side of a boundary, the tied weights) takes part through
+participants.py's `begin` and `finish`, in one loop each.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from typing import Any, Callable
 
 import torch
 
-from aqpipe.compression import SampleIds
+from aqpipe.compression import BufferRangeError, SampleIds
 
 from . import schedule as sched
 from . import split_backward
+from .participants import StepParticipant, StepPart, StepStart, combined
 from .seeding import derive_seed
 from .step_guard import StepGuard
 from .step_table import ACTIVATION, BUFFER_RANGE, GRADIENT, LOSS, StepCounters, StepTotals
@@ -29,7 +32,7 @@ from .ties import TiedWeights
 from .transport import Boundary, Wire
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageRuntime:
     """What a step's actions may touch, and nothing else of the engine: the stage, its two boundaries (None at
     the pipeline's ends), the tied weights, the wire and its dtype, and the step's seeds and timing."""
@@ -49,6 +52,10 @@ class StageRuntime:
     buffered: bool  # whether AQ-SGD buffers read the sample ids (training phases, a compressed boundary here)
     timed: bool  # whether compute timers wait for the GPU (auto bits prices compute from them)
     per_token: bool = False  # a causal LM's loss per target token over the step (else the micro-batches' mean)
+
+    def participants(self) -> list[StepParticipant]:
+        """Everything beside the stage that keeps state across a step, in the order it begins and finishes."""
+        return [p for p in (self.prev, self.next, self.tied) if p is not None]
 
 
 LOSS_AVERAGES = ("tokens", "micro_batches")  # per_token True / False
@@ -76,7 +83,7 @@ class StepRun:
         self.outputs: dict[int, Any] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.weights: dict[int, split_backward.WeightGradients | None] = {}  # zb1's weight gradients still to run
-        self.losses: dict[int, torch.Tensor] = {}  # on the device until `settle`
+        self.losses: dict[int, torch.Tensor] = {}  # on the device until `read_device_values`
         self.correct: torch.Tensor | int = 0  # likewise
         self.targets: list[torch.Tensor] = []  # likewise: each causal-LM micro-batch's target tokens
         self.counts = target_counts(micro_batches) if runtime.stage.is_last else None
@@ -89,13 +96,16 @@ class StepRun:
         self.ids = [SampleIds(mb.get("sample_id"), runtime.num_samples) if buffered else mb.get("sample_id")
                     for mb in micro_batches]
         self.posted: dict[sched.Action, Any] = {}
+        self.part = StepPart()  # the participants' part of the step's row, once it ran
 
     def run(self, actions: list[sched.Action]) -> "StepRun":
-        e = self.runtime
-        if e.prev is not None:
-            e.prev.forget_order()
+        e, parts = self.runtime, self.runtime.participants()
         self.posted = self._post_receives(actions)
-        self.counters.tie_bytes += e.tied.start(self.micro_batches, self.phase, self.training, self.restores)
+        start = StepStart(micro_batches=self.micro_batches, phase=self.phase, training=self.training,
+                          undo=self.restores)
+        for part in parts:
+            sent = part.begin(start)
+            setattr(self.counters, part.counter, getattr(self.counters, part.counter) + sent)
         began = time.perf_counter()
         for op, mb in actions:
             if op in sched.COMPUTE:
@@ -107,15 +117,14 @@ class StepRun:
             else:
                 getattr(self, op)(mb)
         e.wire.flush()
-        if e.prev is not None:
-            e.prev.check_order()
         self.schedule_seconds = time.perf_counter() - began
+        self.part = combined([part.finish() for part in parts])
         self.staging_seconds = e.wire.staging.take_seconds()
-        self.settle()
-        self.settle_buffers()
+        self.read_device_values()
+        self._note_overflow(self.part.overflow)
         return self
 
-    def settle(self) -> None:
+    def read_device_values(self) -> None:
         """The step's device values (loss sum, accuracy count, finiteness flags) read in one transfer."""
         counts = [self.correct] if self.counted else []
         values = [*self.losses.values(), *counts, *self.targets, *(t for _, _, t, _ in self.guard.findings.pending)]
@@ -130,25 +139,21 @@ class StepRun:
         self.target_tokens, n = int(sum(counts)), n + len(self.targets)
         if len(counts) == len(self.losses):  # float64 products of float32 losses and integer counts: exact
             self.token_loss_sum = sum(loss * count for loss, count in zip(host[:len(counts)], counts))
-        self.guard.findings.settle(host[n:])
+        self.guard.findings.resolve(host[n:])
 
-    def settle_buffers(self) -> None:
-        """The AQ-SGD buffers' writes of the step landed (they waited for no GPU inside the schedule). A row beyond a
-        buffer's dtype is reported by the side that sent it (its peer holds the same row and finds the same)."""
-        e = self.runtime
-        if e.prev is not None:
-            e.prev.forward.settle()
-        found = [e.next.forward.settle() if e.next is not None else None, e.tied.settle()]
-        overflow = next((f for f in found if f is not None), None)
-        if overflow is not None:
-            mb = next((i for i, ids in enumerate(self.ids) if ids is not None and overflow.sample_id in
-                       getattr(ids, "tensor", ids)), 0)
-            self.guard.note(BUFFER_RANGE, mb)
-            self.guard.findings.overflow = self.guard.findings.overflow or overflow
+    def _note_overflow(self, overflow: BufferRangeError | None) -> None:
+        """A row beyond an AQ-SGD buffer's dtype (its writes landed after the schedule, waiting for no GPU inside it)
+        is reported by the side that sent it (its peer holds the same row and finds the same)."""
+        if overflow is None:
+            return
+        mb = next((i for i, ids in enumerate(self.ids) if ids is not None and overflow.sample_id in
+                   getattr(ids, "tensor", ids)), 0)
+        self.guard.note(BUFFER_RANGE, mb)
+        self.guard.findings.overflow = self.guard.findings.overflow or overflow
 
-    def totals(self, change: tuple[float, float] = (0.0, 0.0), link: tuple[float, float, float] = (0.0, 0.0, 0.0)
-               ) -> StepTotals:
-        """This rank's share of the step's totals (`change`: its AQ-SGD sender's squares; `link`: its probe)."""
+    def totals(self, link: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> StepTotals:
+        """This rank's share of the step's totals (`link`: its probe of the links)."""
+        change = self.part.change  # its AQ-SGD sender's squares
         return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, token_loss_sum=self.token_loss_sum,
                           target_tokens=self.target_tokens,
                           correct=int(self.correct),

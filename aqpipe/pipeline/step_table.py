@@ -24,7 +24,7 @@ KINDS = {LOSS: "loss", ACTIVATION: "activation to send", GRADIENT: "boundary gra
          PARAM_GRAD: "parameter gradients"}  # BUFFER_RANGE has a line of its own (Verdict)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepCounters:
     """Bytes this rank sent in one step, by wire."""
 
@@ -34,7 +34,7 @@ class StepCounters:
     dp_bytes: int = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepTotals(StepCounters):
     """One step summed over the whole job, the same on every rank: the last stages' loss and eval counts, each
     rank's bytes, how many ranks saw a non-finite value, and the seconds the ranks spent in the schedule and, of
@@ -83,7 +83,7 @@ class Findings:
     """What a rank found in a step that stops it: non-finite kinds (a bit mask), the first micro-batch where, and
     an activation its AQ-SGD buffer could not hold. A check made inside the schedule stays on the device as a
     pending flag (`check`) or value (`check_value`), read with the step's other device values once the schedule is
-    done (`settle`)."""
+    done (`resolve`)."""
 
     bad: int = 0
     first_mb: int = -1
@@ -103,7 +103,7 @@ class Findings:
         one reduction where a flag would take two)."""
         self.pending.append((kind, mb, value, True))
 
-    def settle(self, read: list[float]) -> None:
+    def resolve(self, read: list[float]) -> None:
         """The pending tensors as read, in the order they were checked. A boundary gradient backwarded from a
         non-finite loss of the same micro-batch is that loss's consequence, not a finding of its own."""
         finite = [math.isfinite(v) if value else bool(v) for (_, _, _, value), v in zip(self.pending, read)]

@@ -31,8 +31,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from aqpipe.compression import BackwardCodec, BufferRangeError, ForwardCodec
+from aqpipe.compression import BackwardCodec, ForwardCodec
 
+from .participants import StepPart, StepStart
 from .step_guard import finite_or_zeros
 from .transport import Boundary, Wire
 
@@ -129,9 +130,9 @@ def _header(rows: torch.Tensor) -> torch.Tensor:
 
 
 class TiedWeights:
-    """This stage's side of every tie it holds: `start` before the schedule, `before_forward` and
-    `after_backward` with each micro-batch, `finish` after it. Calls that send return their bytes;
-    `codecs` exposes the stateful codecs for checkpoints."""
+    """This stage's side of every tie it holds, a step participant (participants.py): `begin` before the schedule,
+    `before_forward` and `after_backward` with each micro-batch, `finish` after it. Calls that send return their
+    bytes; `codecs` exposes the stateful codecs for checkpoints."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], ties: Mapping[str, Tie], stage: int, wire: Wire,
                  rank_of: Callable[[int], int], *, channel: Callable[[int, int], object | None] = lambda a, b: None,
@@ -151,8 +152,8 @@ class TiedWeights:
                 peer = follower if stage == tie.owner else tie.owner
                 link = codecs(key, follower, tuple(as_matrix(param).shape), param.dtype) if codecs is not None else \
                     (ForwardCodec("none"), BackwardCodec("none"))
-                boundary = Boundary(wire, rank_of(peer), *link,
-                                    ForwardCodec("none"), BackwardCodec("none"), tag=TIE_TAG, send_ids=False,
+                boundary = Boundary(wire, rank_of(peer), *link, ForwardCodec("none"), BackwardCodec("none"),
+                                    sends_activations=stage == tie.owner, tag=TIE_TAG, send_ids=False,
                                     outgoing=channel(stage, peer), incoming=channel(peer, stage))
                 self.links.append(_Link(key, tie, param, follower, stage == tie.owner, boundary))
 
@@ -164,11 +165,14 @@ class TiedWeights:
             out[f"{name}.values"], out[f"{name}.grads"] = link.boundary.forward, link.boundary.backward
         return out
 
-    def start(self, micro_batches: Sequence[dict[str, Any]], phase: str, training: bool,
-              undo: list[Callable[[], None]] | None = None) -> int:
+    # ------------------------------------------------------------------ a step participant (participants.py)
+    counter = "tie_bytes"  # what `begin` sends
+
+    def begin(self, start: StepStart) -> int:
         """Before the schedule. Owner: send each follower a header and, per micro-batch, the rows first read there,
         and post the receives of the follower's gradients. Follower: check the header, post the rows' receives.
-        `undo` (a step that may be rejected) collects how to put back what this changes. Returns bytes sent."""
+        `start.undo` (a step that may be rejected) collects how to put back what this changes. Returns bytes sent."""
+        micro_batches, phase, training, undo = start.micro_batches, start.phase, start.training, start.undo
         sent, self.finite_flags = 0, []
         for link in self.links:
             link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
@@ -242,10 +246,11 @@ class TiedWeights:
             self.finite_flags += [torch.isfinite(v) for v in link.boundary.take_checks()]  # its encoding's too
         return sent
 
-    def finish(self) -> None:
+    def finish(self) -> StepPart:
         """After the schedule. Owner: wait for every follower's gradient and add it to its own (a step the engine
-        rejects clears every gradient). Follower: drop its gradient (the owner steps the weight; what the rows it
-        sent held is in `finite_flags`)."""
+        rejects clears every gradient); its gradient is whole from here. Follower: drop its gradient (the owner steps
+        the weight; what the rows it sent held is in the flags). Then every link's codecs end the step (AQ-SGD rows
+        land, a subspace gradient codec's step clock): the first overflow of rows this stage sent (an owner's)."""
         for link in self.links:
             if link.owner:
                 for rows, posted in zip(link.step.last, link.incoming):
@@ -254,14 +259,8 @@ class TiedWeights:
             else:
                 link.param.grad = None
             link.incoming = []
-
-    def settle(self) -> BufferRangeError | None:
-        """After the schedule: every link's AQ-SGD row buffers' writes landed; the first overflow of rows this stage
-        sent (its owner's), or None."""
-        found = [link.boundary.forward.settle() for link in self.links]
-        for link in self.links:  # a subspace gradient codec's step clock
-            link.boundary.backward.settle()
-        return next((f for f, link in zip(found, self.links) if f is not None and link.owner), None)
+        found = [link.boundary.land() for link in self.links]
+        return StepPart(overflow=next((f for f in found if f is not None), None), finite_flags=self.finite_flags)
 
 
 def _digest(matrix: torch.Tensor) -> torch.Tensor:

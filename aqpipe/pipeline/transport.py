@@ -30,9 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aqpipe.compression import BackwardCodec, ForwardCodec, Message, SampleIds, entropy
+from aqpipe.compression import BackwardCodec, BufferRangeError, ForwardCodec, Message, SampleIds, entropy
 from aqpipe.compression.buffers import to_device
 from aqpipe.compression.staging import HostStaging
+
+from .participants import StepPart, StepStart
 
 PROBE_REPEATS = 2  # round trips per size in a link probe; the faster counts
 
@@ -125,13 +127,16 @@ class Boundary:
     """
 
     def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,
-                 fallback_forward: ForwardCodec, fallback_backward: BackwardCodec, *, tag: int = 0,
-                 send_ids: bool = True, outgoing: object | None = None, incoming: object | None = None) -> None:
-        """`tag` keeps this boundary's messages apart from others between the same two ranks (gloo), `outgoing` and
-        `incoming` are the groups that carry its messages each way (pipeline.topology.channels: what keeps NCCL,
+                 fallback_forward: ForwardCodec, fallback_backward: BackwardCodec, *, sends_activations: bool,
+                 tag: int = 0, send_ids: bool = True, outgoing: object | None = None,
+                 incoming: object | None = None) -> None:
+        """`sends_activations`: this side encodes the forward messages (it reports what they found, its peer finds the
+        same); `tag` keeps this boundary's messages apart from others between the same two ranks (gloo), `outgoing`
+        and `incoming` are the groups that carry its messages each way (pipeline.topology.channels: what keeps NCCL,
         which ignores tags, from matching them with others); `send_ids=False` leaves the ids off the wire where both
         sides derive them from data already checked elsewhere."""
         self.wire, self.peer, self.tag, self.send_ids = wire, peer, tag, send_ids
+        self.sends_activations = sends_activations
         self.outgoing, self.incoming = outgoing, incoming
         self.forward, self.backward = forward, backward
         # full precision during warm-up epochs (aqsgd uses refresh instead, which also fills its buffer)
@@ -184,9 +189,27 @@ class Boundary:
         codec, kw = self._forward_codec(posted.phase)
         return codec.decode(Message(buf[:nbytes], posted.shape, posted.dtype), ids, **kw)
 
-    def forget_order(self) -> None:
+    # ------------------------------------------------------------------ a step participant (participants.py)
+    counter = "fwd_bytes"  # what `begin` sends would count as (it sends nothing)
+
+    def begin(self, start: StepStart) -> int:
         """Drop the ids kept for `check_order` (a step that stopped short is not checked by the next)."""
         self._arrived = []
+        return 0
+
+    def finish(self) -> StepPart:
+        """The arrived ids checked, the codecs' step ended; the sender's AQ-SGD changes and overflow."""
+        self.check_order()
+        overflow = self.land()
+        change = self.forward.take_change() if self.sends_activations else (0.0, 0.0)
+        return StepPart(overflow=overflow, change=change)
+
+    def land(self) -> BufferRangeError | None:
+        """The codecs' step ended (AQ-SGD rows landed, a subspace's step clock): the first row of the sender's that
+        its buffer cannot hold, or None (the receiver finds the same row; the sender reports it)."""
+        overflow = self.forward.end_step()
+        self.backward.end_step()
+        return overflow if self.sends_activations else None
 
     def check_order(self) -> None:
         """After a step's schedule: the sample ids that came with its activations, read in one transfer (on a GPU,

@@ -8,33 +8,34 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from aqpipe.settings import settle
+from aqpipe.settings import finalize
 from aqpipe.train import build_optimizer
 from tests.helpers.processes import ROOT, checkout_env
 
 
-def settled(*layers):
-    return settle("causal_lm", [{}, *layers])
+def finalized(*layers):
+    return finalize("causal_lm", [{}, *layers])
 
 
 def test_flags_edit_the_blocks_a_config_file_set():
     file = {"optimizer": {"type": "SGD", "params": {"momentum": 0.9, "weight_decay": 0.0}}}
-    cfg = settled(file, {"weight_decay": 0.1})
+    cfg = finalized(file, {"weight_decay": 0.1})
     assert cfg.optimization.optimizer == {"type": "SGD", "params": {"momentum": 0.9, "weight_decay": 0.1}}
-    cfg = settled(file, {"optim": "adamw", "adam_beta2": 0.95, "adam_epsilon": 1e-6})
+    cfg = finalized(file, {"optim": "adamw", "adam_beta2": 0.95, "adam_epsilon": 1e-6})
     opt = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6 and group["weight_decay"] == 0.0
-    cfg = settled({"lr_scheduler_type": "cosine", "warmup_ratio": 0.25})
+    cfg = finalized({"lr_scheduler_type": "cosine", "warmup_ratio": 0.25})
     assert cfg.optimization.scheduler == {"type": "cosine", "params": {"warmup_steps": 0, "warmup_ratio": 0.25}}
-    assert settled({"warmup_steps": 5}).optimization.scheduler == {"type": "linear", "params": {"warmup_steps": 5,
+    assert finalized({"warmup_steps": 5}).optimization.scheduler == {"type": "linear", "params": {"warmup_steps": 5,
                                                                                    "warmup_ratio": 0.0}}
     file = {"scheduler": {"type": "cosine", "params": {"warmup_steps": 7, "warmup_ratio": 0.0}}}
-    assert settled(file, {"lr_scheduler_type": "linear"}).optimization.scheduler["params"]["warmup_steps"] == 7  # kept
-    assert settled(file, {"warmup_ratio": 0.1}).optimization.scheduler["params"] == {"warmup_steps": 0,
+    kept = finalized(file, {"lr_scheduler_type": "linear"}).optimization.scheduler["params"]
+    assert kept["warmup_steps"] == 7
+    assert finalized(file, {"warmup_ratio": 0.1}).optimization.scheduler["params"] == {"warmup_steps": 0,
                                                                                       "warmup_ratio": 0.1}
-    cfg = settled({"adam_beta1": "0.8", "weight_decay": "0.2"})  # an API call's text, parsed as the flag's
+    cfg = finalized({"adam_beta1": "0.8", "weight_decay": "0.2"})  # an API call's text, parsed as the flag's
     params = cfg.optimization.optimizer["params"]
     assert params["betas"] == [0.8, 0.999] and params["weight_decay"] == 0.2
 
@@ -52,7 +53,7 @@ def test_flags_edit_the_blocks_a_config_file_set():
 ])
 def test_a_bad_knob_is_one_line_naming_the_flag(layer, said):
     with pytest.raises(ValueError) as err:
-        settled(layer)
+        finalized(layer)
     assert str(err.value).startswith(said)
 
 

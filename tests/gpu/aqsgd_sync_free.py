@@ -51,7 +51,7 @@ def check(buffer_bits: int | None) -> int:
 
         sent, got, checks = _strict(schedule)
         messages += len(sent)
-        assert send.settle() is None and recv.settle() is None
+        assert send.end_step() is None and recv.end_step() is None
         assert all(torch.equal(a, b) for a, b in zip(sent, got)), f"step {step}: the receiver decoded otherwise"
         assert len(checks) >= len(micro_batches) and all(bool(torch.isfinite(c)) for c in checks), checks
         for x, mb, y in zip(xs, ids, got):  # the same codecs on the CPU: a change taken against a row not yet

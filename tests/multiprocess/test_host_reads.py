@@ -65,4 +65,4 @@ def test_host_reads_do_not_grow_with_the_micro_batches(world, compression):
     few, many = (spawn(reads_per_step, world, micro, compression) for micro in (2, 6))
     for rank in range(world):
         assert few[rank] == many[rank], f"rank {rank}: {few[rank]} reads with 2 micro-batches, {many[rank]} with 6"
-        assert sum(few[rank].values()) <= 6, few[rank]  # the settle, the norm's flags, the table, the clip
+        assert sum(few[rank].values()) <= 6, few[rank]  # the device values read, the norm's flags, the table, the clip

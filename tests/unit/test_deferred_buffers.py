@@ -1,6 +1,6 @@
 """AQ-SGD buffers whose writes wait for the step's end (`defer`, as every pipeline boundary sets them, so that no
 message waits for a GPU): the same messages and rows as writes made at once, rows written within a step landing in
-order, and a row beyond a float16 buffer reported at `settle` with the sample and value, then undone."""
+order, and a row beyond a float16 buffer reported at `end_step` with the sample and value, then undone."""
 
 import torch
 
@@ -33,7 +33,7 @@ def _run(deferred: bool, buffer_bits: int | None) -> tuple[list[torch.Tensor], l
             assert torch.equal(decoded[-1], msg.decoded)
         if deferred:  # nothing landed inside the step; the seen bits did (the next message's size needs them)
             assert torch.equal(send.buffer.values, before) and send.buffer.seen[torch.tensor(micro_batches)].all()
-            assert send.settle() is None and recv.settle() is None
+            assert send.end_step() is None and recv.end_step() is None
         assert torch.equal(send.buffer.values, recv.buffer.values)
     return payloads, decoded, send
 
@@ -57,22 +57,22 @@ def test_a_row_written_twice_before_the_step_ends_keeps_the_later_write():
     write([1, 2], 1.0)
     write([2, 3], 2.0)  # a tied row read again in a later micro-batch of the same step
     assert torch.equal(buf.rows(torch.tensor([3]))[0], torch.full((3,), 2.0))  # a read lands what it needs...
-    assert buf.settle() is None
+    assert buf.land_writes() is None
     assert buf.rows(torch.tensor([1, 2, 3]))[:, 0].tolist() == [1.0, 2.0, 2.0]  # ...and everything before it, in
     assert buf.seen.tolist() == [False, True, True, True]  # order
 
 
-def test_a_row_beyond_a_float16_buffer_is_reported_at_settle_and_undone():
+def test_a_row_beyond_a_float16_buffer_is_reported_at_the_end_of_the_step_and_undone():
     send, recv = _pair(True, None)
     first, ids = torch.zeros(2, *SHAPE), torch.tensor([0, 2])
     recv.decode(wire(send.encode(first, ids)), ids)
-    assert send.settle() is None and recv.settle() is None
+    assert send.end_step() is None and recv.end_step() is None
     hot = first.clone()
     hot[1, 0, 0] = 7e4  # finite in float32, inf in float16
     undo = send.undo_point(ids), recv.undo_point(ids)
     before = send.buffer.values.clone()
     recv.decode(wire(send.encode(hot, ids)), ids)  # nothing raised inside the step: it reads nothing back
-    found = [side.settle() for side in (send, recv)]
+    found = [side.end_step() for side in (send, recv)]
     assert all(f is not None and (f.sample_id, f.dtype) == (2, torch.float16) for f in found), found
     assert "sample 2's activation reaches 7e+04" in str(found[0])
     assert torch.isinf(send.buffer.rows(torch.tensor([2]))).any()  # landed as the step left it, for its undo
@@ -81,5 +81,5 @@ def test_a_row_beyond_a_float16_buffer_is_reported_at_settle_and_undone():
     assert torch.equal(send.buffer.values, before) and torch.equal(recv.buffer.values, before)
     undo = send.undo_point(ids)
     send.encode(hot, ids)
-    undo()  # a step stopped inside its schedule (a peer died) is undone before it settles
-    assert send.settle() is None and torch.equal(send.buffer.values, before)  # no overflow of an undone step
+    undo()  # a step stopped inside its schedule (a peer died) is undone before its step ends
+    assert send.end_step() is None and torch.equal(send.buffer.values, before)  # no overflow of an undone step

@@ -47,7 +47,7 @@ def run_steps(sender, receiver, steps, first=0, log=None):
             assert torch.equal(bwd_r.decode(wire(back)), back.decoded)
             log.append((bytes(sent[mb].payload.numpy()), bytes(back.payload.numpy())))
         for codec in (fwd_s, fwd_r):
-            codec.settle()
+            codec.end_step()
     return log
 
 
@@ -68,11 +68,11 @@ def test_below_one_value_per_element_and_near_exact_on_a_low_rank_stream():
     x = torch.randn(4, 16, RANK) @ torch.randn(RANK, 256)  # exactly rank 8, width 256
     message = fwd.encode(x)
     assert float((message.decoded - x).norm() / x.norm()) < 0.02
-    fwd.settle()
+    fwd.end_step()
     fwd.encode(x)  # step 1 also refreshes; step 2 does
-    fwd.settle()
+    fwd.end_step()
     fwd.encode(x)
-    fwd.settle()
+    fwd.end_step()
     plain = fwd.encode(x)  # step 3: coefficients only, 8 bits x 8 a token + a token's scales, 16 bytes
     assert plain.nbytes == 4 * 16 * (RANK + 8)  # 8 values at 8 bits and a token's min and step, float32
     assert plain.nbytes * 8 / x.numel() < 16 / 20  # bits an element: 20x below a bf16 wire
@@ -107,7 +107,7 @@ def test_a_resume_goes_on_as_the_uninterrupted_run():
 
 def test_sides_whose_step_clocks_differ_fail_on_the_first_message_they_disagree_on():
     (fwd_s, _), (fwd_r, _) = side(), side()
-    for step in range(3):  # the receiver misses a settle after step 0: step 1 posts no basis where one comes
+    for step in range(3):  # the receiver misses an end_step after step 0: step 1 posts no basis where one comes
         fwd_r.payload_nbytes(SHAPE, torch.float32)
         message = fwd_s.encode(activations(step, 0))
         if step == 1:
@@ -115,7 +115,7 @@ def test_sides_whose_step_clocks_differ_fail_on_the_first_message_they_disagree_
                 fwd_r.decode(wire(message))
             return
         fwd_r.decode(wire(message))
-        fwd_s.settle()
+        fwd_s.end_step()
 
 
 def test_replicas_draw_their_own_dither_and_a_state_of_another_rank_is_refused():
