@@ -136,8 +136,10 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     theirs.setdefault("compression.tie_rank", 0)  # checkpoints from before the setting: every value of a row
     theirs.setdefault("param_dtype", "float32")
     theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
-    for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None)):
-        theirs.setdefault(key, value)  # checkpoints from before packing: one conversation a sample, cut to fit
+    for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None),
+                       ("assistant_only_loss", True), ("completion_only_loss", True)):
+        theirs.setdefault(key, value)  # checkpoints from before packing: one conversation a sample, cut to fit; from
+        # before the loss settings: on the replies and completions alone
     theirs.setdefault("loss_average", "micro_batches")  # checkpoints from before the setting: a micro-batch's mean
     theirs.setdefault("dropout", mine.get("dropout"))  # checkpoints from before it was fingerprinted: unknown
     for field_name, value in (("rank", 0), ("alpha", None), ("dropout", None), ("target_modules", None),

@@ -80,6 +80,10 @@ class DataSettings:
                                    "(position ids restart with each), instead of one per sample padded to seq_len")
     packing_overflow: str = setting("truncate", "chat data: a conversation longer than seq_len is cut "
                                                 "(truncate; counted in the data line) or refused (error)")
+    assistant_only_loss: bool = setting(True, "chat data: the loss on a conversation's assistant turns alone "
+                                              "(TRL's flag; off: on every token; TRL's default is off)")
+    completion_only_loss: bool = setting(True, "prompt/completion data: the loss on the completion alone (TRL's "
+                                               "flag and default; off: on the prompt too)")
     chat_template: str | None = setting(None, "chat data: the chat template, for a tokenizer without one or instead "
                                               "of its own: chatml, llama3 or a Jinja file; exported with the "
                                               "tokenizer")
@@ -228,8 +232,8 @@ class RunConfig:
     epochs: int = setting(3, "passes over the training samples")
     max_steps: int | None = setting(None, "stop after this many optimizer steps")
     eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
-    report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none or tensorboard "
-                                   "(<output_dir>/tensorboard)")
+    report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none, tensorboard "
+                                   "(<output_dir>/tensorboard), wandb or trackio, or several comma-separated")
     activation_checkpointing: bool = setting(False, "recompute blocks in backward",
                                              ds="pipeline.activation_checkpoint_interval")
     compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)")

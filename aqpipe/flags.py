@@ -40,6 +40,8 @@ HF_NAMES = {
     "dataset_name": "data.dataset",
     "dataset_text_field": "data.text_column",
     "chat_template_path": "data.chat_template",
+    "model_name_or_path": "model",
+    "lora_r": "lora.rank",
 }
 
 # HF's and TRL's flags for things aqpipe does its own way: accepted, and what aqpipe does instead said in one line
@@ -48,6 +50,8 @@ HF_NOTED = {
     "eval_strategy": "aqpipe evaluates every --eval_steps (= --eval_every) steps and at the end",
     "save_strategy": "aqpipe saves every --save_steps (= --save_every) steps and at the end",
     "per_device_eval_batch_size": "aqpipe evaluates in micro-batches of --per_device_train_batch_size",
+    "push_to_hub": "aqpipe writes the model (and a LoRA run's adapter) to --output_dir and pushes nothing",
+    "use_peft": "aqpipe trains LoRA adapters where --lora_r (= --lora_rank) is given (TRL's default rank is 16)",
 }
 
 SECTION_SHORTHANDS = {  # one flag for several settings; a one-sided flag given beside it wins
@@ -68,6 +72,16 @@ def int_or_word(text: str) -> int | str | None:
         if not word.isidentifier():
             raise argparse.ArgumentTypeError(f"{text!r}: expected an integer or auto") from None
         return word
+
+
+def switch(text: str) -> bool:
+    """A switch's value, where one is written after it as HF's parser takes it (`--packing True`)."""
+    word = text.strip().lower()
+    if word in ("true", "yes", "1", "on"):
+        return True
+    if word in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: expected true or false (or the flag alone for true)")
 
 
 def integer(text: str) -> int:
@@ -226,14 +240,14 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
             extra = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}
             p.add_argument(*names, dest=dest, type=parse, help=text, metavar=name.upper(), **extra)
         else:
-            p.add_argument(*names, dest=dest, action="store_const", const=True, help=text)
+            p.add_argument(*names, dest=dest, type=switch, nargs="?", const=True, help=text, metavar="BOOL")
             if f.default is not False:  # on by default, or decided by other settings (None)
                 p.add_argument(f"--no_{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
     for name, (text, _) in SECTION_SHORTHANDS.items():
         p.add_argument(f"--{name}", type=int_or_word, help=text)
     for name, note in HF_NOTED.items():
         p.add_argument(f"--{name}", dest=f"noted.{name}", help=f"HF's and TRL's flag, taken and not used: {note}",
-                       metavar=name.upper())
+                       metavar=name.upper(), nargs="?", const=True)  # a switch of theirs (--push_to_hub) too
     now = trainer_flags.shown(shown.optimization.optimizer, shown.optimization.scheduler) if shown is not None else {}
     for name, (parse, text) in trainer_flags.FLAGS.items():
         text += f" (default: {as_typed(now[name])})" if name in now else ""

@@ -20,6 +20,7 @@ class Progress:
     evals: dict[str, float] = field(default_factory=dict)
     eval_step: int = -1  # the step `evals` were taken at
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WIRES, 0))
+    num_tokens: int = 0  # a causal LM's input tokens trained on (TRL's num_tokens)
 
     def done_in(self, epoch: int) -> int:
         """Steps of `epoch` already taken (a resumed run continues after them)."""
@@ -30,16 +31,18 @@ class Progress:
         self.step, self.epoch, self.index, self.elapsed = self.step + 1, epoch, index, elapsed
         for key in self.totals:
             self.totals[key] += getattr(metrics, key)
+        self.num_tokens += getattr(metrics, "input_tokens", None) or 0
         if metrics.skipped is None:
             self.losses.append(metrics.loss)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "step": self.step, "losses": self.losses[-10:],
                 "evals": dict(self.evals), "eval_step": self.eval_step, "totals": dict(self.totals),
-                "elapsed": self.elapsed}
+                "elapsed": self.elapsed, "num_tokens": self.num_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.index, self.step = int(state["epoch"]), int(state["index"]), int(state["step"])
         self.elapsed, self.losses = float(state["elapsed"]), list(state["losses"])
         self.evals, self.totals = dict(state["evals"]), dict(state["totals"])
         self.eval_step = int(state.get("eval_step", -1))  # checkpoints from before it: an evaluation is taken again
+        self.num_tokens = int(state.get("num_tokens", 0))  # from before it: counted from the resume on

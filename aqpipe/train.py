@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe import data_parallel
-from aqpipe.pipeline import Grid, PipelineEngine, EngineSettings, build_groups, owned_parameters
+from aqpipe.pipeline import Grid, PipelineEngine, EngineSettings, StepMetrics, build_groups, owned_parameters
 from aqpipe.pipeline.lora import add_lora, lora_config
 from aqpipe.pipeline.quantized_base import FourBit
 
@@ -63,8 +63,9 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
         held_out = (cfg.data.eval_dataset, {"eval_fraction": 1.0}) if cfg.data.eval_dataset else (source, held)
         if task.kind == "causal_lm":
             kw = {"dataset_config": cfg.data.dataset_config, "text_column": cfg.data.text_column,
-                  "packing": cfg.data.packing,
-                  "packing_overflow": cfg.data.packing_overflow}
+                  "packing": cfg.data.packing, "packing_overflow": cfg.data.packing_overflow,
+                  "assistant_only_loss": cfg.data.assistant_only_loss,
+                  "completion_only_loss": cfg.data.completion_only_loss}
             make = datalib.lm_dataset
         else:
             kw = {"seed": cfg.seed, "text_column": cfg.data.text_column, "text_pair_column": cfg.data.text_pair_column,
@@ -75,8 +76,9 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
         limited = datalib.limit(train, cfg.data.max_train_samples or None), \
             datalib.limit(evaluation, cfg.data.max_eval_samples or None)  # 0: all
         if world.rank == 0:
-            print(data_line(cfg, len(train), len(evaluation), *map(len, limited), getattr(train, "cut", 0)),
-                  file=sys.stderr)
+            replicas = max(1, world.size // cfg.distributed.pipeline_stages)
+            print(data_line(cfg, len(train), len(evaluation), *map(len, limited), getattr(train, "cut", 0),
+                            len(limited[0]) % replicas), file=sys.stderr)
         return (tokenizer, *limited)
 
     if world.local_rank != 0:
@@ -87,8 +89,11 @@ def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -
     return result
 
 
-def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept_eval: int, cut: int = 0) -> str:
-    """The split a run trains and evaluates on, any cap that cut it, and chat rows cut to seq_len, in one line."""
+def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept_eval: int, cut: int = 0,
+              left_out: int = 0) -> str:
+    """The split a run trains and evaluates on, any cap that cut it, chat rows cut to seq_len, and the samples no
+    replica trains on (`left_out`: replicas hold equal shards, so that every one takes as many steps), in one
+    line. An epoch's last, partial batch is trained on."""
     def part(kept: int, total: int, flag: str) -> str:
         return f"{kept} of {total} samples (--{flag} {kept})" if kept < total else f"{total} samples"
 
@@ -97,8 +102,9 @@ def data_line(cfg: RunConfig, train: int, evaluation: int, kept_train: int, kept
     packed = " (packed)" if cfg.data.packing else ""
     cuts = f"; {cut} rows longer than seq_len={cfg.data.seq_len} cut to fit (--packing_overflow error refuses them)" \
         if cut else ""
+    left = f"; {left_out} training samples left out (replicas train on equal shards)" if left_out else ""
     return (f"data: train {part(kept_train, train, 'max_train_samples')}, eval "
-            f"{part(kept_eval, evaluation, 'max_eval_samples')}{packed} from {held}{cuts}")
+            f"{part(kept_eval, evaluation, 'max_eval_samples')}{packed} from {held}{cuts}{left}")
 
 
 FUSED = ("Adam", "AdamW", "SGD")  # torch's optimizers with a fused CUDA kernel
@@ -153,12 +159,29 @@ def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_step
     return PlannedLR(optimizer, deepspeed_schedule, total_steps, cfg.optimization.lr)
 
 
+def step_record(m: StepMetrics, samples: int, num_tokens: int) -> dict[str, Any]:
+    """A step's metrics.jsonl row: the engine's record and its rates (`samples`: the step's over every replica,
+    fewer in an epoch's kept partial step); for a causal LM, TRL's `num_tokens`, the input tokens so far."""
+    record = {**m.record(), "samples_per_s": samples / m.seconds}
+    if m.target_tokens:  # what the loss fell on: padding and prompts are not trained on
+        record["target_tokens_per_s"] = m.target_tokens / m.seconds
+    if m.input_tokens:
+        record["num_tokens"] = num_tokens
+    return record
+
+
 def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task) -> dict[str, float]:
     results = [engine.eval_batch(mbs) for mbs in batches]
     loss = sum(r["loss"] for r in results) / len(results)
     out = {"eval_loss": loss}
     if task.kind == "causal_lm":
         out["eval_perplexity"] = math.exp(min(loss, 50.0))
+        targets = sum(r.get("target_tokens", 0) for r in results)
+        if targets:  # TRL's, over every token the loss falls on
+            for name in ("mean_token_accuracy", "entropy"):
+                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if "target_tokens" in r) / \
+                    targets
+            out["eval_num_tokens"] = sum(r.get("num_tokens", 0) for r in results)
     else:
         out["eval_accuracy"] = sum(r.get("accuracy", 0.0) for r in results) / len(results)
     return out
@@ -231,7 +254,7 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
         return None
     stage = grid.coords(world.rank)[0]
     counts = datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
-                                  total_steps)
+                                  total_steps, keep_partial=True)
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
     resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None
@@ -340,7 +363,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     spec = model_spec(cfg, task, tokenizer, train_set)
     stages = cfg.distributed.pipeline_stages
     replicas = Grid.for_world(world.size, stages).replicas  # the engine's grid, as build_engine makes it
-    per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas)
+    per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
+                                        keep_partial=True)  # an epoch's last, partial batch is kept, as HF keeps it
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps)
     adapters = None if not cfg.lora.enabled else lora_config(
@@ -370,16 +394,14 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
         batches = datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch=epoch,
-                                        seed=cfg.seed, shard=(engine.groups.replica, replicas))
+                                        seed=cfg.seed, shard=(engine.groups.replica, replicas), keep_partial=True)
         for index, mbs in enumerate(itertools.islice(batches, done, None), start=done):
             if progress.step >= total_steps:
                 break
             injector.before_step(progress.step + 1)
             m = engine.train_batch([to_device(mb) for mb in mbs], epoch)
             progress.add(m, epoch, index + 1, time.perf_counter() - started)
-            record = {**m.record(), "samples_per_s": samples_per_step / m.seconds}
-            if m.target_tokens:  # what the loss fell on: padding and prompts are not trained on
-                record["target_tokens_per_s"] = m.target_tokens / m.seconds
+            record = step_record(m, sum(len(mb["sample_id"]) for mb in mbs) * replicas, progress.num_tokens)
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
                 progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task), progress.step
                 record.update(progress.evals)

@@ -1,5 +1,8 @@
-"""Instruction data: conversations (a `messages` column of role/content turns) rendered with the tokenizer's own
-chat template, or `prompt`/`completion` pairs, with the loss on the assistant's (the completion's) tokens alone.
+"""Instruction data in the layouts TRL and axolotl users bring: conversations (a `messages` column of role/content
+turns, or ShareGPT's `conversations` of from/value), rendered with the tokenizer's own chat template (with a row's
+`tools` where it has them), and prompt/completion pairs (two strings, or two lists of turns). The loss falls where
+TRL's `assistant_only_loss` and `completion_only_loss` put it (`LossOn`): on the assistant's turns, on the
+completion, or on every token.
 
 Real templates (Llama 3, Qwen) mark no generation spans, so the assistant's spans are found by rendering prefixes:
 the conversation up to an assistant turn with the generation prompt ends where that turn's text starts, and the
@@ -31,28 +34,42 @@ if TYPE_CHECKING:
 
 IGNORE = -100  # the label of a token that is not a target (HF's loss ignores it)
 ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool"}  # ShareGPT's `from` -> a chat template's role
+FORMATS = ("messages (a list of {role, content} turns)", "conversations (ShareGPT: a list of {from, value} turns)",
+           "prompt and completion (two strings, or two lists of {role, content} turns)")
+
+
+@dataclass(frozen=True)
+class LossOn:
+    """Which of a row's tokens the loss falls on, as TRL's SFTConfig says it. `assistant_only`: a conversation's
+    assistant turns alone (else every token); `completion_only`: a prompt/completion row's completion alone (else
+    the prompt too). Both on a conversational prompt/completion: the completion's assistant turns."""
+
+    assistant_only: bool = True
+    completion_only: bool = True
 
 
 def is_instruction_table(columns: list[str]) -> bool:
-    """A table of conversations (`messages`) or of prompt/completion pairs."""
-    return "messages" in columns or {"prompt", "completion"} <= set(columns)
+    """A table of conversations (`messages`, ShareGPT's `conversations`) or of prompt/completion pairs."""
+    return "messages" in columns or "conversations" in columns or {"prompt", "completion"} <= set(columns)
 
 
-def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, where: str
-                    ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, where: str,
+                    tools: list[Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns."""
     _check_messages(messages, where)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}: the tokenizer has no chat_template; expected --chat_template (chatml, llama3 or a "
                          "Jinja file), a model whose tokenizer has one (its tokenizer_config.json or "
                          "chat_template.jinja), or prompt/completion columns")
-    text = _render(tokenizer, messages, False)
+    text = _render(tokenizer, messages, False, tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _render(tokenizer, messages[:i], True) if i else ""
-        end = _render(tokenizer, messages[:i + 1], False)
+        start = _render(tokenizer, messages[:i], True, tools) if i else ""
+        end = _render(tokenizer, messages[:i + 1], False, tools)
         if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
             raise ValueError(f"{where}: the chat template renders turn {i} differently alone than within the "
                              "conversation, so its assistant tokens cannot be found; expected a template whose "
@@ -61,10 +78,10 @@ def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokeniz
     return text, spans
 
 
-def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str
-                       ) -> tuple[list[int], list[int]] | None:
+def encode_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str,
+                       loss: LossOn = LossOn()) -> tuple[list[int], list[int]] | None:
     """(input ids, labels) of one row, cut to seq_len; None when no target token is left."""
-    return _cut(tokenize_instruction(row, tokenizer, where), seq_len)
+    return _cut(tokenize_instruction(row, tokenizer, where, loss), seq_len)
 
 
 def _cut(sample: tuple[list[int], list[int]], seq_len: int) -> tuple[list[int], list[int]] | None:
@@ -72,26 +89,79 @@ def _cut(sample: tuple[list[int], list[int]], seq_len: int) -> tuple[list[int], 
     return (ids, labels) if any(v != IGNORE for v in labels[1:]) else None  # position 0 is never predicted
 
 
-def tokenize_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, where: str
-                         ) -> tuple[list[int], list[int]]:
+def tokenize_instruction(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, where: str,
+                         loss: LossOn = LossOn()) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one row, whole."""
-    if row.get("messages") is None and ("messages" in row or "prompt" not in row):  # a table fills a missing key
-        found = sorted(k for k, v in row.items() if v is not None)
-        raise ValueError(f"{where}: no 'messages' (its keys: {', '.join(found) or 'none'}); expected a list of "
-                         "{role, content} turns, or prompt and completion")
-    if "messages" in row:
-        text, spans = assistant_spans(row["messages"], tokenizer, where)
-    else:
-        prompt, completion = row.get("prompt"), row.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise ValueError(f"{where}: prompt={prompt!r}, completion={completion!r}: expected two strings")
-        eos = tokenizer.eos_token or ""
-        text, spans = prompt + completion + eos, [(len(prompt), len(prompt) + len(completion) + len(eos))]
+    text, spans = _text_and_targets(row, tokenizer, where, loss)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
     ids = encoded["input_ids"]
     labels = [token if any(lo <= start < hi for lo, hi in spans) else IGNORE
               for token, (start, _) in zip(ids, encoded["offset_mapping"])]
     return ids, labels
+
+
+def _text_and_targets(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, where: str, loss: LossOn
+                      ) -> tuple[str, list[tuple[int, int]]]:
+    """A row rendered, and the character spans its loss falls on."""
+    tools = _tools(row, where)
+    if row.get("messages") is not None or row.get("conversations") is not None:
+        messages = row["messages"] if row.get("messages") is not None else \
+            sharegpt_messages(row["conversations"], where)
+        text, assistant = assistant_spans(messages, tokenizer, where, tools)
+        return text, assistant if loss.assistant_only else [(0, len(text))]
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if prompt is None or completion is None:  # a table fills a missing key
+        found = sorted(k for k, v in row.items() if v is not None)
+        raise ValueError(f"{where}: fits no format (its keys: {', '.join(found) or 'none'}); expected one of "
+                         f"{'; '.join(FORMATS)}")
+    if isinstance(prompt, list) and isinstance(completion, list):  # conversational: both lists of turns
+        _check_messages(completion, where)
+        text, assistant = assistant_spans([*prompt, *completion], tokenizer, where, tools)
+        asked = _render(tokenizer, prompt, True, tools)
+        if not text.startswith(asked):
+            raise ValueError(f"{where}: the chat template renders the prompt with its generation prompt differently "
+                             "than within the conversation, so the completion cannot be found; expected a template "
+                             "whose render of the prompt begins the whole render")
+        spans = [(len(asked), len(text))] if loss.completion_only else [(0, len(text))]
+        return text, _overlap(spans, assistant) if loss.assistant_only else spans
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise ValueError(f"{where}: prompt={prompt!r}, completion={completion!r}: expected two strings or two lists "
+                         "of {role, content} turns")
+    eos = tokenizer.eos_token or ""
+    text = prompt + completion + eos
+    return text, [(len(prompt) if loss.completion_only else 0, len(text))]
+
+
+def sharegpt_messages(turns: Any, where: str) -> list[dict[str, Any]]:
+    """ShareGPT's turns ({from, value}: human, gpt, system, tool) as a chat template's {role, content}."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: conversations={turns!r}: expected a list of {{from, value}} turns")
+    out = []
+    for turn in turns:
+        source = turn.get("from") if isinstance(turn, dict) else None
+        if source not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise ValueError(f"{where}: turn {turn!r}: expected from one of {', '.join(SHAREGPT_ROLES)} and a string "
+                             "value")
+        out.append({"role": SHAREGPT_ROLES[source], "content": turn["value"]})
+    return out
+
+
+def _tools(row: dict[str, Any], where: str) -> list[Any] | None:
+    """A row's `tools` (JSON schemas, as a list or its JSON text), for templates that render them; None without."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: tools is not JSON ({exc.msg}); expected a list of function schemas") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: tools={tools!r}: expected a list of function schemas")
+    return tools or None
+
+
+def _overlap(spans: list[tuple[int, int]], others: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The character ranges in both lists of spans."""
+    return [(max(a, c), min(b, d)) for a, b in spans for c, d in others if max(a, c) < min(b, d)]
 
 
 def row_namer(where: str) -> Callable[[int], str]:
@@ -120,12 +190,12 @@ class Instructions:
 
 
 def encode_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, seq_len: int, where: str,
-                overflow: str = "truncate") -> Instructions:
+                overflow: str = "truncate", loss: LossOn = LossOn()) -> Instructions:
     """Every row tokenized, cut to seq_len (or refused naming the first that is longer, with overflow="error")."""
     if overflow not in OVERFLOWS:
         raise ValueError(f"packing_overflow={overflow!r}: expected one of {', '.join(OVERFLOWS)}")
     name, samples, cut = row_namer(where), [], 0
-    for i, whole in enumerate(rendered_rows(rows, tokenizer, name)):
+    for i, whole in enumerate(rendered_rows(rows, tokenizer, name, loss)):
         if len(whole[0]) > seq_len:
             if overflow == "error":
                 raise ValueError(f"{name(i)}: {len(whole[0])} tokens, longer than seq_len={seq_len}; expected rows "
@@ -135,30 +205,31 @@ def encode_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, 
         if sample is not None:
             samples.append(sample)
     if not samples:
-        raise ValueError(f"{where}: none of its {len(rows)} rows has an assistant token within seq_len={seq_len}; "
+        raise ValueError(f"{where}: none of its {len(rows)} rows has a target token within seq_len={seq_len}; "
                          "expected assistant turns (or completions) that fit")
     return Instructions(samples, cut)
 
 
-def rendered_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, name: Callable[[int], str]
-                  ) -> Iterator[tuple[list[int], list[int]]]:
+def rendered_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, name: Callable[[int], str],
+                  loss: LossOn = LossOn()) -> Iterator[tuple[list[int], list[int]]]:
     """Each row's (input ids, labels), whole, from the cache where this data was rendered before with the same
     tokenizer and template: rendering every assistant turn's prefixes is the slow part of a chat set's start, and
-    every rank of a machine would repeat it. Keyed by the rows, the tokenizer and the template (whole rows: any
+    every rank of a machine would repeat it. Keyed by the rows, the tokenizer, the template and where the loss
+    falls (whole rows: any
     seq_len reads the same entry); built once per machine (three files written whole, the offsets last),
     memory-mapped after; a tokenizer that cannot be fingerprinted is not cached."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
-        yield from (tokenize_instruction(row, tokenizer, name(i)) for i, row in enumerate(rows))
+        yield from (tokenize_instruction(row, tokenizer, name(i), loss) for i, row in enumerate(rows))
         return
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)
-    key = sha256_hex(b"chat", fingerprint.encode(), (template or "").encode(),
+    key = sha256_hex(b"chat", fingerprint.encode(), (template or "").encode(), repr(loss).encode(),
                      json.dumps(rows, sort_keys=True, default=str).encode())[:32]
     base = cache_root() / "chat" / key
     offsets_path = base.with_suffix(".offsets.npy")
     if not offsets_path.is_file():
-        encoded = [tokenize_instruction(row, tokenizer, name(i)) for i, row in enumerate(rows)]
+        encoded = [tokenize_instruction(row, tokenizer, name(i), loss) for i, row in enumerate(rows)]
         lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
         for suffix, column in ((".ids.bin", 0), (".labels.bin", 1)):
             atomic_write(base.with_suffix(suffix), np.fromiter(
@@ -192,8 +263,9 @@ def padded(samples: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], prompt: bool,
+            tools: list[Any] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=prompt)
 
 
 def _check_messages(messages: Any, where: str) -> None:

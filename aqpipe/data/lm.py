@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-from .chat import encode_rows, is_instruction_table, pad_id, padded
+from .chat import LossOn, encode_rows, is_instruction_table, pad_id, padded
 from .packing import pack
 from .corpus import fetch_shakespeare
 from .datasets import TensorDictDataset, check_seq_len, check_split, describe, split_slice
@@ -23,8 +23,8 @@ from .tokens import token_file
 
 def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_len: int,
                split: str = "train", eval_fraction: float = 0.05, *, text_column: str | None = None,
-               dataset_config: str | None = None, packing: bool = False, packing_overflow: str = "truncate"
-               ) -> Dataset:
+               dataset_config: str | None = None, packing: bool = False, packing_overflow: str = "truncate",
+               assistant_only_loss: bool = True, completion_only_loss: bool = True) -> Dataset:
     """Causal-LM samples: the text tokenized and cut into blocks of exactly `seq_len` tokens.
 
     Sources: None or "shakespeare" (built in), a local .txt, .json/.jsonl, .csv or .parquet file
@@ -35,8 +35,9 @@ def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_l
     Items: input_ids, attention_mask (ones), labels (= input_ids; the model shifts), sample_id, cut from the
     memory-mapped token file as they are asked for (`TokenBlocks`).
 
-    A table of conversations (`messages`) or prompt/completion pairs gives instruction samples instead: one per
-    row, padded, labels -100 but on the assistant's tokens (chat.py); with `packing`, many whole rows a sample
+    A table of conversations (`messages`, ShareGPT's `conversations`) or prompt/completion pairs gives instruction
+    samples instead: one per row, padded, labels -100 but where the loss falls (chat.py: TRL's
+    `assistant_only_loss`, `completion_only_loss`); with `packing`, many whole rows a sample
     (packing.py: position_ids that restart with each row, no attention_mask). A row longer than seq_len is cut (the
     dataset's `cut` counts them) or, with packing_overflow "error", refused.
     """
@@ -44,7 +45,8 @@ def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_l
     check_split(split, eval_fraction)
     text, table, presplit, where = _lm_source(text_path_or_name, split, dataset_config)
     if table is not None and is_instruction_table(table.column_names):
-        rows = encode_rows(table.to_list(), tokenizer, seq_len, where, packing_overflow)
+        rows = encode_rows(table.to_list(), tokenizer, seq_len, where, packing_overflow,
+                           LossOn(assistant_only_loss, completion_only_loss))
         samples = rows.samples if presplit else rows.samples[split_slice(len(rows.samples), split, eval_fraction)]
         if not samples:
             raise ValueError(f"{where}: no sample left for the {split!r} split; expected more rows")
@@ -54,8 +56,9 @@ def lm_dataset(text_path_or_name: Any, tokenizer: PreTrainedTokenizerBase, seq_l
         dataset.cut = rows.cut  # rows of the whole table cut to seq_len (said once, in the run's data line)
         return dataset
     if packing:
-        raise ValueError(f"packing with {where}: expected a table of conversations (messages) or prompt/completion "
-                         "pairs; LM text is already cut into full blocks with no padding to pack away")
+        raise ValueError(f"packing with {where}: expected a table of conversations (messages, conversations) or "
+                         "prompt/completion pairs; LM text is already cut into full blocks with no padding to pack "
+                         "away")
     ids = token_file(text if table is None else column_texts(table, text_column, where), tokenizer)
     count = len(ids) // seq_len
     part = range(count)[split_slice(count, split, eval_fraction)] if not presplit else range(count)

@@ -86,12 +86,16 @@ class StepMetrics:
     staging: float | None = None  # of the schedule's time, the fraction its sends and receives spent copying GPU
     # tensors to and from gloo (a copy to the GPU counted as launched; the replicas' sync is outside the schedule)
     target_tokens: int | None = None  # a causal LM's: the tokens its loss fell on, over every replica
+    mean_token_accuracy: float | None = None  # a causal LM's: of those, the share its argmax predicts (TRL's)
+    input_tokens: int | None = None  # a causal LM's: its micro-batches' input tokens, over every replica (the
+    # trainer sums them into TRL's num_tokens)
 
     def record(self) -> dict[str, Any]:
-        """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm."""
-        drop = (("skipped",) if self.skipped is None else ("loss", "grad_norm")) + \
-            (("staging",) if self.staging is None else ()) + (("target_tokens",) if self.target_tokens is None else ())
-        return {k: v for k, v in vars(self).items() if k not in drop}
+        """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm; what a
+        step does not have (no staging, no causal-LM tokens) is left out."""
+        drop = {"input_tokens", *(("skipped",) if self.skipped is None else ("loss", "grad_norm"))}
+        return {k: v for k, v in vars(self).items() if k not in drop and not (
+            v is None and k in ("staging", "target_tokens", "mean_token_accuracy"))}
 
 
 def followed_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch.nn.Parameter]:
@@ -295,7 +299,8 @@ class PipelineEngine:
                            fwd_bytes=t.fwd_bytes, bwd_bytes=t.bwd_bytes, tie_bytes=t.tie_bytes, dp_bytes=t.dp_bytes,
                            phase=phase, seconds=time.perf_counter() - start, skipped=skipped, bubble=t.bubble(),
                            fwd_change=t.change(), bits=bits, bits_decision=decision, staging=t.staging(),
-                           target_tokens=t.target_tokens or None)
+                           target_tokens=t.target_tokens or None, mean_token_accuracy=t.token_accuracy(),
+                           input_tokens=t.input_tokens or None)
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside
@@ -342,7 +347,9 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_batch(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Forward only at full precision (AQ-SGD buffers untouched); loss and, for classification, accuracy."""
+        """Forward only at full precision (AQ-SGD buffers untouched); loss and, for classification, accuracy; for a
+        causal LM, TRL's token metrics (mean_token_accuracy, entropy: the mean over the tokens the loss falls on,
+        target_tokens of them; num_tokens: input tokens)."""
         self.stage.eval()
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         run = StepRun(self._runtime(), micro_batches, "eval", False, None).run(actions)
@@ -351,6 +358,9 @@ class PipelineEngine:
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if t.counted:
             result["accuracy"] = t.correct / t.counted
+        if t.target_tokens:
+            result.update(mean_token_accuracy=t.token_accuracy(), entropy=t.entropy_sum / t.target_tokens,
+                          target_tokens=t.target_tokens, num_tokens=t.input_tokens)
         return result
 
     # ------------------------------------------------------------------ checkpoints

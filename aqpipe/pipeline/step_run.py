@@ -86,11 +86,13 @@ class StepRun:
         self.losses: dict[int, torch.Tensor] = {}  # on the device until `read_device_values`
         self.correct: torch.Tensor | int = 0  # likewise
         self.targets: list[torch.Tensor] = []  # likewise: each causal-LM micro-batch's target tokens
+        self.token_stats: list[torch.Tensor] = []  # likewise: each one's [targets predicted, entropy sum]
+        self.inputs_counted: list[torch.Tensor] = []  # likewise: each one's input tokens (its attention mask's)
         self.counts = target_counts(micro_batches) if runtime.stage.is_last else None
         # per token: a micro-batch's loss weighs its share of this replica's targets (the engine scales replicas)
         self.replica_tokens = torch.stack(self.counts).sum() if self.counts and runtime.per_token else None
-        self.counted = self.target_tokens = 0
-        self.loss_sum = self.token_loss_sum = 0.0
+        self.counted = self.target_tokens = self.token_correct = self.input_tokens = 0
+        self.loss_sum = self.token_loss_sum = self.entropy_sum = 0.0
         self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
         buffered = phase != "eval" and runtime.buffered  # ids checked once, where AQ-SGD buffers read them
         self.ids = [SampleIds(mb.get("sample_id"), runtime.num_samples) if buffered else mb.get("sample_id")
@@ -125,9 +127,12 @@ class StepRun:
         return self
 
     def read_device_values(self) -> None:
-        """The step's device values (loss sum, accuracy count, finiteness flags) read in one transfer."""
+        """The step's device values (loss sum, accuracy count, token counts and statistics, finiteness flags) read in
+        one transfer."""
         counts = [self.correct] if self.counted else []
-        values = [*self.losses.values(), *counts, *self.targets, *(t for _, _, t, _ in self.guard.findings.pending)]
+        stats = [v for pair in self.token_stats for v in pair.to(torch.float64).unbind()]
+        values = [*self.losses.values(), *counts, *self.targets, *self.inputs_counted, *stats,
+                  *(t for _, _, t, _ in self.guard.findings.pending)]
         if not values:
             return
         host = torch.stack([v.to(torch.float64) for v in values]).tolist()
@@ -139,6 +144,10 @@ class StepRun:
         self.target_tokens, n = int(sum(counts)), n + len(self.targets)
         if len(counts) == len(self.losses):  # float64 products of float32 losses and integer counts: exact
             self.token_loss_sum = sum(loss * count for loss, count in zip(host[:len(counts)], counts))
+        self.input_tokens += int(sum(host[n:n + len(self.inputs_counted)]))
+        n += len(self.inputs_counted)
+        self.token_correct = int(sum(host[n:n + len(stats):2]))
+        self.entropy_sum, n = sum(host[n + 1:n + len(stats):2]), n + len(stats)
         self.guard.findings.resolve(host[n:])
 
     def _note_overflow(self, overflow: BufferRangeError | None) -> None:
@@ -155,7 +164,8 @@ class StepRun:
         """This rank's share of the step's totals (`link`: its probe of the links)."""
         change = self.part.change  # its AQ-SGD sender's squares
         return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, token_loss_sum=self.token_loss_sum,
-                          target_tokens=self.target_tokens,
+                          target_tokens=self.target_tokens, token_correct=self.token_correct,
+                          entropy_sum=self.entropy_sum, input_tokens=self.input_tokens,
                           correct=int(self.correct),
                           counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
                           schedule_seconds=self.schedule_seconds, compute_seconds=self.compute_seconds,
@@ -184,8 +194,17 @@ class StepRun:
             loss = out.loss.float()
             self.losses[mb] = loss.detach()
             self._score(out.logits, self.micro_batches[mb])
-            if self.counts is not None:  # a causal LM's: what its loss falls on
+            if self.counts is not None:  # a causal LM's: what its loss falls on, how much it predicts, its input
                 self.targets.append(self.counts[mb])
+                batch = self.micro_batches[mb]
+                mask = batch.get("attention_mask")
+                if mask is not None:
+                    self.inputs_counted.append(mask.sum())
+                else:  # packed rows: every position is an input token
+                    self.input_tokens += batch["input_ids"].numel()
+                stats = getattr(out, "token_stats", None)  # a stage's output may not count them
+                if stats is not None:
+                    self.token_stats.append(stats.detach())
             self.guard.finite(loss, LOSS, mb)  # a NaN loss backwards NaN gradients: the step is rejected after
             # per token: its token sum over this replica's target count, as loss / (that count / its own), which is
             # loss / micro-batches where they hold equal counts (LM blocks train as with a micro-batch's mean)

@@ -24,3 +24,26 @@ def chat_tokenizer(template=None):
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     tok.chat_template = template
     return tok
+
+CONVERSATION = [
+    {"role": "system", "content": "you are terse"},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "bye"},
+    {"role": "assistant", "content": "see you later"},
+]
+
+
+def chat_llama_dir(path, template=None, positions=64):
+    """A tiny tied Llama saved with `chat_tokenizer(template)` (None: a base model's, no chat template)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = chat_tokenizer(template)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -7,15 +7,8 @@ import torch
 
 from aqpipe import data
 from aqpipe.data.chat import IGNORE, encode_instruction
-from tests.helpers.chat import CHATML, LLAMA3, chat_tokenizer
+from tests.helpers.chat import CHATML, CONVERSATION, LLAMA3, chat_tokenizer
 
-CONVERSATION = [
-    {"role": "system", "content": "you are terse"},
-    {"role": "user", "content": "hi there"},
-    {"role": "assistant", "content": "hello"},
-    {"role": "user", "content": "bye"},
-    {"role": "assistant", "content": "see you later"},
-]
 END_OF_TURN = {LLAMA3: "<|eot_id|>", CHATML: "<|im_end|>"}
 
 
@@ -90,8 +83,9 @@ def test_a_bad_row_is_named_by_its_file_line_and_a_missing_key_by_the_keys_found
     with pytest.raises(ValueError, match=r"chat\.jsonl line 58: turn \{'role': 'robot'"):  # the 57th row, line 58
         data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.05)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5] + [{"conversation": [], "id": 7}]))
-    with pytest.raises(ValueError, match=r"chat\.jsonl line 6: no 'messages' \(its keys: conversation, id\); "
-                                         "expected a list of"):
+    with pytest.raises(ValueError, match=r"chat\.jsonl line 6: fits no format \(its keys: conversation, id\); "
+                                         r"expected one of messages \(.*conversations \(ShareGPT.*prompt and "
+                                         "completion"):
         data.lm_dataset(str(path), tok, 48, split="train", eval_fraction=0.05)
 
 

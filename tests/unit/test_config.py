@@ -577,14 +577,16 @@ def test_a_compression_preset_sets_every_wire_under_what_is_given(tmp_path, monk
 TRL_COMMAND = ["--learning_rate", "2e-4", "--num_train_epochs", "2.0", "--per_device_train_batch_size", "2",
                "--gradient_accumulation_steps", "8", "--max_length", "512", "--max_grad_norm", "0.5",
                "--eval_steps", "10", "--save_steps", "20", "--save_total_limit", "1", "--warmup_ratio", "0.03",
-               "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--seed", "3", "--bf16",
+               "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--seed", "3", "--bf16", "True",
                "--gradient_checkpointing", "--dataset_name", "data.jsonl", "--dataset_text_field", "body",
-               "--chat_template_path", "chatml", "--packing", "--output_dir", "out"]
+               "--chat_template_path", "chatml", "--packing", "--output_dir", "out", "--assistant_only_loss", "False",
+               "--completion_only_loss", "false", "--lora_r", "8", "--lora_alpha", "16"]
 OURS = ["--lr", "2e-4", "--epochs", "2", "--micro_batch_size", "2", "--num_micro_batches", "8", "--seq_len", "512",
         "--gradient_clipping", "0.5", "--eval_every", "10", "--save_every", "20", "--save_total_limit", "1",
         "--warmup_ratio", "0.03", "--lr_scheduler_type", "cosine", "--weight_decay", "0.01", "--seed", "3", "--bf16",
         "--activation_checkpointing", "--dataset", "data.jsonl", "--text_column", "body", "--chat_template",
-        "chatml", "--packing", "--output_dir", "out"]
+        "chatml", "--packing", "--output_dir", "out", "--no_assistant_only_loss", "--no_completion_only_loss",
+        "--lora_rank", "8", "--lora_alpha", "16"]
 
 
 def test_hf_and_trl_names_set_the_very_settings_aqpipes_names_set(monkeypatch, tmp_path, capsys):
@@ -593,6 +595,8 @@ def test_hf_and_trl_names_set_the_very_settings_aqpipes_names_set(monkeypatch, t
     trl, ours = run(TRL_COMMAND, monkeypatch), run(OURS, monkeypatch)
     assert trl == ours
     assert (trl.optimization.lr, trl.epochs, trl.data.seq_len, trl.eval_every) == (2e-4, 2, 512, 10)
+    assert (trl.data.assistant_only_loss, trl.data.completion_only_loss, trl.lora.rank, trl.bf16) == \
+        (False, False, 8, True)
     assert run(["--max_seq_length", "64"], monkeypatch).data.seq_len == 64
     with pytest.raises(SystemExit):  # HF's name for --resume: the checkpoint it names is looked for
         run(["--resume_from_checkpoint", "ckpt"], monkeypatch)
@@ -611,7 +615,34 @@ def test_one_setting_under_two_names_is_refused_in_one_line(twice, monkeypatch, 
 
 
 def test_hf_flags_aqpipe_does_its_own_way_are_said_in_one_line_and_change_nothing(monkeypatch, capsys):
-    cfg = run(["--logging_steps", "10", "--eval_strategy", "steps"], monkeypatch)
+    cfg = run(["--logging_steps", "10", "--eval_strategy", "steps", "--push_to_hub"], monkeypatch)
     assert cfg == run([], monkeypatch)
     err = capsys.readouterr().err
     assert "note: --logging_steps 10: aqpipe writes every step's row" in err and "note: --eval_strategy steps" in err
+    assert "note: --push_to_hub True: aqpipe writes the model" in err
+
+
+@pytest.mark.parametrize("words, value", [(["--packing"], True), (["--packing", "True"], True),
+                                          (["--packing=yes"], True), (["--packing", "false"], False),
+                                          (["--packing", "0"], False), (["--no_assistant_only_loss"], False),
+                                          (["--assistant_only_loss", "True"], True), ([], None)])
+def test_a_switch_takes_hfs_written_value_or_none(words, value, monkeypatch):
+    cfg = run(words, monkeypatch)
+    name = "assistant_only_loss" if "assistant" in "".join(words) else "packing"
+    assert getattr(cfg.data, name) == (value if value is not None else getattr(run([], monkeypatch).data, name))
+
+
+def test_a_switch_given_a_word_it_cannot_read_is_one_line(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run(["--packing", "maybe"], monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'maybe': expected true or false" in err[0], err
+
+
+def test_trls_model_and_lora_rank_names_are_aqpipes_settings():
+    from aqpipe.config import RunConfig
+    from aqpipe.flags import build_parser
+
+    parser = build_parser(RunConfig, "test")
+    args = vars(parser.parse_args(["--model_name_or_path", "some/model", "--lora_r", "16"]))
+    assert args["model"] == "some/model" and args["lora.rank"] == 16

@@ -130,6 +130,30 @@ def test_padding_fills_the_last_batch_from_the_start_of_the_shards_epoch_order()
         assert ids[:12] == dropped and sorted(ids[:16]) == list(range(16)) and ids[16:] == ids[:2]
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_last_partial_batch_of_an_epoch_is_kept_as_hf_keeps_it(replicas):
+    """27 samples in micro-batches of 2, 2 a step (TRL's count: ceil, not floor): every sample of a replica's shard
+    once an epoch, the last step with the micro-batches it fills, the last of them shorter; as many steps on every
+    replica; the run's visit counts are these visits."""
+    ds = toy(27 + replicas - 1)  # 2 replicas: 28 samples, shards of 14
+    shard = data.shard_size(len(ds), replicas)
+    steps = data.steps_per_epoch(ds, 2, 2, replicas, keep_partial=True)
+    assert steps == -(-shard // 4) and steps > data.steps_per_epoch(ds, 2, 2, replicas)
+    for r in range(replicas):
+        batches = list(data.micro_batches(ds, 2, 2, epoch=1, seed=3, shard=(r, replicas), keep_partial=True))
+        assert len(batches) == steps
+        sizes = [[len(mb["sample_id"]) for mb in step] for step in batches]
+        assert sizes[:-1] == [[2, 2]] * (steps - 1) and sum(sizes[-1]) == shard - 4 * (steps - 1)
+        assert sizes[-1] == ([2] * ((shard % 4) // 2) + [1] * (shard % 2))  # the micro-batches it fills
+        seen = sorted(i for step in order(batches) for i in step)
+        assert seen == list(range(shard))  # positions in the shard: each once
+    counts = data.visit_counts(ds, 2, 2, seed=3, shard_count=replicas, total_steps=2 * steps, keep_partial=True)
+    assert counts.tolist() == [2] * shard
+    counts = data.visit_counts(ds, 2, 2, seed=3, shard_count=replicas, total_steps=steps + 1, keep_partial=True)
+    first = order(data.micro_batches(ds, 2, 2, epoch=1, seed=3, shard=(0, replicas), keep_partial=True))[0]
+    assert sorted(np.flatnonzero(counts == 2).tolist()) == sorted(first)  # epoch 1's first step, visited again
+
+
 def test_unshuffled_batches_and_limit_keep_dataset_order(cls_tok):
     assert order(data.micro_batches(toy(12), 2, 3, epoch=5, seed=1, shuffle=False)) == [list(range(6)),
                                                                                       list(range(6, 12))]

@@ -28,7 +28,7 @@ def test_chunked_loss_and_gradients_equal_hfs(cap):
     logits = torch.tanh(logits / cap) * cap if cap else logits
     want = ForCausalLMLoss(logits, labels, vocab_size=V)
     want_grads = torch.autograd.grad(want, [hidden, head.weight])
-    got, got_logits = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)  # 5 positions a chunk
+    got, got_logits, _ = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)  # 5 a chunk
     assert got_logits is None  # chunked: 8 chunks, the last of 2 positions
     grads = torch.autograd.grad(got, [hidden, head.weight])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
@@ -43,16 +43,36 @@ def test_no_logits_are_kept_for_backward():
     hidden, head, labels = case(1)
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
-        loss, _ = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)
+        loss, _, _ = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)
     loss.backward()
     assert kept and not [shape for shape in kept if shape and shape[-1] == V], kept
 
 
 def test_small_logits_are_computed_whole_and_returned():
     hidden, head, labels = case(2)
-    loss, logits = causal_lm_loss(head, hidden, labels, V)
+    loss, logits, _ = causal_lm_loss(head, hidden, labels, V)
     assert logits is not None and logits.shape == (B, T, V)
     torch.testing.assert_close(loss, ForCausalLMLoss(head(hidden), labels, vocab_size=V), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, B * V * 4 * 5], ids=["whole", "chunked"])
+def test_token_stats_count_the_targets_the_argmax_predicts_and_in_evaluation_their_entropy(chunk_bytes):
+    hidden, head, labels = case(3)
+    logits = head(hidden).detach()
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    kept = targets != -100
+    labels[1, 10:20] = logits.argmax(-1)[1, 9:19]  # ten targets the model predicts, beside chance's
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    correct = int(((logits.argmax(-1) == targets) & kept).sum())
+    assert correct >= 10
+    p = logits[kept].softmax(-1)
+    entropy = float(-(p * p.log()).sum())
+    _, _, trained = causal_lm_loss(head, hidden, labels, V, chunk_bytes=chunk_bytes)
+    assert trained.tolist() == [correct, 0.0]  # training: no entropy (it would cost a second softmax)
+    with torch.no_grad():
+        _, _, evaluated = causal_lm_loss(head, hidden, labels, V, chunk_bytes=chunk_bytes)
+    assert evaluated[0] == correct and float(evaluated[1]) == pytest.approx(entropy, rel=1e-5)
+    assert causal_lm_loss(head, hidden, None, V)[2] is None
 
 
 def test_a_llama_last_stage_chunked_gives_todays_loss_and_gradients(monkeypatch):

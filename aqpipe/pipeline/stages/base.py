@@ -20,10 +20,12 @@ from ..seeding import reseed
 
 @dataclass
 class StageOutput:
-    """What the last stage returns: the loss (0-d; None only when the batch carries no labels) and the logits."""
+    """What the last stage returns: the loss (0-d; None only when the batch carries no labels) and the logits; a
+    causal LM's also its token statistics (lm_loss.token_stats: targets predicted, entropy sum), on the device."""
 
     loss: torch.Tensor | None
     logits: torch.Tensor
+    token_stats: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -70,9 +70,9 @@ class DecoderStage(PipelineStage):
         hidden = self.get_submodule(self.family.last[0])(hidden)
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
-            loss, logits = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size,
+            loss, logits, stats = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size,
                                           getattr(self.config, "final_logit_softcapping", None))
-            return StageOutput(loss=loss, logits=logits)
+            return StageOutput(loss=loss, logits=logits, token_stats=stats)
         return classify_last_token(self.score(hidden), batch["input_ids"], labels, self.config)
 
 

@@ -6,6 +6,10 @@ checkpointed, so its logits are recomputed in backward instead of kept, and only
 price: the head's forward runs twice where chunked). The loss is HF's `ForCausalLMLoss`: labels shifted one left,
 -100 ignored, the mean over the rest. Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF
 computes it, and the logits come back; chunked, they don't (a causal LM's step uses only the loss).
+
+With the loss, from the same logits and without a gradient, what TRL logs beside it (`token_stats`): how many target
+tokens the argmax predicts (mean_token_accuracy's numerator) and, outside autograd (evaluation), the sum of the
+predicted distributions' entropies over the targets. They stay on the device, read with the loss.
 """
 from __future__ import annotations
 
@@ -25,29 +29,50 @@ def _logits(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, 
     return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
-def _summed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float | None
-            ) -> torch.Tensor:
+@torch.no_grad()
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool) -> torch.Tensor:
+    """[the targets the argmax predicts, the sum of the predicted distributions' entropies over the targets (0 when
+    not asked)], float32 on the logits' device; `targets` already shifted (-100 where none)."""
+    kept = targets != IGNORE
+    correct = ((logits.argmax(dim=-1) == targets) & kept).sum().float()
+    if not entropy:
+        return torch.stack([correct, torch.zeros_like(correct)])
+    logp = torch.log_softmax(logits[kept].float(), dim=-1)
+    return torch.stack([correct, -(logp.exp() * logp).sum()])
+
+
+def _summed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float | None,
+            entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = _logits(head, hidden, cap).float()
-    return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    loss = F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return loss, token_stats(logits, targets, entropy)
 
 
 def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor | None,
                    vocab_size: int, cap: float | None = None, chunk_bytes: int | None = None
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(loss, logits) of `head` over `hidden` (B, T, H) against `labels` (B, T); logits None where chunked."""
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logits, token_stats) of `head` over `hidden` (B, T, H) against `labels` (B, T); logits None where
+    chunked, token_stats None without labels; entropies in evaluation (no autograd) alone."""
     limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows, positions = hidden.shape[:2]
+    entropy = not torch.is_grad_enabled()
     if labels is None or rows * positions * vocab_size * 4 <= limit:
         logits = _logits(head, hidden, cap)
-        loss = None if labels is None else ForCausalLMLoss(logits, labels.to(logits.device), vocab_size=vocab_size)
-        return loss, logits
+        if labels is None:
+            return None, logits, None
+        labels = labels.to(logits.device)
+        loss = ForCausalLMLoss(logits, labels, vocab_size=vocab_size)
+        shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        return loss, logits, token_stats(logits, shifted, entropy)
     targets = F.pad(labels.to(hidden.device), (0, 1), value=IGNORE)[:, 1:]
     step = max(1, limit // (rows * vocab_size * 4))
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    stats = torch.zeros(2, dtype=torch.float32, device=hidden.device)
     for start in range(0, positions, step):
-        part = (head, hidden[:, start:start + step], targets[:, start:start + step], vocab_size, cap)
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_summed, *part, use_reentrant=False)  # a head's dropout redraws alike
+        part = (head, hidden[:, start:start + step], targets[:, start:start + step], vocab_size, cap, entropy)
+        if torch.is_grad_enabled():  # a head's dropout redraws alike
+            loss, counted = checkpoint(_summed, *part, use_reentrant=False)
         else:
-            total = total + _summed(*part)
-    return total / (targets != IGNORE).sum(), None
+            loss, counted = _summed(*part)
+        total, stats = total + loss, stats + counted
+    return total / (targets != IGNORE).sum(), None, stats
