@@ -48,13 +48,25 @@ def two_machines(nodes, network, *flags, fault=""):
                master, "--master_port", str(port), RECIPE, *MACHINE_FLAGS, *flags]
         procs.append(subprocess.Popen(cmd, cwd=directory, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
-    deadline = time.monotonic() + 300
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    deadline, ended = time.monotonic() + 300, [None] * len(procs)
+    while None in ended and time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
             p.kill()
-    return [(p.wait(), p.stderr.read()) for p in procs]
+    return [Ended(p.wait(), p.stderr.read(), t) for p, t in zip(procs, ended)]
+
+
+class Ended(tuple):
+    """A machine's launcher: (status, stderr), and `at`, when it ended (time.monotonic)."""
+
+    def __new__(cls, status, stderr, at):
+        made = super().__new__(cls, (status, stderr))
+        made.at = at
+        return made
 
 
 def records(out):
@@ -110,9 +122,15 @@ def test_two_machines_without_a_shared_filesystem_checkpoint_resume_and_export_o
 
 def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holding_a_copy(tmp_path, network,
                                                                                            reference_run):
+    """Also: the survivor stops within a bound, naming the dead rank, and AQ-SGD's buffers kept in files (each
+    machine's own --buffer_dir) resume with the run, nothing resent whole, no buffer file left behind."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    (rc0, err0), (rc1, _) = two_machines(nodes, network, fault="kill:1:5")  # node 1's rank dies before step 5
+    died = two_machines(nodes, network, "--buffer_dir", "buffers", fault="kill:1:5")  # node 1's rank, before step 5
+    (rc0, err0), (rc1, _) = died
     assert rc0 != 0 and rc1 != 0, err0[-2000:]
+    assert "stopping: rank 1 (stage 1, replica 0)" in err0, err0[-2000:]
+    assert not re.search(r'File "[^"]*/aqpipe/', err0), err0[-2000:]  # no traceback of ours (torchrun prints its own)
+    assert died[0].at - died[1].at < 20, f"rank 0 took {died[0].at - died[1].at:.1f} s to stop after rank 1 died"
     held = nodes[0] / "out" / "checkpoints" / "step_00000004"  # machine 0 holds machine 1's files too (a copy)
     assert sorted(p.name for p in held.glob("*.pt")) == ["stage0_replica0.pt", "stage1_replica0.pt"]
     assert "copied to rank 0 on another machine" in err0 or "copied to rank 1 on another machine" in err0, err0[-2000:]
@@ -121,7 +139,7 @@ def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holdi
             path.unlink() if path.is_file() else path.rmdir()
         wiped.rmdir()
 
-    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--resume", "auto")
+    (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--buffer_dir", "buffers", "--resume", "auto")
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "step_00000004's files of rank 1" in err1 and "received from rank 0" in err1, err1[-2000:]
     want, got = records(reference_run), records(nodes[0] / "out")
@@ -130,3 +148,13 @@ def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holdi
         for key in ("loss", "eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a, b)
+        assert (b.get("fwd_bytes"), b.get("bwd_bytes")) == (a.get("fwd_bytes"), a.get("bwd_bytes"))
+    # step 6: four samples seen before the kill, each a 2-bit change of 32 tokens of 128 in groups of 64 (48 bytes a
+    # token), with their ids, coded (at most a byte more a message): none resent whole (a float32 row is 16 kB)
+    assert got[5]["fwd_bytes"] <= 4 * 32 * 48 + 4 * 8 + 2
+    last = [node / "out" / "checkpoints" / "step_00000006" for node in nodes]
+    for rank, (side, directory) in enumerate(zip(("send", "recv"), last)):  # the last checkpoint took each
+        assert f"boundary0_{side}_replica0.buf" in [p.name for p in directory.glob("*.buf")]  # machine's own file
+        assert not list((nodes[rank] / "buffers").glob("*.buf"))  # and none is left behind
+    manifest = json.loads((last[0] / "manifest.json").read_text())
+    assert manifest["buffer_plan"]["rows"] == 8  # the samples steps 5-6 visit again: what a later resume keeps

@@ -2,6 +2,7 @@
 process count fits its stages), and the data-parallel example compresses within the run it starts."""
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ LAUNCH = re.compile(r"(?:deepspeed|torchrun|python)\b[^`\n|#]*?(?:recipes/finetu
 def readme_commands() -> list[str]:
     """Each launch of a fine-tune in README.md: without its optional parts ([--x a|b]), and with each of their
     choices; a `[flags]` placeholder is dropped."""
-    text = (ROOT / "README.md").read_text().replace("\\|", "|")
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "README.md").read_text().replace("\\|", "|"))  # lines joined by \\
     commands = set()
     for match in LAUNCH.finditer(text):
         command = match.group(0).replace("[flags]", "")
@@ -40,8 +41,9 @@ def world_and_flags(command: str) -> tuple[str, int, list[str]]:
     name = next(re.search(pattern, w) for w in words if re.search(pattern, w))
     task = name.group(1) or name.group(2)
     after = words[words.index(name.string) + 1:]
-    if "--model" in after:  # a hub name or a path of the reader's: checked by the tests of models, not here
-        del after[after.index("--model"):after.index("--model") + 2]
+    for flag in ("--model", "--model_name_or_path"):  # a hub name or a path of the reader's: checked by the tests
+        if flag in after:  # of models, not here
+            del after[after.index(flag):after.index(flag) + 2]
     return task, world, [w for w in after if w != "--help"]
 
 
@@ -61,6 +63,9 @@ def test_each_readme_command_resolves(command, monkeypatch, tmp_path, capsys):
         with pytest.raises(SystemExit):
             resolve(TASKS[task].kind, ["--print_config"], "readme", TASKS[task].defaults)
         (tmp_path / flags[flags.index("--deepspeed_config") + 1]).write_text(capsys.readouterr().out)
+    for flag in ("--dataset", "--dataset_name"):  # a reader's own file (a hub name is not looked up here)
+        if flag in flags and Path(flags[flags.index(flag) + 1]).suffix in (".jsonl", ".json", ".csv"):
+            (tmp_path / flags[flags.index(flag) + 1]).write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     cfg = resolve(TASKS[task].kind, flags, "readme", TASKS[task].defaults)
     samples = cfg.data.max_train_samples or 1024  # all of a user's data: any count shows the plan
     steps = samples // (cfg.micro_batch_size * cfg.num_micro_batches * cfg.replicas) * cfg.epochs
