@@ -1,7 +1,9 @@
-"""LoRA across data-parallel replicas as the trainer builds it (aqpipe/train.py `build_engine`): 2 stages x 2 replicas
-of a bf16 tied Llama, the adapters injected before the replicas' algorithm is handed the parameters. Under allreduce
-the replicas' adapters stay equal and equal one process's on the combined batch; under a compressed algorithm they
-stay equal too; the data-parallel wire carries the adapters' bytes and nothing else."""
+"""QLoRA across data-parallel replicas as the trainer builds it (aqpipe/train.py `build_engine`): 2 stages x 2
+replicas of a bf16 tied Llama whose blocks' frozen base each rank packs in 4 bits (NF4, bitsandbytes) from its own
+shards, the adapters injected before the replicas' algorithm is handed the parameters. Every replica packs the same
+4-bit weights; under allreduce the replicas' adapters stay equal and equal one process's on the combined batch; under
+a compressed algorithm they stay equal too; the data-parallel wire carries the adapters' bytes and nothing else.
+(LoRA over a bf16 base under replicas: tests/multiprocess/test_lora.py.)"""
 import dataclasses
 import math
 
@@ -31,7 +33,8 @@ ALGORITHMS = {"allreduce": DataParallelConfig(replicas=2),
 
 def settings(directory: str, stages: int, dp: DataParallelConfig) -> RunConfig:
     return build("causal_lm", {"model": directory, "seq_len": SEQ, "pipeline_stages": stages, "lr": 1e-2,
-                               "lora": LoraSettings(rank=4, alpha=16), "compression": CompressionConfig(),
+                               "lora": LoraSettings(rank=4, alpha=16, load_in_4bit=True),
+                               "compression": CompressionConfig(),
                                "data_parallel": dp, "micro_batch_size": MBS, "num_micro_batches": MICRO,
                                "scheduler": None})
 
@@ -54,8 +57,9 @@ def train(rank: int, world: int, directory: str, stages: int, dp: DataParallelCo
     replicas = world // stages
     log = [engine.train_batch(step[engine.groups.replica::replicas]).record() for step in steps(len(tokenizer))]
     adapters = adapter_state_dict(engine.stage)
+    packed = {name: p.detach().clone() for name, p in engine.stage.named_parameters() if p.dtype == torch.uint8}
     return {"log": log, "adapters": adapters, "adapter_numel": sum(v.numel() for v in adapters.values()),
-            "trained_numel": sum(p.numel() for p in owned_parameters(engine.stage, engine.ties))}
+            "trained_numel": sum(p.numel() for p in owned_parameters(engine.stage, engine.ties)), "packed": packed}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +74,8 @@ def runs(tmp_path_factory):
 def test_replicas_adapters_stay_equal_and_the_wire_carries_them_alone(runs, name):
     ranks = runs[name]
     for stage in (0, 1):  # ranks stage and stage + 2 hold a stage's two replicas
+        packed, again = ranks[stage]["packed"], ranks[stage + 2]["packed"]  # the 4-bit base: each block's, alike
+        assert len(packed) >= 7 and set(packed) == set(again) and all(torch.equal(packed[k], again[k]) for k in packed)
         a, b = ranks[stage]["adapters"], ranks[stage + 2]["adapters"]
         assert a and set(a) == set(b)
         assert all(a[k].abs().max() > 0 for k in a if ".lora_B." in k)  # trained: B starts at zero
