@@ -59,6 +59,7 @@ def assistant_spans(messages: list[dict[str, Any]], tokenizer: PreTrainedTokeniz
                     tools: list[Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns."""
     _check_messages(messages, where)
+    messages = [{k: v for k, v in turn.items() if v is not None} for turn in messages]  # a table fills missing keys
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}: the tokenizer has no chat_template; expected --chat_template (chatml, llama3 or a "
                          "Jinja file), a model whose tokenizer has one (its tokenizer_config.json or "
@@ -133,9 +134,12 @@ def _text_and_targets(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, w
 
 
 def sharegpt_messages(turns: Any, where: str) -> list[dict[str, Any]]:
-    """ShareGPT's turns ({from, value}: human, gpt, system, tool) as a chat template's {role, content}."""
+    """ShareGPT's turns ({from, value}: human, gpt, system, tool) as a chat template's {role, content}; turns that
+    already are {role, content} pass as they are (a `conversations` column in the messages layout)."""
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: conversations={turns!r}: expected a list of {{from, value}} turns")
+    if all(isinstance(t, dict) and t.get("from") is None and "role" in t for t in turns):
+        return turns
     out = []
     for turn in turns:
         source = turn.get("from") if isinstance(turn, dict) else None
@@ -271,6 +275,8 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], 
 def _check_messages(messages: Any, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: messages={messages!r}: expected a list of {{role, content}} turns")
-    for turn in messages:
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise ValueError(f"{where}: turn {turn!r}: expected role one of {', '.join(ROLES)} and string content")
+    for turn in messages:  # an assistant's tool call may come without content (TRL's tool-calling layout)
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not (
+                isinstance(turn.get("content"), str) or (turn.get("content") is None and turn.get("tool_calls"))):
+            raise ValueError(f"{where}: turn {turn!r}: expected role one of {', '.join(ROLES)} and string content "
+                             "(or tool_calls)")

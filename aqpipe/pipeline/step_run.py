@@ -120,8 +120,8 @@ class StepRun:
                 getattr(self, op)(mb)
         e.wire.flush()
         self.schedule_seconds = time.perf_counter() - began
+        self.staging_seconds = e.wire.staging.take_seconds()  # what finishing stages counts with the next step's
         self.part = combined([part.finish() for part in parts])
-        self.staging_seconds = e.wire.staging.take_seconds()
         self.read_device_values()
         self._note_overflow(self.part.overflow)
         return self

@@ -91,3 +91,25 @@ def test_a_sharegpt_file_and_a_conversational_prompt_completion_file_become_samp
         labels = train.tensors["labels"][0]
         assert len(train) == 1 and tok.convert_ids_to_tokens(labels[labels != IGNORE].tolist())[-4:] == [
             "see", "you", "later", "<|im_end|>"]
+
+
+def test_a_tool_calling_turn_without_content_renders_and_trains_as_the_assistants():
+    """TRL's tool-calling layout: an assistant turn of tool_calls and no content (a table fills it with None), the
+    tool's answer, then the reply; the call is the assistant's, so a target, and the tool's answer is not."""
+    calls = CHATML.replace("{{ m['content'] }}", "{{ m['content'] if m['content'] is defined else "
+                                                 "m['tool_calls'][0]['function']['name'] }}")
+    turns = [{"role": "user", "content": "hi there"},
+             {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                    "function": {"name": "help", "arguments": {}}}]},
+             {"role": "tool", "content": "bye", "tool_calls": None},
+             {"role": "assistant", "content": "see you later", "tool_calls": None}]
+    got, ids = targets(chat_tokenizer(calls), {"messages": turns, "tools": [{"name": "help"}]})
+    assert got == ["help", "<|im_end|>", "see", "you", "later", "<|im_end|>"] and "bye" in ids
+    with pytest.raises(ValueError, match=r"expected role one of .* and string content \(or tool_calls\)"):
+        encode_instruction({"messages": [{"role": "assistant", "content": None}]}, chat_tokenizer(calls), 96, "t")
+
+
+def test_a_conversations_column_of_role_and_content_turns_is_the_messages_layout():
+    tok = chat_tokenizer(CHATML)
+    assert encode_instruction({"conversations": CONVERSATION}, tok, 96, "t") == \
+        encode_instruction({"messages": CONVERSATION}, tok, 96, "t")
