@@ -170,10 +170,9 @@ def step_record(m: StepMetrics, samples: int, num_tokens: int) -> dict[str, Any]
     return record
 
 
-def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, num_tokens: int = 0
-              ) -> dict[str, float]:
+def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, progress: Progress) -> dict[str, float]:
     """The evaluation's row; a causal LM's with TRL's token metrics, `eval_num_tokens` being, as TRL's, the input
-    tokens trained on so far (`num_tokens`), so that eval curves plot against them."""
+    tokens trained on so far (the progress's), so that eval curves plot against them."""
     results = [engine.eval_batch(mbs) for mbs in batches]
     loss = sum(r["loss"] for r in results) / len(results)
     out = {"eval_loss": loss}
@@ -184,7 +183,7 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, num
             for name in ("mean_token_accuracy", "entropy"):
                 out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if "target_tokens" in r) / \
                     targets
-            out["eval_num_tokens"] = num_tokens
+            out["eval_num_tokens"] = progress.num_tokens
     else:
         out["eval_accuracy"] = sum(r.get("accuracy", 0.0) for r in results) / len(results)
     return out
@@ -406,8 +405,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
             progress.add(m, epoch, index + 1, time.perf_counter() - started)
             record = step_record(m, sum(len(mb["sample_id"]) for mb in mbs) * replicas, progress.num_tokens)
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
-                progress.evals = _evaluate(engine, eval_batches, task, progress.num_tokens)
-                progress.eval_step = progress.step
+                progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task, progress), progress.step
                 record.update(progress.evals)
             writer.write(record)
             # the last step's checkpoint waits for its evaluation, below
@@ -416,8 +414,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
                 save()
                 saved = progress.step
     if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one
-        progress.evals = _evaluate(engine, eval_batches, task, progress.num_tokens)
-        progress.eval_step = progress.step
+        progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task, progress), progress.step
         writer.write({"step": progress.step, **progress.evals})
     if cfg.checkpointing.save_every and saved != progress.step:
         save(last=True)  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs
