@@ -92,8 +92,7 @@ class Trackio:
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "aqpipe"),
-                                name=Path(output_dir).resolve().name)
+        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "aqpipe"), name=Path(output_dir).resolve().name)
 
     def log(self, record: dict[str, Any]) -> None:
         self.trackio.log(tagged(record), step=record["step"])
@@ -103,7 +102,7 @@ class Trackio:
 
 
 class Several:
-    """Every reporter `--report_to` names, each given every record."""
+    """Every reporter `--report_to` names (none, one or more), each given every record."""
 
     def __init__(self, reporters: list[Any]) -> None:
         self.reporters = reporters
@@ -117,17 +116,8 @@ class Several:
             r.close()
 
 
-class Nothing:
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 REPORTERS: dict[str, Callable[..., Any]] = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}
 
 
 def reporter(report_to: str, output_dir: str, purge_step: int | None = None) -> Any:
-    made = [REPORTERS[name](output_dir, purge_step) for name in names(report_to)]
-    return Nothing() if not made else made[0] if len(made) == 1 else Several(made)
+    return Several([REPORTERS[name](output_dir, purge_step) for name in names(report_to)])

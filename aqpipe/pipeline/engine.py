@@ -349,7 +349,7 @@ class PipelineEngine:
     def eval_batch(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Forward only at full precision (AQ-SGD buffers untouched); loss and, for classification, accuracy; for a
         causal LM, TRL's token metrics (mean_token_accuracy, entropy: the mean over the tokens the loss falls on,
-        target_tokens of them; num_tokens: input tokens)."""
+        target_tokens of them)."""
         self.stage.eval()
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         run = StepRun(self._runtime(), micro_batches, "eval", False, None).run(actions)
@@ -360,7 +360,7 @@ class PipelineEngine:
             result["accuracy"] = t.correct / t.counted
         if t.target_tokens:
             result.update(mean_token_accuracy=t.token_accuracy(), entropy=t.entropy_sum / t.target_tokens,
-                          target_tokens=t.target_tokens, num_tokens=t.input_tokens)
+                          target_tokens=t.target_tokens)
         return result
 
     # ------------------------------------------------------------------ checkpoints

@@ -35,6 +35,8 @@ class StepPart:
 
 
 class StepParticipant(Protocol):
+    counter: str  # the StepCounters field (the wire) the bytes `begin` sends count on
+
     def begin(self, start: StepStart) -> int:
         """Before the schedule: what it must send or post first; the bytes it sent."""
 

@@ -130,7 +130,7 @@ class StepRun:
         """The step's device values (loss sum, accuracy count, token counts and statistics, finiteness flags) read in
         one transfer."""
         counts = [self.correct] if self.counted else []
-        stats = [v for pair in self.token_stats for v in pair.to(torch.float64).unbind()]
+        stats = [v for pair in self.token_stats for v in pair.unbind()]
         values = [*self.losses.values(), *counts, *self.targets, *self.inputs_counted, *stats,
                   *(t for _, _, t, _ in self.guard.findings.pending)]
         if not values:

@@ -37,8 +37,8 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool) -> t
     correct = ((logits.argmax(dim=-1) == targets) & kept).sum().float()
     if not entropy:
         return torch.stack([correct, torch.zeros_like(correct)])
-    logp = torch.log_softmax(logits[kept].float(), dim=-1)
-    return torch.stack([correct, -(logp.exp() * logp).sum()])
+    logp = torch.log_softmax(logits.float(), dim=-1)  # every position, masked after: a boolean index would wait
+    return torch.stack([correct, (-(logp.exp() * logp).sum(dim=-1) * kept).sum()])  # for the GPU (its count)
 
 
 def _summed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float | None,
