@@ -29,46 +29,41 @@ import torch
 
 from . import checkpoint_copies as copies
 from .atomic_files import atomic_write, fsync_dir, sha256_of
-from .config import NAMED_ALONE, SECTIONS, RunConfig
+from .compression.fields import FREE, KEPT, THIS_RUN
+from .config import RunConfig, destinations
+from .flags import value_at
 from .storage import Storage, broadcast, gather
 from .world import World, barrier
 
 
-FORMAT = 4  # 3: the compression and data-parallel settings are nested sections; 4: LR schedule iteration k = step k
+FORMAT = 5  # 5: a fingerprint names every setting by where it lives ("data.seq_len"); 4: by name in some sections
+READS = (4, 5)  # format 4 through `_from_format_4`, once, as a manifest is read
 LATEST = "latest"
 MANIFEST = "manifest.json"
-# settings a resume may change: the run's length (its LR plan is stretched over the new one: lr_plan.py), its
-# evaluation, saving and logging, and how its processes reach each other; every other setting must be the
-# checkpoint's, and a resume with another value is refused naming it
-MAY_CHANGE = (
-    "epochs", "max_steps", "max_eval_samples", "eval_every", "output_dir", "report_to", "save_every",
-    "save_total_limit", "copy_checkpoints", "overwrite_output_dir", "resume", "backend", "dist_timeout", "peer_timeout",
-    "activation_checkpointing", "compile", "skip_nonfinite",
-    "compression.entropy_coding",  # lossless: the same values cross either way
-    "compression_preset",  # the settings it stands for are each checked
-    # where the buffers' rows live, and how many samples keep one (a run that keeps fewer sends more whole)
-    "compression.buffer_memory_gb", "compression.buffer_disk_gb",
-    "lora.merge",  # what the run exports at its end
-)
 
 
 def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
-    """The settings that must match for a checkpoint to continue this run exactly (JSON values), one by one, so a
-    refusal names the one that differs: "seed", "compression.forward", and the once-flat sections' by their own
-    names ("seq_len", as checkpoints written before those sections have them)."""
-    values = cfg.to_dict()
-    values["compression"].pop("buffer_dir")
-    flat = {}
-    for key, value in values.items():
-        if key in SECTIONS:
-            flat.update({k if key in NAMED_ALONE else f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
-    flat = {k: v for k, v in flat.items() if k not in MAY_CHANGE}
-    for key in ("max_train_samples", "max_eval_samples"):  # 0 and None both mean all of them
-        if flat.get(key) == 0:
-            flat[key] = None
-    return json.loads(json.dumps(flat, default=str))
+    """The settings that must match for a checkpoint to continue this run exactly (JSON values), one by one and by
+    where each lives ("seed", "data.seq_len", "compression.forward"), so a refusal names the one that differs: every
+    setting but those whose field says a resume may change it (`resume=FREE`: compression/fields.py)."""
+    values = {"task": cfg.task}
+    for dest, f in destinations():
+        if f.metadata.get("resume") != FREE:
+            values[dest] = value_at(cfg, dest)
+    for key in ("data.max_train_samples",):  # 0 and None both mean all of them
+        if values.get(key) == 0:
+            values[key] = None
+    return json.loads(json.dumps(values, default=lambda v: str(v).removeprefix("torch.")))
+
+
+def _from_format_4(theirs: dict[str, Any]) -> dict[str, Any]:
+    """A format-4 fingerprint in format 5's names: the settings of the data, optimization, checkpointing and
+    distributed sections were named alone ("seq_len"), and LoRA's, in checkpoints from before its section, flat
+    ("lora_rank")."""
+    alone = {dest.split(".", 1)[1]: dest for dest, _ in destinations()
+             if dest.split(".")[0] in ("data", "optimization", "checkpointing", "distributed")}
+    lora_flat = {f"lora_{dest.split('.', 1)[1]}": dest for dest, _ in destinations() if dest.startswith("lora.")}
+    return {alone.get(k, lora_flat.get(k, k)): v for k, v in theirs.items()}
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -101,12 +96,16 @@ def find(resume: str, output_dir: str, allow_missing: bool = False) -> Path | No
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest, its fingerprint in this format's names whatever format wrote it."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"checkpoint {directory}: unreadable {MANIFEST} ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {directory}: format {manifest.get('format')!r}, this aqpipe reads {FORMAT}")
+    if manifest.get("format") not in READS:
+        raise ValueError(f"checkpoint {directory}: format {manifest.get('format')!r}, this aqpipe reads "
+                         f"{', '.join(map(str, READS))}")
+    if manifest["format"] == 4:
+        manifest["fingerprint"] = _from_format_4(manifest["fingerprint"])
     return manifest
 
 
@@ -117,40 +116,34 @@ def saved_buffer_plan(directory: Path | None) -> dict[str, Any] | None:
 
 def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     """cfg with the values its run resolved when it started, after refusing a checkpoint whose settings differ
-    from cfg's (saying which)."""
+    from cfg's (naming each by its flag). What a setting missing from the checkpoint meant, and whether `auto` takes
+    the checkpoint's resolved value, are its field's metadata (`older`, `resume=KEPT`: compression/fields.py)."""
     mine, theirs = fingerprint(cfg), read_manifest(directory)["fingerprint"]
-    if "compression.first_visit" not in theirs:  # checkpoints from before first-visit codecs: whole first visits
-        theirs.update({"compression.first_visit": "none", "compression.first_visit_bits": mine.get(
-            "compression.first_visit_bits"), "compression.first_visit_base": mine.get("compression.first_visit_base")})
-    # resolved when the run started: a resume keeps what its run resolved (a QAdam warm-up's steps; the first-visit
-    # codec its epochs chose, in checkpoints from before auto chose per sample), whatever its epochs resolve now
-    for auto, section, name in (("data_parallel.warmup_steps", "data_parallel", "warmup_steps"),
-                                ("compression.first_visit", "compression", "first_visit")):
-        if mine.get(auto) == "auto" and theirs.get(auto) not in (None, "auto"):
-            mine[auto] = theirs[auto]
-            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: theirs[auto]})})
-    theirs.setdefault("compression.auto_bits_slack", 0.02)  # checkpoints from before the setting: its default
-    theirs.setdefault("compression.scale_dtype", "float32")
-    # checkpoints from before subspace codecs: no basis, so any rank (a subspace run's compression.forward differs)
-    theirs.setdefault("compression.subspace_rank", mine.get("compression.subspace_rank"))
-    theirs.setdefault("compression.tie_rank", 0)  # checkpoints from before the setting: every value of a row
-    theirs.setdefault("param_dtype", "float32")
-    theirs.setdefault("eval_fraction", 0.05)  # checkpoints from before the setting: the split it was fixed at
-    for key, value in (("packing", False), ("packing_overflow", "truncate"), ("chat_template", None),
-                       ("assistant_only_loss", True), ("completion_only_loss", True)):
-        theirs.setdefault(key, value)  # checkpoints from before packing: one conversation a sample, cut to fit; from
-        # before the loss settings: on the replies and completions alone
-    theirs.setdefault("loss_average", "micro_batches")  # checkpoints from before the setting: a micro-batch's mean
-    theirs.setdefault("dropout", mine.get("dropout"))  # checkpoints from before it was fingerprinted: unknown
-    for field_name, value in (("rank", 0), ("alpha", None), ("dropout", None), ("target_modules", None),
-                              ("load_in_4bit", False), ("bnb_4bit_quant_type", "nf4"), ("use_bnb_nested_quant", False)):
-        # checkpoints from before LoRA: none; from before its section: the flat lora_* keys
-        theirs.setdefault(f"lora.{field_name}", theirs.pop(f"lora_{field_name}", value))
-    diff = [f"{k}={theirs.get(k)!r} in the checkpoint, {v!r} in this run"
-            for k, v in mine.items() if theirs.get(k) != v]
+    fields_at = dict(destinations())
+    for key, f in fields_at.items():
+        if key in mine and key not in theirs and "older" in f.metadata:  # written before the setting existed
+            theirs[key] = mine[key] if f.metadata["older"] is THIS_RUN else f.metadata["older"]
+        if f.metadata.get("resume") == KEPT and mine.get(key) == "auto" and theirs.get(key) not in (None, "auto"):
+            mine[key] = theirs[key]  # resolved when its run started (a QAdam warm-up's steps): kept, whatever the
+            # epochs now resolve it to
+            section, _, name = key.rpartition(".")
+            cfg = replace(cfg, **({section: replace(getattr(cfg, section), **{name: theirs[key]})} if section
+                                  else {name: theirs[key]}))
+    diff = [f"{_flag(k, fields_at)}={theirs[k]!r} in the checkpoint, {v!r} in this run" if k in theirs else
+            f"{_flag(k, fields_at)}={v!r} in this run, which the checkpoint does not record"
+            for k, v in mine.items() if theirs.get(k, _MISSING) != v]
     if diff:
         raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
     return cfg
+
+
+_MISSING = object()
+
+
+def _flag(dest: str, fields_at: dict[str, Any]) -> str:
+    """A setting by the name its flag gives it ("lora_rank" for "lora.rank")."""
+    f = fields_at.get(dest)
+    return dest if f is None else f.metadata.get("flag", f.name)
 
 
 # ---------------------------------------------------------------------- state files

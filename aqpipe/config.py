@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterator
 
-from aqpipe.compression.fields import check_int, is_int, setting
+from aqpipe.compression.fields import FREE, THIS_RUN, check_choices, check_int, is_int, setting
 from aqpipe.data_parallel import DataParallelConfig
 from aqpipe.pipeline import LOSS_AVERAGES, CompressionConfig
 from aqpipe.pipeline.adapters import LoraSettings
@@ -77,20 +77,26 @@ class DataSettings:
     seq_len: int = setting(128, "tokens per sample")
     packing: bool = setting(False, "chat data: place whole conversations (or prompt/completion pairs) into samples "
                                    "of seq_len tokens by best-fit decreasing, each attending within itself alone "
-                                   "(position ids restart with each), instead of one per sample padded to seq_len")
+                                   "(position ids restart with each), instead of one per sample padded to seq_len",
+                            older=False)
     packing_overflow: str = setting("truncate", "chat data: a conversation longer than seq_len is cut "
-                                                "(truncate; counted in the data line) or refused (error)")
+                                                "(truncate; counted in the data line) or refused (error)",
+                                   choices=OVERFLOWS, older="truncate")
     assistant_only_loss: bool = setting(True, "chat data: the loss on a conversation's assistant turns alone "
-                                              "(TRL's flag; off: on every token; TRL's default is off)")
+                                              "(TRL's flag; off: on every token; TRL's default is off)",
+                                       older=True)
     completion_only_loss: bool = setting(True, "prompt/completion data: the loss on the completion alone (TRL's "
-                                               "flag and default; off: on the prompt too)")
+                                               "flag and default; off: on the prompt too)",
+                                        older=True)
     chat_template: str | None = setting(None, "chat data: the chat template, for a tokenizer without one or instead "
                                               "of its own: chatml, llama3 or a Jinja file; exported with the "
-                                              "tokenizer")
+                                              "tokenizer", older=None)
     max_train_samples: int | None = setting(None, "use at most the first N training samples (none or 0: all of "
                                                   "them; a cap that cuts is said at the start)")
-    max_eval_samples: int | None = setting(None, "use at most the first N evaluation samples (none or 0: all)")
-    eval_fraction: float = setting(0.05, "the share of --dataset held out for evaluation without --eval_dataset")
+    max_eval_samples: int | None = setting(None, "use at most the first N evaluation samples (none or 0: all)",
+                                           resume=FREE)
+    eval_fraction: float = setting(0.05, "the share of --dataset held out for evaluation without --eval_dataset",
+                                  older=0.05)
 
     def __post_init__(self) -> None:
         check_int("seq_len", self.seq_len, 1)
@@ -101,8 +107,7 @@ class DataSettings:
             raise ValueError(f"eval_fraction={self.eval_fraction!r}: expected a fraction in (0, 1)")
         _count_or_none("max_train_samples", self.max_train_samples, 0)
         _count_or_none("max_eval_samples", self.max_eval_samples, 0)
-        if self.packing_overflow not in OVERFLOWS:
-            raise ValueError(f"packing_overflow={self.packing_overflow!r}: expected one of {', '.join(OVERFLOWS)}")
+        check_choices(self)
         for name in ("text_column", "text_pair_column", "label_column"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -122,11 +127,12 @@ class OptimizationSettings:
                                         "target token of the step's micro-batches and replicas, divided by their "
                                         "count) or micro_batches (the mean of each micro-batch's mean, which weighs "
                                         "a chat micro-batch of 5 assistant tokens as one of 500); the same for LM "
-                                        "blocks")
+                                        "blocks", choices=LOSS_AVERAGES, older="micro_batches")
     gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)", ds="gradient_clipping")
     param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
-                                        "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)")
+                                        "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)",
+                              older="float32")
 
     def __post_init__(self) -> None:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
@@ -148,8 +154,7 @@ class OptimizationSettings:
         if self.scheduler is not None and self.scheduler.get("type") not in SCHEDULERS:
             raise ValueError(f"scheduler type {self.scheduler.get('type')!r}: expected one of "
                              f"{', '.join(SCHEDULERS)}")
-        if self.loss_average not in LOSS_AVERAGES:
-            raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
+        check_choices(self)
         if not self.gradient_clipping >= 0:
             raise ValueError(f"gradient_clipping={self.gradient_clipping}: expected >= 0")
 
@@ -158,19 +163,20 @@ class OptimizationSettings:
 class CheckpointingSettings:
     """Where the run's results go, how often it saves a resumable checkpoint, and where it resumes from."""
 
-    output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go")
-    save_every: int = setting(0, "write a resumable checkpoint every N steps and at the end (0: never)")
-    save_total_limit: int = setting(2, "keep only the N newest checkpoints (0: all)")
+    output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go", resume=FREE)
+    save_every: int = setting(0, "write a resumable checkpoint every N steps and at the end (0: never)",
+                              resume=FREE)
+    save_total_limit: int = setting(2, "keep only the N newest checkpoints (0: all)", resume=FREE)
     copy_checkpoints: bool = setting(True, "where ranks save to different machines' disks (no shared filesystem), "
                                            "also copy each rank's checkpoint files to the next machine at every "
                                            "save, so a machine that comes back empty resumes from there (each "
                                            "rank's checkpoint crosses the link once a save); --no_copy_checkpoints "
-                                           "keeps each machine's files on it alone")
+                                           "keeps each machine's files on it alone", resume=FREE)
     overwrite_output_dir: bool = setting(False, "replace another run's results (summary, metrics, model, "
-                                              "checkpoints) in --output_dir")
+                                              "checkpoints) in --output_dir", resume=FREE)
     resume: str | None = setting(None, "continue from a checkpoint: latest (under --output_dir; the default with no "
                                      "value), auto (latest if there is one, else start fresh), or a checkpoint "
-                                     "directory", const="latest")
+                                     "directory", const="latest", resume=FREE)
 
     def __post_init__(self) -> None:
         check_int("save_every", self.save_every, 0)
@@ -187,29 +193,27 @@ class DistributedSettings:
 
     pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
                                                "stages x replicas)", ds="pipeline.stages")
-    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule")
+    schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule", choices=SCHEDULES)
     partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per "
                                                       "stage", ds="pipeline.partition")
     backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
                                  "shared by several stages with tensors staged through host memory; TCP, the robust "
-                                 "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)")
+                                 "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)",
+                           choices=BACKENDS, resume=FREE)
     dist_timeout: float = setting(45.0, "seconds a collective or receive may wait for a peer before the run stops "
-                                      "(then ~6 s to exit)")
+                                      "(then ~6 s to exit)", resume=FREE)
     peer_timeout: float = setting(30.0, "seconds without a peer's heartbeat before it is taken for dead and the run "
-                                      "stops")
+                                      "stops", resume=FREE)
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline_stages, str) and self.pipeline_stages != "auto":
             raise ValueError(f"pipeline_stages={self.pipeline_stages!r}: expected a positive integer or auto")
         if self.pipeline_stages != "auto":
             check_int("pipeline_stages", self.pipeline_stages, 1)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        check_choices(self)
         if self.partition not in ("parameters", "uniform") and not (
                 isinstance(self.partition, list) and all(is_int(v) and v > 0 for v in self.partition)):
             raise ValueError(f"partition={self.partition!r}: expected parameters, uniform, or block counts like 2,2")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         for name in ("dist_timeout", "peer_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected a positive number of seconds")
@@ -224,25 +228,29 @@ class RunConfig:
     model: str | None = setting(None, "HF hub name, local model directory, or a config.json (random init); "
                                     "default: a tiny shape")
     dropout: float | None = setting(None, "every dropout probability of the model (embeddings, attention, residual, "
-                                        "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa")
+                                        "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa",
+                                  older=THIS_RUN)
     seed: int = setting(42, "seed of model init, data order and codecs")
     micro_batch_size: int = setting(4, "samples per micro-batch", ds="train_micro_batch_size_per_gpu")
     num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)",
                                      ds="gradient_accumulation_steps")
-    epochs: int = setting(3, "passes over the training samples")
-    max_steps: int | None = setting(None, "stop after this many optimizer steps")
-    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)")
+    epochs: int = setting(3, "passes over the training samples", resume=FREE)  # a resume stretches its LR plan
+    max_steps: int | None = setting(None, "stop after this many optimizer steps", resume=FREE)
+    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)", resume=FREE)
     report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none, tensorboard "
-                                   "(<output_dir>/tensorboard), wandb or trackio, or several comma-separated")
+                                   "(<output_dir>/tensorboard), wandb or trackio, or several comma-separated",
+                             resume=FREE)
     activation_checkpointing: bool = setting(False, "recompute blocks in backward",
-                                             ds="pipeline.activation_checkpoint_interval")
-    compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)")
+                                             ds="pipeline.activation_checkpoint_interval", resume=FREE)
+    compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)",
+                            resume=FREE)
     bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     compression_preset: str | None = setting(None, "a measured setting of every wire, under what is given "
                                                  "explicitly: wan (a link of about 100 Mbit/s: every wire about "
-                                                 "37x below bf16 within 1%% of its loss, README)")
+                                                 "37x below bf16 within 1%% of its loss, README)",
+                                                 resume=FREE)  # the settings it stands for are each checked
     skip_nonfinite: bool = setting(False, "skip a step whose loss, activations or gradients hold NaN/inf (on every "
-                                        "rank) instead of stopping")
+                                        "rank) instead of stopping", resume=FREE)
     data: DataSettings = field(default_factory=DataSettings)
     optimization: OptimizationSettings = field(default_factory=OptimizationSettings)
     checkpointing: CheckpointingSettings = field(default_factory=CheckpointingSettings)
@@ -289,12 +297,6 @@ SECTIONS: dict[str, type] = {"data": DataSettings, "optimization": OptimizationS
                              "checkpointing": CheckpointingSettings, "distributed": DistributedSettings,
                              "compression": CompressionConfig, "data_parallel": DataParallelConfig,
                              "lora": LoraSettings}
-# sections whose settings were once the run's own (flat in older config files' run blocks, task defaults and
-# checkpoints' fingerprints): a flat key by its flag name is read into its section; all but LoRA's keep their own
-# names where a setting is named alone (a checkpoint's fingerprint and its refusals: "seq_len", not "data.seq_len")
-NAMED_ALONE = ("data", "optimization", "checkpointing", "distributed")
-ONCE_FLAT = (*NAMED_ALONE, "lora")
-
 
 def destinations() -> Iterator[tuple[str, Any]]:
     """("field" or "section.field", the field) for every setting of a run, in order: the run's own, then each

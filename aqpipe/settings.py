@@ -9,24 +9,26 @@ from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 from . import config_file, preflight, trainer_flags
-from .config import ONCE_FLAT, SECTIONS, RunConfig, destinations
+from .config import SECTIONS, RunConfig, destinations
 from .environment import launch
 from .presets import preset_layer
 from .flags import build_parser, given, parse_text
 from .speech import speaks
 
 
-FLAT_HOMES = {g.metadata.get("flag", g.name): (dest.split(".")[0], g.name) for dest, g in destinations()
-              if dest.split(".")[0] in ONCE_FLAT}
+# a section's setting by its flag's name ("seq_len", "lora_rank"), as the command line, a call of aqpipe.finetune and a
+# task's defaults name it -> (its section, its field)
+BY_FLAG = {g.metadata.get("flag", g.name): (dest.split(".")[0], g.name) for dest, g in destinations() if "." in dest}
 
 
 def nest(values: dict[str, Any]) -> dict[str, Any]:
-    """Settings with the flat keys of the once-flat sections (`seq_len`, `lora_rank`, `optimizer`) moved into their
-    section (`{"data": {"seq_len": ...}}`); a key given both ways takes the section's."""
+    """Settings with a section's settings given by their flags' names (`seq_len`, `lora_rank`, as a task's defaults
+    and a config file's run block may give them) moved into their section (`{"data": {"seq_len": ...}}`); a key given
+    both ways takes the section's."""
     out = {k: (dict(v) if k in SECTIONS and not is_dataclass(v) else v) for k, v in values.items()
-           if k not in FLAT_HOMES}
-    for key in [k for k in values if k in FLAT_HOMES]:
-        section, name = FLAT_HOMES[key]
+           if k not in BY_FLAG}
+    for key in [k for k in values if k in BY_FLAG]:
+        section, name = BY_FLAG[key]
         given = out.setdefault(section, {})
         if is_dataclass(given):  # every one of its values is given: which would win is not the caller's to guess
             raise ValueError(f"{key} given beside the {section} section given whole: expected it inside the section")
@@ -40,9 +42,9 @@ def build(task: str, values: dict[str, Any]) -> RunConfig:
     top = {f.name for f in fields(RunConfig)} - set(SECTIONS) - {"task"}
     unknown = sorted(set(values) - top - set(SECTIONS))
     if unknown:
-        homes = {f.metadata.get("flag", f.name): f"{name} block key {f.name}"
+        homes = {f.name: f"{name} block key {f.name} (its flag: {f.metadata.get('flag', f.name)})"
                  for name, kind in SECTIONS.items() for f in fields(kind)}
-        moved = [f"{k} is {homes[k]}" for k in unknown if k in homes]  # a setting that lives in a section
+        moved = [f"{k} is {homes[k]}" for k in unknown if k in homes]  # a section's key in the run block
         hint = f" ({'; '.join(moved)})" if moved else ""
         raise ValueError(f"unknown setting(s) {', '.join(unknown)} in the config's run block{hint}")
     defaults = RunConfig(task=task)
@@ -85,10 +87,10 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
-    """The layers merged (each nested: a once-flat key such as seq_len into its section; later wins; text parsed as
-    its flag parses it), the trainer's optimizer and schedule
-    flags applied to the merged blocks (trainer_flags.py), and DeepSpeed's train_batch_size apart: a key checked
-    against the batch, not a setting."""
+    """The layers merged (each nested: a section's setting by its flag's name, such as seq_len, into its section;
+    later wins; text parsed as its flag parses it), the trainer's optimizer and schedule flags applied to the merged
+    blocks (trainer_flags.py), and DeepSpeed's train_batch_size apart: a key checked against the batch, not a
+    setting."""
     edits: dict[str, Any] = {}
     for layer in layers:
         edits.update(trainer_flags.split(layer)[1])

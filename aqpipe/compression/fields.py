@@ -1,17 +1,56 @@
-"""Settings' fields declared and checked alike in every layer: `setting` (a dataclass field with its help and
-command-line flag, from which the trainer builds its parser) and the one integer check (a setting, an option, an
-argument). A leaf at the bottom of the import order (compression <- data_parallel <- pipeline <- aqpipe), so each
-layer imports it and none repeats it."""
+"""Settings' fields declared and checked alike in every layer: `setting` (a dataclass field with its help,
+command-line flag, allowed values and what a resume may do with it, from which the trainer builds its parser, its
+checks and its checkpoints' compatibility) and the one integer check (a setting, an option, an argument). A leaf at
+the bottom of the import order (compression <- data_parallel <- pipeline <- aqpipe), so each layer imports it and
+none repeats it."""
 from __future__ import annotations
 
-from dataclasses import field
-from typing import Any
+from dataclasses import field, fields
+from typing import Any, Collection
+
+# what a resume may do with a setting (a field's `resume` metadata):
+SAME = "same"  # keep the checkpoint's value: a run with another is refused, naming it (the default)
+FREE = "free"  # change it: the run's length, its evaluation, saving and logging, how its processes reach each other
+KEPT = "kept"  # as SAME, except that `auto` takes the value the checkpoint's run resolved it to
 
 
-def setting(default: Any, text: str, flag: str | None = None, **meta: Any) -> Any:
-    """A dataclass field with its help, its command-line flag where it differs from the field's name, and other
-    metadata the parser reads (`const`: the value a flag given without one takes)."""
-    return field(default=default, metadata={"help": text, **({"flag": flag} if flag else {}), **meta})
+class _ThisRun:
+    """`older=THIS_RUN`: a checkpoint from before the setting cannot say what it meant, so any value resumes it."""
+
+    def __repr__(self) -> str:
+        return "THIS_RUN"
+
+
+THIS_RUN = _ThisRun()
+_ALWAYS = object()  # `older` not given: every checkpoint this aqpipe reads has the setting
+
+
+def setting(default: Any, text: str, flag: str | None = None, *, choices: Collection[Any] | None = None,
+            resume: str = SAME, older: Any = _ALWAYS, **meta: Any) -> Any:
+    """A dataclass field with its help, its command-line flag where it differs from the field's name, and:
+    `choices`, the values it takes (checked by `check_choices` as its section is made); `resume`, what a resume may
+    do with it (SAME, FREE or KEPT); `older`, what a checkpoint written before the setting existed meant (a value, or
+    THIS_RUN; without it, every checkpoint this aqpipe reads has the setting); and other metadata the parser reads
+    (`const`: the value a flag given without one takes)."""
+    if resume not in (SAME, FREE, KEPT):
+        raise ValueError(f"resume={resume!r}: expected {SAME}, {FREE} or {KEPT}")
+    meta = {"help": text, "resume": resume, **({"flag": flag} if flag else {}), **meta}
+    if choices is not None:
+        meta["choices"] = choices  # a registry stays live: what registers later is a choice too
+    if older is not _ALWAYS:
+        meta["older"] = older
+    return field(default=default, metadata=meta)
+
+
+def check_choices(section: Any) -> None:
+    """Every field of a settings section that declares its `choices` against them; ValueError naming the first
+    outside them as its flag does."""
+    for f in fields(section):
+        allowed = f.metadata.get("choices")
+        value = getattr(section, f.name)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{f.metadata.get('flag', f.name)}={value!r}: expected one of "
+                             f"{', '.join(str(a) for a in allowed)}")
 
 
 def is_int(value: Any) -> bool:

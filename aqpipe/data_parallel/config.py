@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from aqpipe.compression.fields import check_int
-from aqpipe.compression.fields import setting
+from aqpipe.compression.fields import KEPT, check_choices, check_int, setting
 
 from .base import REGISTRY, Algorithm
 from .comm import Comm
@@ -22,25 +21,27 @@ from .decentralized import PEER_SELECTIONS, TOPOLOGIES
 class DataParallelConfig:
     replicas: int = setting(1, "data-parallel replicas of the pipeline (world size = stages x replicas)", "replicas")
     algorithm: str = setting("allreduce", "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
-                                        "qsparse_local_sgd, cocktail_sgd", "dp_algorithm")
+                                        "qsparse_local_sgd, cocktail_sgd", "dp_algorithm",
+                                  choices=REGISTRY)
     bits: int = setting(8, "bits of compressed data-parallel traffic (1-8)", "dp_bits")
     warmup_steps: int | str = setting("auto", "qadam: full-precision Adam steps before compressed momentum (auto: a "
-                                            "tenth of the run's steps)", "dp_warmup_steps")
+                                            "tenth of the run's steps)", "dp_warmup_steps",
+                                      resume=KEPT)
     local_steps: int = setting(4, "qsparse_local_sgd: local steps between synchronizations", "dp_local_steps")
     topk_ratio: float = setting(0.01, "qsparse_local_sgd, cocktail_sgd: fraction of entries sent (0, 1]",
                               "dp_topk_ratio")
     random_ratio: float = setting(0.1, "cocktail_sgd: fraction of entries considered a step, top-k among them (0, 1]",
                                 "dp_random_ratio")
     topology: str = setting("directed_ring", "low_precision_decentralized: directed_ring (one neighbour) or ring (two)",
-                          "dp_topology")
-    peer_selection: str = setting("shift_one", "decentralized: shift_one or all", "dp_peer_selection")
+                          "dp_topology", choices=TOPOLOGIES)
+    peer_selection: str = setting("shift_one", "decentralized: shift_one or all", "dp_peer_selection",
+                                   choices=PEER_SELECTIONS)
     interval: int = setting(1, "decentralized: communicate every N steps", "dp_interval")
 
     def __post_init__(self) -> None:
         """Every value against its range as the section is made (one line naming it); no I/O."""
         check_int("replicas", self.replicas, 1)
-        if self.algorithm not in REGISTRY:
-            raise ValueError(f"dp_algorithm={self.algorithm!r}: expected one of {', '.join(sorted(REGISTRY))}")
+        check_choices(self)
         check_int("dp_bits", self.bits, 1, 8)
         check_int("dp_local_steps", self.local_steps, 1)
         check_int("dp_interval", self.interval, 1)
@@ -55,10 +56,6 @@ class DataParallelConfig:
         if self.algorithm == "cocktail_sgd" and self.topk_ratio > self.random_ratio:
             raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected at most "
                              f"dp_random_ratio={self.random_ratio!r} (cocktail_sgd takes the top among the random)")
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"dp_topology={self.topology!r}: expected one of {', '.join(TOPOLOGIES)}")
-        if self.peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"dp_peer_selection={self.peer_selection!r}: expected one of {', '.join(PEER_SELECTIONS)}")
         pairs = self.algorithm == "decentralized" and self.peer_selection == "shift_one"
         if pairs and self.replicas > 1 and self.replicas % 2:
             raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "

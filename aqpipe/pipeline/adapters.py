@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aqpipe.compression.fields import check_int, setting
+from aqpipe.compression.fields import FREE, check_choices, check_int, setting
 
 from .quantized_base import QUANT_TYPES, plain_state_dict
 from .seeding import derive_seed
@@ -26,34 +26,33 @@ class LoraSettings:
                            "every weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes "
                            "under bf16 autocast; a float16 one is held in float32), only the adapters (and a new "
                            "classification head) get gradients, optimizer state and data-parallel traffic; "
-                           "exports <output_dir>/adapter beside the merged model (0: off)", "lora_rank")
+                           "exports <output_dir>/adapter beside the merged model (0: off)", "lora_rank", older=0)
     alpha: float | None = setting(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
-                                        "default: PEFT's, 8", "lora_alpha")
-    dropout: float | None = setting(None, "dropout on the adapters' input; default: PEFT's, 0", "lora_dropout")
+                                        "default: PEFT's, 8", "lora_alpha", older=None)
+    dropout: float | None = setting(None, "dropout on the adapters' input; default: PEFT's, 0", "lora_dropout",
+                                  older=None)
     target_modules: list[str] | None = setting(None, "the modules to adapt, inside the blocks: comma-separated "
                                                      "names, or all-linear; default: PEFT's for the architecture "
                                                      "(q_proj,v_proj for the Llama lineage, c_attn for GPT2, "
                                                      "query_proj,value_proj for DeBERTa, query,value for BERT)",
-                                               "lora_target_modules")
+                                               "lora_target_modules", older=None)
     load_in_4bit: bool = setting(False, "QLoRA: hold the frozen base's block linears in 4 bits (bitsandbytes), each "
                                         "stage quantizing its own as it reads them from the shards; embeddings, "
                                         "the head and norms stay in the checkpoint's dtype; needs --lora_rank",
-                                 "load_in_4bit")
+                                 "load_in_4bit", older=False)
     bnb_4bit_quant_type: str = setting("nf4", "the 4-bit type with --load_in_4bit: nf4 (normal float) or fp4",
-                                       "bnb_4bit_quant_type")
+                                       "bnb_4bit_quant_type", choices=QUANT_TYPES, older="nf4")
     merge: bool | None = setting(None, "with adapters, also write the merged model (each adapter folded into its "
                                        "weight) in <output_dir>/model; default: yes for a base in its checkpoint's "
                                        "dtype, no for a 4-bit base (its merge dequantizes the stage to bf16)",
-                                 "merge")
+                                 "merge", resume=FREE)  # what the run exports at its end
     use_bnb_nested_quant: bool = setting(False, "with --load_in_4bit, quantize the 4-bit blocks' scales too "
                                                 "(double quantization: about 0.4 bits a weight fewer)",
-                                         "use_bnb_nested_quant")
+                                         "use_bnb_nested_quant", older=False)
 
     def __post_init__(self) -> None:
         check_int("lora_rank", self.rank, 0)
-        if self.bnb_4bit_quant_type not in QUANT_TYPES:
-            raise ValueError(f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r}: expected one of "
-                             f"{', '.join(QUANT_TYPES)}")
+        check_choices(self)
         if (self.load_in_4bit or self.use_bnb_nested_quant) and not self.rank:
             raise ValueError("--load_in_4bit without --lora_rank: a 4-bit base cannot train; expected a LoRA rank "
                              ">= 1 for the adapters that do")

@@ -9,8 +9,7 @@ from aqpipe.compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, F
 from aqpipe.compression.running_base import BASES
 
 from .ties import TIE_MODES
-from aqpipe.compression.fields import check_int, is_int
-from aqpipe.compression.fields import setting
+from aqpipe.compression.fields import FREE, KEPT, THIS_RUN, check_choices, check_int, is_int, setting
 
 BUFFER_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # "auto" groups: a quantizer at 2 bits or fewer takes groups of this many elements (where rows are wider),
@@ -48,22 +47,26 @@ class CompressionConfig:
     stage's savings (`entropy_coding`) and its coding time are not in its sums.
     """
 
-    forward: str = setting("none", f"activations: one of {', '.join(FORWARD_MODES)}", "forward_compress")
+    forward: str = setting("none", f"activations: one of {', '.join(FORWARD_MODES)}", "forward_compress",
+                           choices=FORWARD_MODES)
     forward_bits: int | str | None = setting(None, "bits of forward compression (1-8), or auto: per boundary, the most "
                                            "its link and the stages' compute make cheap")
-    backward: str = setting("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress")
+    backward: str = setting("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress",
+                            choices=BACKWARD_MODES)
     backward_bits: int | str | None = setting(None, "bits of backward compression (1-8), or auto")
     subspace_rank: int = setting(32, "directions of a subspace boundary's basis (forward_compress subspace): each "
                                      "token travels as this many coefficients, and its gradient too with "
-                                     "backward_compress subspace")
+                                     "backward_compress subspace", older=THIS_RUN)  # before subspace codecs: no basis
     first_visit: str = setting("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none "
                                      "(whole, at full precision: the paper's), cache-free as direct or hadamard at "
                                      "first_visit_bits (both sides keep what was decoded), or auto: none for a "
                                      "sample the run reads back (the base of its later changes), hadamard for one it "
-                                     "never does (every sample of a one-epoch run)", "first_visit_compress")
-    first_visit_bits: int | None = setting(None, "bits of a compressed first visit (1-8)")
+                                     "never does (every sample of a one-epoch run)", "first_visit_compress",
+                               choices=("auto", *FIRST_VISIT_MODES), resume=KEPT, older="none")
+    first_visit_bits: int | None = setting(None, "bits of a compressed first visit (1-8)", older=THIS_RUN)
     first_visit_base: str = setting("none", "a compressed first visit sent as the change from the boundary's running "
-                                          "mean per position (position), or whole (none)")
+                                          "mean per position (position), or whole (none)",
+                                    choices=BASES, older=THIS_RUN)
     warmup_epochs: int = setting(0, "epochs that send every sample whole (as first visits are sent) before deltas "
                                     "start")
     buffer_dtype: torch.dtype = setting(torch.float16, f"AQ-SGD buffer dtype: one of {', '.join(BUFFER_DTYPES)}")
@@ -71,13 +74,16 @@ class CompressionConfig:
                                           "float16's memory; default: rows in buffer_dtype)")
     buffer_dir: str | None = setting(None, "keep AQ-SGD buffers in files under this directory instead of RAM (one "
                                          "file per boundary side); none: in memory where the rows fit "
-                                         "--buffer_memory_gb, else in files under <output_dir>/buffers")
+                                         "--buffer_memory_gb, else in files under <output_dir>/buffers",
+                                   resume=FREE)  # where the buffers' rows live, and how many samples keep one
     buffer_memory_gb: float | None = setting(None, "AQ-SGD buffer rows a rank may hold in memory, GB; none: half "
-                                                 "the memory available at start, shared by the machine's ranks")
+                                                 "the memory available at start, shared by the machine's ranks",
+                                           resume=FREE)
     buffer_disk_gb: float | None = setting(None, "AQ-SGD buffer rows a rank may hold on disk when they do not fit in "
                                                "memory, GB; none: half the free space where they go, shared by "
                                                "the machine's ranks. What fits neither keeps rows for as many "
-                                               "samples as the larger holds, the others sent whole at every visit")
+                                               "samples as the larger holds, the others sent whole at every visit",
+                                         resume=FREE)  # a run that keeps fewer sends more whole
     forward_group_size: int | str | None = setting("auto", "the forward quantizer's group: N elements (each group's "
                                                  "min and step: 8 bytes, 4 with bfloat16 scales), auto (64 at 2 "
                                                  "bits or fewer, else rows) or none (whole rows)")
@@ -86,30 +92,31 @@ class CompressionConfig:
                                    "--no_stochastic rounds to nearest (biased; outside AQ-SGD's theorem)")
     scale_dtype: str = setting("float32", "what each boundary and tied-weight quantization group's min and step "
                                           "travel as: float32 (8 bytes a group) or bfloat16 (4: the min rounded "
-                                          "down, the step up, so rounding stays unbiased)")
+                                          "down, the step up, so rounding stays unbiased)",
+                           choices=SCALE_DTYPES, older="float32")
     entropy_coding: bool = setting(True, "Huffman-code each compressing codec's messages over a gloo link (lossless; "
                                        "11-15%% fewer bytes at 2-4 bits for about 13 ns a byte, both sides: it pays "
-                                       "below about 70 Mbit/s); --no_entropy_coding sends the packed codes")
+                                       "below about 70 Mbit/s); --no_entropy_coding sends the packed codes",
+                                   resume=FREE)  # lossless: the same values cross either way
     tie: str = setting("auto", f"tied weights (an embedding and its LM head): auto, {', '.join(TIE_MODES)} (auto: "
-                             "none when both boundary codecs are none, else aqsgd)", "tie_compress")
+                             "none when both boundary codecs are none, else aqsgd)", "tie_compress",
+                       choices=("auto", *TIE_MODES))
     tie_bits: int = setting(8, "bits of tied-weight rows (as changes) and their gradients with tie_compress aqsgd")
     tie_rank: int = setting(0, "tied-weight gradients as this many coefficients a row in a basis their sender "
-                               "estimates and sends now and then (as a subspace boundary's); 0: every value of a row")
+                               "estimates and sends now and then (as a subspace boundary's); 0: every value of a row",
+                         older=0)
     auto_bits_min: int = setting(2, "the fewest bits auto may choose")
     auto_bits_max: int = setting(8, "the most bits auto may choose")
     auto_bits_every: int = setting(20, "steps between auto's decisions, each after probing the links")
     auto_bits_slack: float = setting(0.02, "how much longer than at the fewest bits auto may make a step to send "
-                                         "more bits, a fraction")
+                                         "more bits, a fraction", older=0.02)
     link_mbit: list[float] | None = setting(None, "known link rates, Mbit/s, one per boundary (comma-separated): "
                                                 "auto decides from them instead of probing")
 
     def __post_init__(self) -> None:
         """Every value against its range as the section is made, one line naming the setting as its flag does; no
         I/O."""
-        if self.forward not in FORWARD_MODES:
-            raise ValueError(f"forward_compress={self.forward!r}: expected one of {', '.join(FORWARD_MODES)}")
-        if self.backward not in BACKWARD_MODES:
-            raise ValueError(f"backward_compress={self.backward!r}: expected one of {', '.join(BACKWARD_MODES)}")
+        check_choices(self)
         if self.backward == "subspace" and self.forward != "subspace":
             raise ValueError(f"backward_compress=subspace: expected forward_compress subspace too (the gradient "
                              f"travels in the forward's basis), got {self.forward!r}")
@@ -118,13 +125,6 @@ class CompressionConfig:
             for direction in ("forward", "backward"):
                 if getattr(self, direction) == "subspace" and getattr(self, f"{direction}_bits") == "auto":
                     raise ValueError(f"{direction}_bits=auto: a subspace codec takes fixed bits (1-8)")
-        if self.tie != "auto" and self.tie not in TIE_MODES:
-            raise ValueError(f"tie_compress={self.tie!r}: expected auto or one of {', '.join(TIE_MODES)}")
-        if self.first_visit != "auto" and self.first_visit not in FIRST_VISIT_MODES:
-            raise ValueError(f"first_visit_compress={self.first_visit!r}: expected auto or one of "
-                             f"{', '.join(FIRST_VISIT_MODES)}")
-        if self.first_visit_base not in BASES:
-            raise ValueError(f"first_visit_base={self.first_visit_base!r}: expected one of {', '.join(BASES)}")
         if self.first_visit_bits is not None or self.first_visits_compressed():
             check_bits(self.first_visit_bits, "first_visit_bits")
         _bits("forward_bits", self.forward_bits, self.forward != "none")
@@ -161,8 +161,6 @@ class CompressionConfig:
         if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in buffer_dtype")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype={self.scale_dtype!r}: expected one of {', '.join(SCALE_DTYPES)}")
         for name in ("stochastic", "entropy_coding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")

@@ -4,11 +4,11 @@ it does with a non-finite step, an emulated link delay, and how a causal LM's st
 is made."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from aqpipe.compression.fields import check_int
+from aqpipe.compression.fields import check_choices, check_int
 
 from .schedule import SCHEDULES
 from .step_run import LOSS_AVERAGES
@@ -18,24 +18,22 @@ from .step_run import LOSS_AVERAGES
 class EngineSettings:
     num_samples: int  # rows of each AQ-SGD buffer: a training micro-batch's sample ids index them
     seq_len: int  # tokens per sample: a boundary's activation is (rows, seq_len, hidden)
-    schedule: str = "1f1b"
+    schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES})
     gradient_clipping: float = 0.0  # the global gradient norm's cap (0: off)
     device: torch.device | str = "cpu"
     bf16: bool = False  # bfloat16 autocast and a bf16 wire
     seed: int = 0  # of dropout masks and codecs' dither, per replica, step and micro-batch
     skip_nonfinite: bool = False  # skip a step that found NaN/inf on any rank, instead of raising
     link_latency_s: float = 0.0  # a one-way delay added to every receive (a distant link emulated; Wire checks it)
-    loss_average: str = "tokens"  # a causal LM's step loss: per target token, or the micro-batches' mean
+    loss_average: str = field(default="tokens", metadata={"choices": LOSS_AVERAGES})  # a causal LM's step loss:
+    # per target token, or the micro-batches' mean
     buffer_keep: torch.Tensor | None = None  # which samples' AQ-SGD rows are kept (a bool each; None: all): the
     # others are sent whole at every visit (a run keeps rows only for the samples it reads back)
 
     def __post_init__(self) -> None:
         check_int("num_samples", self.num_samples, 1)
         check_int("seq_len", self.seq_len, 1)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-        if self.loss_average not in LOSS_AVERAGES:
-            raise ValueError(f"loss_average={self.loss_average!r}: expected one of {', '.join(LOSS_AVERAGES)}")
+        check_choices(self)
         object.__setattr__(self, "device", torch.device(self.device))
         keep = self.buffer_keep
         if keep is not None and (keep.dtype != torch.bool or tuple(keep.shape) != (self.num_samples,)):

@@ -240,7 +240,7 @@ def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tm
     with pytest.raises(ValueError) as info:
         checkpoint.check_compatible(ckpt, other)
     text = str(info.value)
-    assert "compression.forward='none' in the checkpoint, 'direct' in this run" in text
+    assert "forward_compress='none' in the checkpoint, 'direct' in this run" in text
     assert "seq_len=128 in the checkpoint, 64 in this run" in text and "epochs" not in text
-    assert "lora.rank=0 in the checkpoint, 8 in this run" in text  # adapters are not resumed into a full run
+    assert "lora_rank=0 in the checkpoint, 8 in this run" in text  # adapters are not resumed into a full run
     assert checkpoint.find("auto", str(tmp_path / "elsewhere")) is None  # auto: nothing saved, start fresh

@@ -1,5 +1,8 @@
 """Run configuration: file < flags precedence, DeepSpeed keys, and one clear line for each bad value."""
+import dataclasses
 import json
+import shutil
+from pathlib import Path
 import re
 
 import pytest
@@ -47,7 +50,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--forward_bits", "9"], "forward_bits=9: expected an integer from 1 to 8"),
     (["--backward_bits", "0"], "backward_bits=0: expected an integer from 1 to 8"),
     (["--tie_bits", "9"], "tie_bits=9: expected an integer from 1 to 8"),
-    (["--tie_compress", "zip"], "tie_compress='zip': expected auto or one of none, aqsgd"),
+    (["--tie_compress", "zip"], "tie_compress='zip': expected one of auto, none, aqsgd"),
     (["--forward_compress", "int4"], "forward_compress='int4': expected one of none, direct, hadamard, aqsgd"),
     (["--backward_compress", "aqsgd"], "backward_compress='aqsgd': expected one of none, direct"),
     (["--schedule", "zigzag"], "schedule='zigzag': expected one of gpipe, 1f1b"),
@@ -114,6 +117,12 @@ def refusal(config, tmp_path, monkeypatch, capsys) -> str:
         run(["--deepspeed_config", str(path)], monkeypatch)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
+
+
+# how checkpoints of format 4 named the settings of these sections: alone ("seq_len" for "data.seq_len")
+FORMAT_4_NAMES = {f"{section}.{f.name}": f.name for section, kind in (
+    ("data", DataSettings), ("optimization", OptimizationSettings), ("checkpointing", CheckpointingSettings),
+    ("distributed", DistributedSettings)) for f in dataclasses.fields(kind)}
 
 
 def test_inconsistent_train_batch_size_is_refused(tmp_path, monkeypatch, capsys):
@@ -265,10 +274,20 @@ def test_an_unknown_key_in_a_section_is_named(tmp_path, monkeypatch, capsys):
     assert "unknown setting(s) forward_bit in the config's compression block" in err
 
 
-def test_a_setting_from_before_the_sections_names_its_new_place(tmp_path, monkeypatch, capsys):
-    err = refusal({"run": {"forward_compress": "none", "dp_bits": 4}}, tmp_path, monkeypatch, capsys)
-    assert "unknown setting(s) dp_bits, forward_compress in the config's run block" in err
-    assert "dp_bits is data_parallel block key bits; forward_compress is compression block key forward" in err
+def test_a_run_block_takes_any_setting_by_its_flags_name_and_a_sections_block_wins(tmp_path, monkeypatch, capsys):
+    """A config file's run block names settings as the command line does (`forward_compress`, `dp_bits`, `seq_len`),
+    as files printed before the sections had blocks did; the same setting in its section's block wins; a name no flag
+    has is refused, naming the block key it may have meant."""
+    path = tmp_path / "flat.json"
+    path.write_text(json.dumps({"run": {"forward_compress": "direct", "forward_bits": 3, "dp_bits": 4, "seq_len": 32},
+                                "data": {"seq_len": 16}}))
+    cfg = run(["--deepspeed_config", str(path)], monkeypatch)
+    assert (cfg.compression.forward, cfg.compression.forward_bits, cfg.data_parallel.bits, cfg.data.seq_len) == \
+        ("direct", 3, 4, 16)
+    err = refusal({"run": {"forward": "none", "bits": 4}}, tmp_path, monkeypatch, capsys)
+    assert "unknown setting(s) bits, forward in the config's run block" in err
+    assert ("bits is data_parallel block key bits (its flag: dp_bits); forward is compression block key forward (its "
+            "flag: forward_compress)") in err
 
 
 def test_another_runs_results_are_not_overwritten_without_being_told(tmp_path, monkeypatch, capsys):
@@ -407,6 +426,48 @@ def test_auto_first_visits_stay_auto_and_an_older_checkpoints_resolved_codec_is_
     assert old.compression.first_visit == "none"
 
 
+def test_a_manifest_the_previous_format_wrote_resumes_and_refuses_by_flag(tmp_path, monkeypatch, capsys):
+    """tests/data/manifest_format4.json was written by aqpipe's format 4 (a 2-replica QAdam LoRA run of 8 steps):
+    read once into this format's names, it resumes the run it came from (its resolved warm-up kept), refuses another
+    naming the flag, and a format this aqpipe never wrote is refused in one line."""
+    out = tmp_path / "out"
+    step = out / "checkpoints" / "step_00000008"
+    step.mkdir(parents=True)
+    shutil.copy(Path(__file__).parent.parent / "data" / "manifest_format4.json", step / "manifest.json")
+    (out / "checkpoints" / "latest").write_text(step.name)
+    argv = ["--output_dir", str(out), "--seq_len", "64", "--lora_rank", "4", "--lora_alpha", "16", "--replicas", "2",
+            "--pipeline_stages", "1", "--dp_algorithm", "qadam", "--epochs", "3", "--resume"]
+    resumed = run(argv, monkeypatch, world=2)
+    assert resumed.checkpointing.resume == str(step) and resumed.data_parallel.warmup_steps == 1
+    for other, says in ((["--seq_len", "32"], "seq_len=64 in the checkpoint, 32 in this run"),
+                        (["--lora_rank", "8"], "lora_rank=4 in the checkpoint, 8 in this run"),
+                        (["--lr", "0.01"], "lr=0.001 in the checkpoint, 0.01 in this run")):
+        with pytest.raises(SystemExit):
+            run([*argv, *other], monkeypatch, world=2)
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+    manifest = json.loads((step / "manifest.json").read_text())
+    (step / "manifest.json").write_text(json.dumps({**manifest, "format": 3}))
+    with pytest.raises(SystemExit):
+        run(argv, monkeypatch, world=2)
+    assert "format 3, this aqpipe reads 4, 5" in capsys.readouterr().err
+
+
+def test_what_an_older_checkpoint_meant_is_a_value_the_setting_takes():
+    """A setting's `older` (what a checkpoint from before it meant) is one of its choices where it declares them,
+    and a section made with every `older` value is valid: a typo there would refuse or misread old checkpoints."""
+    from aqpipe.compression.fields import THIS_RUN
+    from aqpipe.config import SECTIONS
+
+    for kind in SECTIONS.values():
+        olders = {f.name: f.metadata["older"] for f in dataclasses.fields(kind)
+                  if "older" in f.metadata and f.metadata["older"] is not THIS_RUN}
+        for f in dataclasses.fields(kind):
+            if f.name in olders and "choices" in f.metadata:
+                assert olders[f.name] in f.metadata["choices"], (kind.__name__, f.name)
+        kind(**olders)
+
+
 def test_fp16_compute_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     err = refusal({"fp16": {"enabled": True}}, tmp_path, monkeypatch, capsys)
     assert err.count("\n") == 1 and "fp16 enabled; expected bf16 (float16 compute needs a loss scaler" in err
@@ -452,12 +513,12 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     flags = ["--output_dir", str(tmp_path / "out"), "--lora_rank", "4", "--lora_alpha", "16"]
     cfg = run([*flags, "--loss_average", "micro_batches"], monkeypatch).for_run(24)
     new = checkpoint.fingerprint(cfg)
-    assert (new["lora.rank"], new["lora.alpha"]) == (4, 16)
-    older = {k.replace("lora.", "lora_"): v for k, v in new.items()
-             if k not in ("loss_average", "packing", "packing_overflow", "chat_template")}
+    assert (new["lora.rank"], new["lora.alpha"], new["optimization.loss_average"]) == (4, 16, "micro_batches")
+    older = {FORMAT_4_NAMES.get(k, k.replace("lora.", "lora_")): v for k, v in new.items()
+             if k not in ("optimization.loss_average", "data.packing", "data.packing_overflow", "data.chat_template")}
     step = tmp_path / "out" / "checkpoints" / "step_00000008"
     step.mkdir(parents=True)
-    (step / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT, "fingerprint": older}))
+    (step / "manifest.json").write_text(json.dumps({"format": 4, "fingerprint": older}))
     (tmp_path / "out" / "checkpoints" / "latest").write_text(step.name)
     resumed = run([*flags, "--loss_average", "micro_batches", "--resume"], monkeypatch)
     assert resumed.lora.rank == 4 and resumed.optimization.loss_average == "micro_batches" and not resumed.data.packing
@@ -465,7 +526,7 @@ def test_files_and_checkpoints_from_before_the_lora_section_and_the_chat_setting
     for other, says in ((["--lora_rank", "4", "--lora_alpha", "16", "--loss_average", "tokens"],
                          "loss_average='micro_batches' in the checkpoint, 'tokens' in this run"),
                         (["--lora_rank", "4", "--lora_alpha", "8", "--loss_average", "micro_batches"],
-                         "lora.alpha=16.0 in the checkpoint, 8.0 in this run")):
+                         "lora_alpha=16.0 in the checkpoint, 8.0 in this run")):
         with pytest.raises(SystemExit):
             run([*out, *other], monkeypatch)
         assert says in capsys.readouterr().err

@@ -131,7 +131,7 @@ def test_auto_sends_a_kept_samples_first_visit_whole_and_the_rest_as_hadamard_ch
                              first_visit_base="position")
     assert auto.whole_rows() == ("none", "hadamard") and auto.first_visits_compressed()
     assert CompressionConfig(first_visit="direct", first_visit_bits=4).whole_rows() == ("direct", "direct")
-    with pytest.raises(ValueError, match=r"^first_visit_compress='hadamart': expected auto or one of none, direct"):
+    with pytest.raises(ValueError, match=r"^first_visit_compress='hadamart': expected one of auto, none, direct"):
         CompressionConfig(first_visit="hadamart")
     with pytest.raises(ValueError, match=r"^first_visit_bits=None: expected an integer from 1 to 8"):
         CompressionConfig(forward="aqsgd", forward_bits=2, first_visit="hadamard")
