@@ -49,4 +49,4 @@ def test_an_export_is_scored_as_transformers_computes_its_loss(llama, tmp_path, 
         per_sample = [float(hf(input_ids=row[None], labels=row[None]).loss) for row in ids]
     assert len(per_sample) == 4 and loss == pytest.approx(sum(per_sample) / 4, rel=1e-5)
     assert export_score.main(["--dataset", str(corpus), str(tmp_path / "none")]) == 2
-    assert "no exported model (config.json) in" in capsys.readouterr().err
+    assert "no exported model (config.json) or adapter (adapter_config.json) in" in capsys.readouterr().err
