@@ -53,7 +53,12 @@ def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
     for key in ("data.max_train_samples",):  # 0 and None both mean all of them
         if values.get(key) == 0:
             values[key] = None
-    return json.loads(json.dumps(values, default=lambda v: str(v).removeprefix("torch.")))
+    return _json(values)
+
+
+def _json(value: Any) -> Any:
+    """`value` as a manifest holds it (a dtype by its name, a tuple as a list)."""
+    return json.loads(json.dumps(value, default=lambda v: str(v).removeprefix("torch.")))
 
 
 def _from_format_4(theirs: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +127,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     fields_at = dict(destinations())
     for key, f in fields_at.items():
         if key in mine and key not in theirs and "older" in f.metadata:  # written before the setting existed
-            theirs[key] = mine[key] if f.metadata["older"] is THIS_RUN else f.metadata["older"]
+            theirs[key] = mine[key] if f.metadata["older"] is THIS_RUN else _json(f.metadata["older"])
         if f.metadata.get("resume") == KEPT and mine.get(key) == "auto" and theirs.get(key) not in (None, "auto"):
             mine[key] = theirs[key]  # resolved when its run started (a QAdam warm-up's steps): kept, whatever the
             # epochs now resolve it to

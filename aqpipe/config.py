@@ -66,7 +66,7 @@ class DataSettings:
     dataset_config: str | None = setting(None, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1")
     eval_dataset: str | None = setting(None, "a held-out evaluation set, read like --dataset (a local file whole, "
                                              "a hub dataset's validation or test split); without it the last "
-                                             "--eval_fraction of --dataset")
+                                             "--eval_fraction of --dataset", older=None)
     text_column: str | None = setting(None, "a local table's text column; default: GLUE's layouts (sentence, "
                                           "sentence1+sentence2, question+sentence, ..., text), for causal LM 'text' "
                                           "or the one string column")

@@ -48,7 +48,11 @@ def check_choices(section: Any) -> None:
     for f in fields(section):
         allowed = f.metadata.get("choices")
         value = getattr(section, f.name)
-        if allowed is not None and value not in allowed:
+        try:
+            outside = allowed is not None and value not in allowed
+        except TypeError:  # a value a registry cannot look up (a list from a config file)
+            outside = True
+        if outside:
             raise ValueError(f"{f.metadata.get('flag', f.name)}={value!r}: expected one of "
                              f"{', '.join(str(a) for a in allowed)}")
 

@@ -447,6 +447,13 @@ def test_a_manifest_the_previous_format_wrote_resumes_and_refuses_by_flag(tmp_pa
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
     manifest = json.loads((step / "manifest.json").read_text())
+    # format 4 as written before --eval_dataset existed (every run then held out the last eval_fraction)
+    older = {**manifest, "fingerprint": {k: v for k, v in manifest["fingerprint"].items() if k != "eval_dataset"}}
+    (step / "manifest.json").write_text(json.dumps(older))
+    assert run(argv, monkeypatch, world=2).checkpointing.resume == str(step)
+    with pytest.raises(SystemExit):
+        run([*argv, "--eval_dataset", str(step / "manifest.json")], monkeypatch, world=2)
+    assert "eval_dataset=None in the checkpoint" in capsys.readouterr().err
     (step / "manifest.json").write_text(json.dumps({**manifest, "format": 3}))
     with pytest.raises(SystemExit):
         run(argv, monkeypatch, world=2)
@@ -707,3 +714,9 @@ def test_trls_model_and_lora_rank_names_are_aqpipes_settings():
     parser = build_parser(RunConfig, "test")
     args = vars(parser.parse_args(["--model_name_or_path", "some/model", "--lora_r", "16"]))
     assert args["model"] == "some/model" and args["lora.rank"] == 16
+
+
+def test_a_choice_given_as_a_list_in_a_file_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """A choice looked up in a registry (a dict) cannot hash a list: it is named like any other bad choice."""
+    err = refusal({"compression": {"scale_dtype": ["bfloat16"]}}, tmp_path, monkeypatch, capsys)
+    assert err.count("\n") == 1 and "scale_dtype=['bfloat16']: expected one of float32, bfloat16" in err
