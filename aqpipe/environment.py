@@ -51,6 +51,20 @@ def link_latency_s(environ: dict[str, str] | None = None) -> float:
     return ms / 1000.0
 
 
+def link_mbit(environ: dict[str, str] | None = None) -> float | None:
+    """The emulated link rate AQPIPE_LINK_MBIT asks for, in Mbit/s (None: unset, the link as it is)."""
+    raw = (os.environ if environ is None else environ).get("AQPIPE_LINK_MBIT", "")
+    if not raw:
+        return None
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not 0 < rate < float("inf"):
+        raise ValueError(f"AQPIPE_LINK_MBIT={raw!r}: expected a rate in Mbit/s > 0")
+    return rate
+
+
 def show_tracebacks(environ: dict[str, str] | None = None) -> bool:
     """AQPIPE_TRACEBACK set: errors the trainer reports in one line raise with their traceback instead."""
     return bool((os.environ if environ is None else environ).get("AQPIPE_TRACEBACK"))

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import checkpoint, faults, reporters
-from .environment import configure_kernels, link_latency_s
+from .environment import configure_kernels, link_latency_s, link_mbit
 from .placement import place_here
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ def check(cfg: "RunConfig") -> "RunConfig":
     faults.from_env()  # a malformed AQPIPE_FAULT is bad input too
     configure_kernels()  # and AQPIPE_KERNELS, set for the run here, once
     link_latency_s()
+    link_mbit()
     _check_gpus(cfg.distributed.backend)
     cfg = _resumed(cfg)
     _check_output_dir(cfg)

@@ -313,6 +313,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
                                          schedule=cfg.distributed.schedule,
                                          device=world.device, bf16=cfg.bf16, seed=cfg.seed,
                                          skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
+                                         link_mbit=world.link_mbit,
                                          loss_average=cfg.optimization.loss_average,
                                          buffer_keep=None if buffers is None else buffers.keep),
                           compression=cfg.compression if buffers is None else

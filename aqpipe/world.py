@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import RunConfig
-from .environment import launch, link_latency_s, show_tracebacks
+from .environment import launch, link_latency_s, link_mbit, show_tracebacks
 from . import interrupts
 from .host_memory import keep_freed_memory
 from .launch_round import join_group
@@ -36,6 +36,7 @@ class World:
     watchdog: Watchdog | None = None  # a multi-process run's; its store holds the barriers set-up waits at
     round_prefix: str = "aqpipe/0/"  # this launch's keys in the launcher's store (a restart gets new ones)
     link_latency_s: float = 0.0  # an emulated one-way link delay (AQPIPE_LINK_LATENCY_MS), for the benchmarks
+    link_mbit: float | None = None  # an emulated link rate (AQPIPE_LINK_MBIT; None: the link as it is)
 
     @property
     def distributed(self) -> bool:
@@ -58,7 +59,7 @@ def init_world(cfg: RunConfig) -> World:
     if size > 1:
         prefix = join_group(placed.backend, rank, size, timedelta(seconds=cfg.distributed.dist_timeout))
     return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s(),
-                 round_prefix=prefix)
+                 link_mbit=link_mbit(), round_prefix=prefix)
 
 
 def barrier(world: World) -> None:

@@ -15,6 +15,7 @@ a sample's first visit at full precision), and the ratios the issue asks for.
         --rates 100mbit --methods fp32,aqsgd_2_4,fp32_lora,aqsgd_2_4_lora   # 2 stages x 2 replicas, 4 namespaces
     sudo python -m benchmarks.slow_link --quick           # tiny shape, 2 rates, < 2 minutes
     python -m benchmarks.slow_link --quick --no_netns     # not root: loopback, no shaping
+    python -m benchmarks.slow_link --quick --emulate --engines aqpipe   # rates emulated in the transport (a GPU host)
 
 The model is GPT2 as users have it: its LM head tied to the token embedding, so every step also
 moves the tied weight's rows and gradients between the first and the last stage (tie_bytes);
@@ -154,8 +155,9 @@ def write_model(shape: Shape, out: Path) -> Path:
 
 
 def launch(script: list[str], args: list[str], hosts: int, net: Network | None, log: Path, timeout: float,
-           latency_ms: float = 0.0) -> None:
-    """One torchrun agent per host (namespace), one stage each; raises with the log tail on failure."""
+           latency_ms: float = 0.0, link_mbit: float | None = None) -> None:
+    """One torchrun agent per host (namespace), one stage each; raises with the log tail on failure. `link_mbit`:
+    the link emulated in the transport at that rate (AQPIPE_LINK_MBIT) instead of shaped."""
     port = free_port()
     procs: list[subprocess.Popen] = []
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -163,7 +165,7 @@ def launch(script: list[str], args: list[str], hosts: int, net: Network | None, 
         try:
             for i in range(hosts):
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "AQPIPE_LINK_LATENCY_MS": str(latency_ms),
-                       "PYTHONUNBUFFERED": "1"}
+                       "PYTHONUNBUFFERED": "1", "AQPIPE_LINK_MBIT": "" if link_mbit is None else str(link_mbit)}
                 prefix, master = [], "127.0.0.1"
                 if net is not None:
                     env["GLOO_SOCKET_IFNAME"] = net.interface(i)
@@ -300,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(our engine only: DeepSpeed's baseline here is GPT2's)")
     p.add_argument("--latency_ms", type=float, default=0.0, help="one-way delay added per message in our transport")
     p.add_argument("--no_netns", action="store_true", help="no namespaces or shaping: every stage on loopback")
+    p.add_argument("--emulate", action="store_true",
+                   help="no namespaces: every stage on loopback, each rate emulated in our transport "
+                        "(AQPIPE_LINK_MBIT), as on a machine where no namespace can be built (our engine only)")
     p.add_argument("--quick", action="store_true", help="tiny shape, rates unshaped and 20mbit (under 2 minutes)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each engine and method per rate, interleaved (A B A B ...); the median is over "
@@ -343,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--epochs {shape.epochs}: expected at least 2 (the first epoch is not timed)")
     if args.latency_ms < 0:
         p.error(f"--latency_ms {args.latency_ms}: expected >= 0")
-    if args.no_netns and any(r != UNSHAPED for r in rates):
-        p.error("--no_netns cannot shape links: use --rates unshaped, or run as root without --no_netns")
+    if args.emulate and "deepspeed" in engines:
+        p.error("--emulate runs our engine only (DeepSpeed's transport emulates nothing): add --engines aqpipe")
+    args.no_netns = args.no_netns or args.emulate
+    if args.no_netns and not args.emulate and any(r != UNSHAPED for r in rates):
+        p.error("--no_netns cannot shape links: use --rates unshaped, --emulate, or run as root without --no_netns")
     if not args.no_netns and (why := can_build()):
         p.error(why)
 
@@ -374,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                     if engine == "aqpipe":
                         flags += [*METHODS[method], "--schedule", schedule]
                     script = LLAMA_SCRIPT if shape.family == "llama" and engine == "aqpipe" else SCRIPTS[engine]
+                    emulated = rate_bits(rate) / 1e6 if args.emulate and rate != UNSHAPED else None
                     launch(script, flags, hosts, net, run_dir / "launch.log", args.timeout,
-                           args.latency_ms if engine == "aqpipe" else 0.0)
+                           args.latency_ms if engine == "aqpipe" else 0.0, emulated)
                     dirs.setdefault((engine, label), []).append(run_dir)
                     one = steady_figures(run_dir, shape)["seconds_per_step"]
                     print(f"  {engine:>9} {label:>12}: {one:.3f} s/step", flush=True)
@@ -385,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = ratios(rows, rates)
     result = {"shape": asdict(shape), "stages": args.stages, "replicas": args.replicas, "schedules": schedules,
               "repeats": args.repeats,
-              "latency_ms": args.latency_ms, "netns": net is not None,
+              "latency_ms": args.latency_ms, "netns": net is not None, "emulated": args.emulate,
               "namespace_tag": net.tag if net is not None else None,
               "measured_mbit": measured, "rows": rows, "ratios": summary}
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -62,7 +62,8 @@ def _deflate(data: np.ndarray) -> bytes:
     return coder.compress(np.ascontiguousarray(data)) + coder.flush()
 
 
-def _inflate(data: memoryview, nbytes: int) -> bytes:
+def _inflate(data: memoryview, nbytes: int) -> tuple[bytes, int]:
+    """The stream's `nbytes` decoded, and the coded bytes it took (what follows it in `data` is not its own)."""
     coder = zlib.decompressobj(-15)
     try:
         out = coder.decompress(data, nbytes + 1)  # room to read the end of the stream
@@ -70,7 +71,7 @@ def _inflate(data: memoryview, nbytes: int) -> bytes:
         raise CorruptMessage(f"an entropy-coded message of {nbytes} bytes does not decode ({e})") from None
     if len(out) != nbytes or not coder.eof:
         raise CorruptMessage(f"an entropy-coded message decoded to {len(out)} bytes, expected {nbytes}")
-    return out
+    return out, len(data) - len(coder.unused_data)
 
 
 def _bits(histogram: np.ndarray) -> float:
@@ -127,6 +128,11 @@ def decode(buf: torch.Tensor, nbytes: int, out: torch.Tensor | None = None) -> t
     """The `nbytes` message whose coded form begins `buf` (a posted receive: bytes past the coded form are not
     read), written into `out` where given (1-D uint8 on the CPU: pinned memory, for a GPU's copy). CorruptMessage
     where it does not decode to exactly that many bytes."""
+    return decode_sized(buf, nbytes, out)[0]
+
+
+def decode_sized(buf: torch.Tensor, nbytes: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """`decode`'s message, and the bytes its coded form took on the link (a receiver knows only its posted size)."""
     out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
     if out.shape != (nbytes,) or out.dtype != torch.uint8 or out.device.type != "cpu":
         raise ValueError(f"out: expected {nbytes} uint8 bytes on the CPU, got {tuple(out.shape)} {out.dtype} "
@@ -138,7 +144,7 @@ def decode(buf: torch.Tensor, nbytes: int, out: torch.Tensor | None = None) -> t
     if layout == RAW:
         if data.size < nbytes + 1:
             raise CorruptMessage(f"a raw message of {data.size - 1} bytes, expected {nbytes}")
-        return out.copy_(buf[1 : nbytes + 1])
+        return out.copy_(buf[1 : nbytes + 1]), nbytes + 1
     if layout not in (WHOLE, INTERLEAVED) or data.size < _HEADER:
         raise CorruptMessage(f"an entropy-coded message with layout byte {layout}: expected 0, 1 or 3")
     lengths = np.frombuffer(data[1:_HEADER].tobytes(), dtype="<u4").tolist()
@@ -146,6 +152,8 @@ def decode(buf: torch.Tensor, nbytes: int, out: torch.Tensor | None = None) -> t
     targets = _streams(out.numpy(), layout)
     view = memoryview(data)
     pieces = [view[starts[k] : starts[k + 1]] if k < _STREAMS - 1 else view[starts[k] :] for k in range(_STREAMS)]
-    for target, part in zip(targets, _pool().map(_inflate, pieces, [t.size for t in targets])):
+    used = 0
+    for target, (part, taken) in zip(targets, _pool().map(_inflate, pieces, [t.size for t in targets])):
         target[:] = np.frombuffer(part, dtype=np.uint8)
-    return out
+        used = taken  # the last stream's: the others' lengths are in the header
+    return out, starts[-1] + used

@@ -12,10 +12,9 @@ posted ahead (`post_activation` / `post_grad`, then `take_*`): gloo moves a mess
 receive is posted, so a stage that posts all of a step's receives up front overlaps every transfer
 with its own compute instead of paying each one when it needs the tensor.
 
-Emulated link latency (`Wire(latency_s=...)`; the trainer's `AQPIPE_LINK_LATENCY_MS`, default 0): the kernel
-here has no netem, so a one-way delay is added in user space: every receive completes that much later than its
-bytes arrive. It is an upper bound on a real link's cost (a message that was already buffered when
-its receive was posted pays the delay too); data-parallel collectives are not delayed.
+An emulated slow link (`Wire(latency_s=..., mbit=...)`; the trainer's `AQPIPE_LINK_LATENCY_MS` and
+`AQPIPE_LINK_MBIT`): a receive completes when a link of that rate and latency would have delivered its message
+(emulated_link.py), for machines where no namespace can shape one.
 
 A boundary runs in one of three phases: "train" (the configured codecs), "warmup"
 (full precision; aqsgd refreshes its buffer rows so compression starts from them)
@@ -34,6 +33,7 @@ from aqpipe.compression import BackwardCodec, BufferRangeError, ForwardCodec, Me
 from aqpipe.compression.buffers import to_device
 from aqpipe.compression.staging import HostStaging
 
+from .emulated_link import EmulatedLink
 from .participants import StepPart, StepStart
 
 PROBE_REPEATS = 2  # round trips per size in a link probe; the faster counts
@@ -43,41 +43,48 @@ class Incoming:
     """A receive posted ahead of its use. gloo starts moving a message only once its receive is
     posted, so posting early lets the transfer run while this stage computes."""
 
-    def __init__(self, work: object, buf: torch.Tensor, latency_s: float, staging: HostStaging,
-                 device: torch.device, coded: int | None = None) -> None:
-        """`coded`: the message's size where it travels entropy-coded (`buf` then holds its coded form)."""
-        self.work, self.buf, self.latency_s, self.staging, self.device = work, buf, latency_s, staging, device
-        self.coded = coded
+    def __init__(self, work: Any, buf: torch.Tensor, staging: HostStaging, device: torch.device, *, src: int,
+                 link: EmulatedLink, coded: int | None = None) -> None:
+        """`coded`: the message's size where it travels entropy-coded (`buf` then holds its coded form); `link`:
+        the emulated link it crosses from `src`, which stamps `landed_at` when it sees its bytes here."""
+        self.work, self.buf, self.staging, self.device = work, buf, staging, device
+        self.src, self.link, self.coded = src, link, coded
+        self.landed_at: float | None = None
 
     def wait(self) -> torch.Tensor:
-        """The message on the device it was posted for."""
+        """The message on the device it was posted for, once the emulated link (if any) has delivered it."""
         self.work.wait()
-        if self.latency_s:
-            time.sleep(self.latency_s)
-        buf = self.buf
+        ready = time.monotonic()
+        buf, size = self.buf, self.buf.numel()
         if self.coded is not None:  # decoded on the host, into pinned memory where a GPU takes it
-            buf = entropy.decode(buf, self.coded, self.staging.landing(self.coded, torch.uint8, self.device))
-        return self.staging.arrived(buf, self.device)
+            buf, size = entropy.decode_sized(buf, self.coded, self.staging.landing(self.coded, torch.uint8,
+                                                                                    self.device))
+        out = self.staging.arrived(buf, self.device)
+        hold = self.link.hold(self.src, size, self.landed_at, ready)  # decoding counts after the delivery
+        if hold > 0:
+            time.sleep(hold)
+        return out
 
 
 class Wire:
-    """Non-blocking sends and receives. `latency_s`: a one-way delay added to every receive, emulating a distant
-    link on one machine (the benchmarks' --latency_ms). `transport`: the device the process group moves tensors
-    from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through it (compression.staging).
+    """Non-blocking sends and receives. `latency_s`, `mbit`: an emulated link's one-way delay and rate (None:
+    unlimited) on the receiving side (emulated_link.py; the benchmarks' --latency_ms). `transport`: the device the
+    process group moves tensors from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through
+    it (compression.staging).
     `entropy`: messages sent and posted with `code=True` travel entropy-coded (compression.entropy), which needs a
     transport that takes a message shorter than its receive (gloo; NCCL does not): elsewhere it is ignored."""
 
-    def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu", entropy: bool = False) -> None:
-        if not latency_s >= 0:
-            raise ValueError(f"link latency {latency_s!r} s: expected >= 0")
+    def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu", entropy: bool = False,
+                 mbit: float | None = None) -> None:
         self._pending: list[tuple[object, torch.Tensor]] = []
-        self.latency_s = latency_s
+        self.link = EmulatedLink(latency_s, mbit)
         self.staging = HostStaging(transport)
         self.entropy = bool(entropy) and self.staging.transport.type == "cpu"
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None,
              code: bool = False) -> int:
         """Send `payload` (entropy-coded with `code` where this wire codes); the bytes that go on the link."""
+        self.link.stamp()
         payload = self.staging.outgoing(payload)
         if code and self.entropy:
             payload = entropy.encode(payload)
@@ -89,17 +96,21 @@ class Wire:
              code: bool = False) -> Incoming:
         """Start receiving an `nbytes` message from `src` for use on `device` (`code`: as its sender sent it);
         messages from one peer in one group match in posting order."""
+        self.link.stamp()
         coded = code and self.entropy
         buf = self.staging.landing(entropy.capacity(nbytes) if coded else nbytes, torch.uint8,
                                    torch.device("cpu") if coded else device)  # decoded on the host
-        return Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.latency_s, self.staging,
-                        torch.device(device), nbytes if coded else None)
+        incoming = Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.staging, torch.device(device),
+                            src=src, link=self.link, coded=nbytes if coded else None)
+        self.link.watch(incoming)
+        return incoming
 
     def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0,
              group: object | None = None) -> torch.Tensor:
         return self.post(nbytes, src, device, tag, group).wait()
 
     def flush(self) -> None:
+        self.link.stamp()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()

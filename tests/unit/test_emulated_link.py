@@ -1,0 +1,89 @@
+"""The link emulated in the transport (pipeline/emulated_link.py; AQPIPE_LINK_MBIT): a message is held until a link
+of that rate and latency would have delivered it, one message after another per peer, counting from when its bytes
+landed; an entropy-coded one is charged its coded length; without a rate, the latency alone, as before."""
+import pytest
+import torch
+
+from aqpipe.compression import entropy
+from aqpipe.environment import link_mbit
+from aqpipe.pipeline import transport
+from aqpipe.pipeline.emulated_link import EmulatedLink
+
+MB = 1_000_000 // 8  # bytes in one megabit
+
+
+def test_a_rate_serializes_each_peers_messages_and_adds_the_latency():
+    link = EmulatedLink(latency_s=0.05, mbit=10.0)
+    # two 1-Mbit messages from peer 1 landed at t=0, waited for at t=0: 0.1 s each on the link, one after the other
+    assert link.hold(1, MB, 0.0, 0.0) == pytest.approx(0.15)
+    assert link.hold(1, MB, 0.0, 0.0) == pytest.approx(0.25)
+    assert link.hold(2, MB, 0.0, 0.0) == pytest.approx(0.15)  # another peer's link is its own
+    # waited for long after it was due: nothing more to wait (a negative hold is no sleep)
+    assert link.hold(1, MB, 1.0, 5.0) == pytest.approx(1.0 + 0.1 + 0.05 - 5.0)
+    # landing unseen: counted from when its wait found it
+    assert link.hold(3, 2 * MB, None, 7.0) == pytest.approx(0.25)
+
+
+def test_without_a_rate_every_message_waits_the_latency_alone():
+    link = EmulatedLink(latency_s=0.025)
+    assert [link.hold(1, 10 * MB, 0.0, 9.0) for _ in range(2)] == [0.025, 0.025]
+
+
+class Work:
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.done = True
+
+
+def test_the_wire_stamps_a_landing_at_its_next_call_and_charges_a_coded_message_its_coded_length(monkeypatch):
+    clock = [100.0]
+    works: list[Work] = []
+    slept: list[float] = []
+    message = torch.randint(0, 4, (40_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    coded = entropy.encode(message)
+    assert coded.numel() < message.numel() // 2  # 2-bit values: the coded form is far shorter
+
+    def irecv(buf, src, group=None, tag=0):
+        n = min(buf.numel(), coded.numel())
+        buf[:n] = coded[:n]
+        works.append(Work())
+        return works[-1]
+
+    monkeypatch.setattr(transport.dist, "irecv", irecv)
+    monkeypatch.setattr(transport.dist, "isend", lambda payload, dst, group=None, tag=0: Work())
+    monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(transport.time, "sleep", slept.append)
+    monkeypatch.setattr("aqpipe.pipeline.emulated_link.time.monotonic", lambda: clock[0])
+    wire = transport.Wire(latency_s=0.01, mbit=1.0, entropy=True)
+    incoming = wire.post(message.numel(), 1, torch.device("cpu"), code=True)
+    works[-1].done, clock[0] = True, 101.0  # its bytes land at 101
+    wire.send(torch.zeros(4, dtype=torch.uint8), 1)  # the wire's next call sees them
+    clock[0] = 101.02  # the stage computes on; then waits for the message, still on the link
+    assert torch.equal(incoming.wait(), message)
+    due = 101.0 + coded.numel() * 8 / 1e6 + 0.01
+    assert slept == [pytest.approx(due - 101.02)] and due - 101.02 > 0.05
+    # the same message whole (no coding) costs its whole size, and a later landing counts from the link's end
+    plain = transport.Wire(latency_s=0.01, mbit=1.0)
+    first = plain.post(1000, 1, torch.device("cpu"))
+    second = plain.post(1000, 1, torch.device("cpu"))
+    works[-2].done = works[-1].done = True
+    clock[0] = 104.0
+    plain.flush()  # both landed at 104
+    slept.clear()
+    first.wait(), second.wait()
+    assert slept == [pytest.approx(0.008 + 0.01), pytest.approx(0.016 + 0.01)]
+
+
+def test_the_rate_is_read_from_the_environment_and_a_bad_one_is_named():
+    assert link_mbit({}) is None and link_mbit({"AQPIPE_LINK_MBIT": ""}) is None
+    assert link_mbit({"AQPIPE_LINK_MBIT": "100"}) == 100.0
+    for bad in ("0", "-5", "fast", "inf"):
+        with pytest.raises(ValueError, match=f"AQPIPE_LINK_MBIT='{bad}': expected a rate in Mbit/s > 0"):
+            link_mbit({"AQPIPE_LINK_MBIT": bad})
+    with pytest.raises(ValueError, match="link rate 0 Mbit/s: expected > 0"):
+        EmulatedLink(mbit=0)
