@@ -5,8 +5,9 @@ micro-batch, micro-batch count and sequence length, the same optimizer (AdamW, f
 it), the same clipping (norm 1.0) and, with --bf16, the same autocast over float32 weights. Each runs in a fresh
 process: the plain loop in this module's own (`--plain`), the engine as users launch it (`python -m aqpipe causal-lm
 ...`), its seconds a step read from its metrics. Printed: seconds a step (median after the first steps), tokens a
-second, the ratio plain / engine (1.0x: no overhead), and the peak GPU memory of the plain loop. The ratio is the
-figure: both run in one call, on one machine, one after the other.
+second, the ratios plain / engine (1.0x: no overhead) and compiled plain / engine (the same loop with
+`torch.compile(model)`: the model, its head and its loss compiled whole), and the plain loops' peak GPU memory. The
+ratios are the figure: every run in one call, on one machine, one after the other.
 
     python -m benchmarks.step_overhead                              # CPU: a small shape, ~3 min on 2 cores
     python -m benchmarks.step_overhead --device cuda --shape 1b --bf16 --variants ,--compile,--param_dtype=bfloat16
@@ -51,13 +52,16 @@ def write_model(path: Path, shape: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def plain_loop(path: Path, device: str, bf16: bool, mb: int, micro: int, seq: int, steps: int) -> dict[str, Any]:
-    """A plain HF loop: float32 weights, the loss / micro backwarded per micro-batch, clipping, AdamW."""
+def plain_loop(path: Path, device: str, bf16: bool, mb: int, micro: int, seq: int, steps: int,
+               compiled: bool = False) -> dict[str, Any]:
+    """A plain HF loop: float32 weights, the loss / micro backwarded per micro-batch, clipping, AdamW; `compiled`:
+    the model under torch.compile, its head and loss inside the compiled graph."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.config.use_cache = False
     model.train()
+    forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device == "cuda")
     g = torch.Generator(device=device).manual_seed(0)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
@@ -68,7 +72,7 @@ def plain_loop(path: Path, device: str, bf16: bool, mb: int, micro: int, seq: in
         for _ in range(micro):
             ids = torch.randint(0, model.config.vocab_size, (mb, seq), device=device, generator=g)
             with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = forward(input_ids=ids, labels=ids).loss
             (loss / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -76,7 +80,7 @@ def plain_loop(path: Path, device: str, bf16: bool, mb: int, micro: int, seq: in
         sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    del model, optimizer
+    del model, forward, optimizer
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"seconds": times, "peak_gib": peak}
@@ -98,14 +102,17 @@ def engine(path: Path, work: Path, device: str, bf16: bool, mb: int, micro: int,
     return {"seconds": [r["seconds"] for r in rows], "peak_gib": None}
 
 
-def plain_process(path: Path, work: Path, device: str, bf16: bool, mb: int, micro: int, seq: int, steps: int
-                  ) -> dict[str, Any]:
+def plain_process(path: Path, work: Path, device: str, bf16: bool, mb: int, micro: int, seq: int, steps: int,
+                  compiled: bool = False) -> dict[str, Any]:
     """plain_loop in a fresh process, as the engine runs: neither inherits this one's allocations."""
-    out = work / "plain.json"
+    out = work / f"plain{'_compiled' if compiled else ''}.json"
     failed = _run([sys.executable, "-m", "benchmarks.step_overhead", "--plain", str(path), "--json", str(out),
                    "--device", device, *(["--bf16"] if bf16 else []), "--micro_batch_size", str(mb),
-                   "--num_micro_batches", str(micro), "--seq_len", str(seq), "--steps", str(steps)], device)
+                   "--num_micro_batches", str(micro), "--seq_len", str(seq), "--steps", str(steps),
+                   *(["--compiled_plain"] if compiled else [])], device)
     if failed:
+        if compiled:  # a compiler missing, say: reported as the engine's variants are
+            return {"seconds": [], "peak_gib": None, "failed": failed}
         raise SystemExit(f"step_overhead: the plain loop, the baseline, {failed}")
     return json.loads(out.read_text())
 
@@ -140,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=3, help="first steps left out of the median (warm-up, compilation)")
     p.add_argument("--variants", default="", help="the engine's extra flags per run, comma-separated ('' = none)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--no_compiled_plain", dest="compiled_plain", action="store_false",
+                   help="leave out the compiled plain loop's row (its compilation takes a minute or two)")
+    p.add_argument("--compiled_plain", action="store_true", help=argparse.SUPPRESS)  # internal, with --plain
     p.add_argument("--plain", help=argparse.SUPPRESS)  # internal: run the plain loop on this checkpoint alone
     args = p.parse_args(argv)
     torch.manual_seed(0)
     job = (args.device, args.bf16, args.micro_batch_size, args.num_micro_batches, args.seq_len, args.steps)
     if args.plain:
-        Path(args.json).write_text(json.dumps(plain_loop(Path(args.plain), *job)))
+        Path(args.json).write_text(json.dumps(plain_loop(Path(args.plain), *job, compiled=args.compiled_plain)))
         return 0
     tokens = args.micro_batch_size * args.num_micro_batches * args.seq_len
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -155,25 +165,31 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         result["parameters"] = write_model(work / "model", args.shape)
         runs = {"plain HF loop": lambda: plain_process(work / "model", work, *job)}
+        if args.compiled_plain:
+            runs["plain HF loop, torch.compile(model)"] = lambda: plain_process(work / "model", work, *job,
+                                                                                compiled=True)
         for variant in args.variants.split(","):
             extra = variant.split() if variant else []
             runs["aqpipe, 1 stage" + (f" {variant}" if variant else "")] = \
                 lambda extra=extra: engine(work / "model", work, *job, extra)
         print(f"{result['device']}, {result['parameters'] / 1e6:.0f}M parameters, {tokens} tokens a step, "
               f"bf16={args.bf16}, {result['threads']} threads")
-        print("| run | s/step | tokens/s | plain / run | peak GiB |\n|---|---|---|---|---|")
-        base = None
+        print("| run | s/step | tokens/s | plain / run | compiled plain / run | peak GiB |\n|---|---|---|---|---|---|")
+        base = compiled = None
         for name, fn in runs.items():
             figures = fn()
             if figures.get("failed"):  # a variant that fails (a compiler missing, say) is reported, not fatal
                 result["runs"][name] = figures
-                print(f"| {name} | failed | - | - | - |\n{figures['failed']}", flush=True)
+                print(f"| {name} | failed | - | - | - | - |\n{figures['failed']}", flush=True)
                 continue
             s = median_after(figures["seconds"], args.skip)
             base = base or s
+            if "torch.compile" in name:
+                compiled = s
             result["runs"][name] = {**figures, "median": s}
             peak = "-" if figures["peak_gib"] is None else f"{figures['peak_gib']:.1f}"
-            print(f"| {name} | {s:.3f} | {tokens / s:.0f} | {base / s:.2f}x | {peak} |", flush=True)
+            versus = "-" if compiled is None else f"{compiled / s:.2f}x"
+            print(f"| {name} | {s:.3f} | {tokens / s:.0f} | {base / s:.2f}x | {versus} | {peak} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
