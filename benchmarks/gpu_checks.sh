@@ -39,6 +39,7 @@ step bench_quantize 120 python3 -m benchmarks.bench_quantize --device cuda --bac
 step aqsgd_messages 90 python3 -m benchmarks.aqsgd_messages --device cuda --shape 4,1024,2048 --micro_batches 4 --layers 8
 step step_overhead 240 python3 -m benchmarks.step_overhead --device cuda --shape 1b --bf16 --micro_batch_size 4 \
     --num_micro_batches 4 --seq_len 1024 --steps 10 --variants ",--param_dtype=bfloat16,--compile" --json "$out/step_overhead.json"
+step big_job 540 python3 -m benchmarks.big_job --work "$work/big_job" --json "$out/big_job.json"
 export -f dp_rows
 export work
 step dp_rows 150 bash -c dp_rows
