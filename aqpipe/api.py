@@ -25,7 +25,8 @@ def flag_destinations() -> dict[str, str]:
 
 def as_layer(values: dict[str, Any]) -> dict[str, Any]:
     """Settings by flag name as a config layer: top-level fields by name, section fields as {"section": {...}}."""
-    dests = {**flag_destinations(), **{name: name for name in (*SECTION_SHORTHANDS, *trainer_flags.FLAGS)}}
+    dests = {**flag_destinations(), **{name: name for name in (*SECTION_SHORTHANDS, *trainer_flags.FLAGS,
+                                                                "use_peft")}}
     unknown = [name for name in values if name not in dests]
     if unknown:
         raise ValueError(f"unknown setting {unknown[0]!r}: expected a flag's name without its dashes "

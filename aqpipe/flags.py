@@ -51,8 +51,9 @@ HF_NOTED = {
     "save_strategy": "aqpipe saves every --save_steps (= --save_every) steps and at the end",
     "per_device_eval_batch_size": "aqpipe evaluates in micro-batches of --per_device_train_batch_size",
     "push_to_hub": "aqpipe writes the model (and a LoRA run's adapter) to --output_dir and pushes nothing",
-    "use_peft": "aqpipe trains LoRA adapters where --lora_r (= --lora_rank) is given (TRL's default rank is 16)",
 }
+# TRL's --use_peft: LoRA with TRL's ModelConfig defaults wherever no layer (a file, a flag) sets the value
+USE_PEFT = {"rank": 16, "alpha": 32.0, "dropout": 0.05}
 
 SECTION_SHORTHANDS = {  # one flag for several settings; a one-sided flag given beside it wins
     "group_size": ("elements per quantization group on both boundaries, auto, or none for whole rows; sets "
@@ -245,6 +246,10 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
                 p.add_argument(f"--no_{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
     for name, (text, _) in SECTION_SHORTHANDS.items():
         p.add_argument(f"--{name}", type=int_or_word, help=text)
+    p.add_argument("--use_peft", type=switch, nargs="?", const=True, metavar="BOOL",
+                   help="TRL's: train LoRA adapters, with TRL's rank 16, alpha 32 and dropout 0.05 where --lora_r, "
+                        "--lora_alpha and --lora_dropout (or a file) do not set them; --lora_r alone also trains "
+                        "adapters in aqpipe")
     for name, note in HF_NOTED.items():
         p.add_argument(f"--{name}", dest=f"noted.{name}", help=f"HF's and TRL's flag, taken and not used: {note}",
                        metavar=name.upper(), nargs="?", const=True)  # a switch of theirs (--push_to_hub) too

@@ -4,6 +4,7 @@ launcher's world, then the checks that read files (preflight.py), frozen from he
 and one line naming it."""
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
@@ -12,7 +13,7 @@ from . import config_file, preflight, trainer_flags
 from .config import SECTIONS, RunConfig, destinations
 from .environment import launch
 from .presets import preset_layer
-from .flags import build_parser, given, parse_text
+from .flags import USE_PEFT, build_parser, given, parse_text, switch
 from .speech import speaks
 
 
@@ -92,18 +93,36 @@ def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
     blocks (trainer_flags.py), and DeepSpeed's train_batch_size apart: a key checked against the batch, not a
     setting."""
     edits: dict[str, Any] = {}
+    use_peft = False  # TRL's switch: LoRA with its defaults; the last layer that gives it decides
     for layer in layers:
         edits.update(trainer_flags.split(layer)[1])
+        if "use_peft" in layer:
+            use_peft = _switch("use_peft", layer["use_peft"])
+    layers = [{k: v for k, v in layer.items() if k != "use_peft"} for layer in layers]
     parsed = [parse_text(RunConfig, nest(trainer_flags.split(layer)[0])) for layer in layers]
     # a compression preset: a layer of its own above the task's defaults (the first layer), under all else given
     preset = next((p["compression_preset"] for p in reversed(parsed) if p.get("compression_preset") is not None),
                   None)
     values = _merge(*parsed[:1], preset_layer(preset), *parsed[1:])
+    if use_peft:  # TRL's LoRA defaults, under every value a layer gives
+        lora = values.setdefault("lora", {})
+        for name, value in USE_PEFT.items():
+            lora.setdefault(name, value)
     if edits:
         defaults, optim = RunConfig(task="causal_lm").optimization, values.setdefault("optimization", {})
         optim["optimizer"], optim["scheduler"] = trainer_flags.apply(
             optim.get("optimizer", defaults.optimizer), optim.get("scheduler", defaults.scheduler), edits)
     return values, values.pop("_train_batch_size", None)
+
+
+def _switch(name: str, value: Any) -> bool:
+    """A switch given as a bool or as text ("True", as HF's parser takes it)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return switch(str(value))
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
 
 
 def finalize(task: str, layers: list[dict[str, Any]]) -> RunConfig:

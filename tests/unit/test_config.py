@@ -690,6 +690,32 @@ def test_hf_flags_aqpipe_does_its_own_way_are_said_in_one_line_and_change_nothin
     assert "note: --push_to_hub True: aqpipe writes the model" in err
 
 
+@pytest.mark.parametrize("words, lora", [
+    (["--use_peft"], (16, 32.0, 0.05)),  # TRL's ModelConfig defaults
+    (["--use_peft", "True", "--lora_r", "8"], (8, 32.0, 0.05)),
+    (["--use_peft", "--lora_alpha", "4", "--lora_dropout", "0"], (16, 4.0, 0.0)),
+    (["--use_peft", "false"], (0, None, None)),
+    (["--lora_r", "8"], (8, None, None)),  # aqpipe's own: a rank alone trains adapters, with PEFT's defaults
+])
+def test_use_peft_trains_lora_with_trls_defaults_under_what_is_given(words, lora, monkeypatch):
+    cfg = run(words, monkeypatch).lora
+    assert (cfg.rank, cfg.alpha, cfg.dropout) == lora
+
+
+def test_use_peft_keeps_a_files_lora_settings_and_the_api_takes_it(tmp_path, monkeypatch):
+    from aqpipe.api import as_layer
+    from aqpipe.settings import finalize
+
+    path = tmp_path / "lora.json"
+    path.write_text(json.dumps({"lora": {"rank": 4}}))
+    cfg = run(["--deepspeed_config", str(path), "--use_peft"], monkeypatch).lora
+    assert (cfg.rank, cfg.alpha, cfg.dropout) == (4, 32.0, 0.05)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert finalize("causal_lm", [{}, as_layer({"use_peft": "True"})]).lora.rank == 16
+    with pytest.raises(ValueError, match="use_peft='maybe': 'maybe': expected true or false"):
+        finalize("causal_lm", [{}, as_layer({"use_peft": "maybe"})])
+
+
 @pytest.mark.parametrize("words, value", [(["--packing"], True), (["--packing", "True"], True),
                                           (["--packing=yes"], True), (["--packing", "false"], False),
                                           (["--packing", "0"], False), (["--no_assistant_only_loss"], False),
