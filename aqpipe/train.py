@@ -403,8 +403,9 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
                 break
             injector.before_step(progress.step + 1)
             m = engine.train_batch([to_device(mb) for mb in mbs], epoch)
-            progress.add(m, epoch, index + 1, time.perf_counter() - started)
-            record = step_record(m, sum(len(mb["sample_id"]) for mb in mbs) * replicas, progress.num_tokens)
+            samples = sum(len(mb["sample_id"]) for mb in mbs) * replicas
+            progress.add(m, epoch, index + 1, time.perf_counter() - started, samples)
+            record = step_record(m, samples, progress.num_tokens)
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
                 progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task, progress), progress.step
                 record.update(progress.evals)
@@ -450,7 +451,8 @@ def summarize(cfg: RunConfig, world: World, progress: Progress, engine: Pipeline
         "final_loss": losses[-1] if losses else None,
         "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
         **evals, **progress.totals, "seconds": elapsed,
-        "samples_per_s": samples_per_step * step / elapsed if elapsed else None, "world_size": world.size,
+        "samples_per_s": (samples_per_step * step if progress.samples is None else progress.samples) / elapsed
+        if elapsed else None, "world_size": world.size,
         "model_dir": model_dir, "skipped_steps": engine.skipped_steps, "resumed_from": cfg.checkpointing.resume,
         "config": cfg.to_dict(),
     }

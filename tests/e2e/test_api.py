@@ -6,6 +6,8 @@ line."""
 import json
 import subprocess
 
+import pytest
+
 from tests.helpers.processes import checkout_env, free_port
 from aqpipe.data import BUILTIN_CHAT_TEMPLATES
 from tests.helpers.chat import chat_llama_dir
@@ -61,6 +63,8 @@ def test_the_api_runs_a_chat_job_from_a_script_under_torchrun(tmp_path):
     assert tokens[-1] % 4 == 0 and 12 <= tokens[-1] <= 24, tokens
     losses = [s["loss"] for s in steps]
     assert losses[-1] < losses[0], losses
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["samples_per_s"] * summary["seconds"] == pytest.approx(27)  # the samples trained, not 7 x 4
     saved = json.loads((tmp_path / "out" / "model" / "config.json").read_text())
     assert saved["architectures"] == ["LlamaForCausalLM"]
     exported = tmp_path / "out" / "model" / "chat_template.jinja"  # the model chats the way it was trained
