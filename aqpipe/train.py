@@ -256,7 +256,7 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
         return None
     stage = grid.coords(world.rank)[0]
     counts = datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
-                                  total_steps, keep_partial=True)
+                                  total_steps, last="keep")
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
     resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None
@@ -367,7 +367,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     stages = cfg.distributed.pipeline_stages
     replicas = Grid.for_world(world.size, stages).replicas  # the engine's grid, as build_engine makes it
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
-                                        keep_partial=True)  # an epoch's last, partial batch is kept, as HF keeps it
+                                        last="keep")  # an epoch's last, partial batch is kept, as HF keeps it
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     cfg = cfg.for_run(total_steps)
     adapters = None if not cfg.lora.enabled else lora_config(
@@ -397,7 +397,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
         batches = datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch=epoch,
-                                        seed=cfg.seed, shard=(engine.groups.replica, replicas), keep_partial=True)
+                                        seed=cfg.seed, shard=(engine.groups.replica, replicas), last="keep")
         for index, mbs in enumerate(itertools.islice(batches, done, None), start=done):
             if progress.step >= total_steps:
                 break

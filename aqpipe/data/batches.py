@@ -10,6 +10,9 @@ import torch
 from torch.utils.data import Dataset
 from aqpipe.compression.fields import check_int, is_int
 
+# what an epoch's last, partial batch becomes: dropped, filled up from the start of the shard's epoch order, or kept
+# as it is (HF's and TRL's way: fewer micro-batches, the last of them shorter)
+LAST_BATCHES = ("drop", "fill", "keep")
 
 
 def shard_size(num_samples: int, count: int) -> int:
@@ -21,16 +24,17 @@ def shard_size(num_samples: int, count: int) -> int:
 
 
 def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, shard_count: int = 1,
-                    *, drop_last: bool = True, keep_partial: bool = False) -> int:
+                    *, last: str = "drop") -> int:
     """Optimizer steps in one epoch: one global batch (micro_batch_size x num_micro_batches x
     shard_count samples) per step, each replica's part taken from its own shard (`shard_size`); a
-    partial last batch is dropped, or with drop_last=False filled up from the start of the shard's
-    epoch order, or with keep_partial taken as it is (HF's and TRL's way: fewer micro-batches, the
-    last of them shorter). The same for every replica, so they stay in step."""
+    partial last batch as `last` says (LAST_BATCHES). The same for every replica, so they stay in step."""
     for name, value in (("micro_batch_size", micro_batch_size), ("num_micro_batches", num_micro_batches),
                         ("shard_count", shard_count)):
         check_int(name, value, 1, what="an int >= 1")
+    if last not in LAST_BATCHES:
+        raise ValueError(f"last={last!r}: expected one of {', '.join(LAST_BATCHES)}")
     size = micro_batch_size * num_micro_batches * shard_count
+    keep_partial = last == "keep"
     if keep_partial and len(dataset) < shard_count:
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than the {shard_count} replicas: expected at "
                          "least one sample a replica")
@@ -39,7 +43,7 @@ def steps_per_epoch(dataset: Dataset, micro_batch_size: int, num_micro_batches: 
                          f"(micro_batch_size={micro_batch_size} x num_micro_batches={num_micro_batches} x "
                          f"shard_count={shard_count}): expected a larger dataset or smaller batches")
     shard, per_replica = shard_size(len(dataset), shard_count), micro_batch_size * num_micro_batches
-    return shard // per_replica if drop_last and not keep_partial else math.ceil(shard / per_replica)
+    return shard // per_replica if last == "drop" else math.ceil(shard / per_replica)
 
 
 def sequential_batches(dataset: Dataset, micro_batch_size: int,
@@ -54,11 +58,11 @@ def sequential_batches(dataset: Dataset, micro_batch_size: int,
 
 
 def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, epoch: int, seed: int,
-                  shard: tuple[int, int] = (0, 1), drop_last: bool = True, *,
-                  shuffle: bool = True, keep_partial: bool = False) -> Iterator[list[dict[str, Any]]]:
-    """Per optimizer step, this replica's `num_micro_batches` micro-batches of `micro_batch_size` (with
-    `keep_partial`, the epoch's last step takes what is left of the shard: as many micro-batches as it fills,
-    the last of them shorter).
+                  shard: tuple[int, int] = (0, 1), *, last: str = "drop",
+                  shuffle: bool = True) -> Iterator[list[dict[str, Any]]]:
+    """Per optimizer step, this replica's `num_micro_batches` micro-batches of `micro_batch_size`; the epoch's
+    partial last step as `last` says (LAST_BATCHES: with "keep", what is left of the shard, as many micro-batches
+    as it fills, the last of them shorter).
 
     `shard=(index, count)`: replica `index` of `count` trains on a fixed shard of
     `shard_size(len(dataset), count)` samples drawn from `seed` alone, so a sample stays in one
@@ -73,10 +77,9 @@ def micro_batches(dataset: Dataset, micro_batch_size: int, num_micro_batches: in
     index, count = _check_shard(shard)
     for name, value in (("epoch", epoch), ("seed", seed)):
         check_int(name, value, 0, what="an int >= 0")
-    steps = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, count, drop_last=drop_last,
-                            keep_partial=keep_partial)
+    steps = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, count, last=last)
     members = _shard_members(len(dataset), seed, index, count)
-    visits = len(members) if keep_partial else steps * micro_batch_size * num_micro_batches
+    visits = len(members) if last == "keep" else steps * micro_batch_size * num_micro_batches
     order = _epoch_order(len(members), seed, epoch, visits, shuffle)
     return _steps(dataset, members, order, steps, micro_batch_size, num_micro_batches)
 
@@ -89,17 +92,17 @@ def _epoch_order(size: int, seed: int, epoch: int, visits: int, shuffle: bool = 
 
 
 def visit_counts(dataset: Dataset, micro_batch_size: int, num_micro_batches: int, seed: int, shard_count: int,
-                 total_steps: int, *, keep_partial: bool = False) -> np.ndarray:
+                 total_steps: int, *, last: str = "drop") -> np.ndarray:
     """How often a run of `total_steps` steps visits each position of a replica's shard (the same for every
     replica: each shuffles its shard alike), in the order `micro_batches` gives: which samples AQ-SGD's buffers
     will read back (those visited twice or more), and how often."""
     check_int("total_steps", total_steps, 0)
-    per_epoch = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, shard_count, keep_partial=keep_partial)
+    per_epoch = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, shard_count, last=last)
     size, per_step = shard_size(len(dataset), shard_count), micro_batch_size * num_micro_batches
     counts = np.zeros(size, dtype=np.int64)
     for epoch in range(math.ceil(total_steps / per_epoch)):
         steps = min(per_epoch, total_steps - epoch * per_epoch)
-        np.add.at(counts, _epoch_order(size, seed, epoch, min(steps * per_step, size) if keep_partial
+        np.add.at(counts, _epoch_order(size, seed, epoch, min(steps * per_step, size) if last == "keep"
                                        else steps * per_step), 1)
     return counts
 

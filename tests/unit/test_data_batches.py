@@ -96,7 +96,7 @@ def test_one_replica_keeps_the_order_of_earlier_versions():
         steps = list(data.micro_batches(ds, 3, 2, epoch=epoch, seed=seed))
         assert order(steps) == global_ids(steps) == [expected[k * per_step:(k + 1) * per_step].tolist()
                                                      for k in range(n // per_step)]
-        padded = order(data.micro_batches(ds, 3, 2, epoch, seed, drop_last=False))
+        padded = order(data.micro_batches(ds, 3, 2, epoch, seed, last="fill"))
         filled = np.concatenate([expected, expected[:4]])  # 9 steps of 6: the last takes 4 from the start
         assert padded == [filled[k * per_step:(k + 1) * per_step].tolist() for k in range(9)]
     assert data.shard_size(50, 1) == 50
@@ -119,12 +119,14 @@ def test_sample_ids_are_positions_in_the_shard_each_always_the_same_sample():
 
 def test_padding_fills_the_last_batch_from_the_start_of_the_shards_epoch_order():
     ds, replicas = toy(50), 3
-    assert data.steps_per_epoch(ds, 2, 2, replicas, drop_last=False) == 4  # 16 per shard: nothing to fill
+    assert data.steps_per_epoch(ds, 2, 2, replicas, last="fill") == 4  # 16 per shard: nothing to fill
     assert data.steps_per_epoch(ds, 3, 2, replicas) == 2  # 16 // 6
-    assert data.steps_per_epoch(ds, 3, 2, replicas, drop_last=False) == 3  # the last with 2 from the start
+    assert data.steps_per_epoch(ds, 3, 2, replicas, last="fill") == 3  # the last with 2 from the start
+    with pytest.raises(ValueError, match="last='pad': expected one of drop, fill, keep"):
+        data.steps_per_epoch(ds, 3, 2, replicas, last="pad")
     for r in range(replicas):
         dropped = flat(order(data.micro_batches(ds, 3, 2, 1, 0, (r, replicas))))
-        padded = order(data.micro_batches(ds, 3, 2, 1, 0, (r, replicas), drop_last=False))
+        padded = order(data.micro_batches(ds, 3, 2, 1, 0, (r, replicas), last="fill"))
         assert [len(step) for step in padded] == [6, 6, 6]
         ids = flat(padded)
         assert ids[:12] == dropped and sorted(ids[:16]) == list(range(16)) and ids[16:] == ids[:2]
@@ -137,20 +139,20 @@ def test_the_last_partial_batch_of_an_epoch_is_kept_as_hf_keeps_it(replicas):
     replica; the run's visit counts are these visits."""
     ds = toy(27 + replicas - 1)  # 2 replicas: 28 samples, shards of 14
     shard = data.shard_size(len(ds), replicas)
-    steps = data.steps_per_epoch(ds, 2, 2, replicas, keep_partial=True)
+    steps = data.steps_per_epoch(ds, 2, 2, replicas, last="keep")
     assert steps == -(-shard // 4) and steps > data.steps_per_epoch(ds, 2, 2, replicas)
     for r in range(replicas):
-        batches = list(data.micro_batches(ds, 2, 2, epoch=1, seed=3, shard=(r, replicas), keep_partial=True))
+        batches = list(data.micro_batches(ds, 2, 2, epoch=1, seed=3, shard=(r, replicas), last="keep"))
         assert len(batches) == steps
         sizes = [[len(mb["sample_id"]) for mb in step] for step in batches]
         assert sizes[:-1] == [[2, 2]] * (steps - 1) and sum(sizes[-1]) == shard - 4 * (steps - 1)
         assert sizes[-1] == ([2] * ((shard % 4) // 2) + [1] * (shard % 2))  # the micro-batches it fills
         seen = sorted(i for step in order(batches) for i in step)
         assert seen == list(range(shard))  # positions in the shard: each once
-    counts = data.visit_counts(ds, 2, 2, seed=3, shard_count=replicas, total_steps=2 * steps, keep_partial=True)
+    counts = data.visit_counts(ds, 2, 2, seed=3, shard_count=replicas, total_steps=2 * steps, last="keep")
     assert counts.tolist() == [2] * shard
-    counts = data.visit_counts(ds, 2, 2, seed=3, shard_count=replicas, total_steps=steps + 1, keep_partial=True)
-    first = order(data.micro_batches(ds, 2, 2, epoch=1, seed=3, shard=(0, replicas), keep_partial=True))[0]
+    counts = data.visit_counts(ds, 2, 2, seed=3, shard_count=replicas, total_steps=steps + 1, last="keep")
+    first = order(data.micro_batches(ds, 2, 2, epoch=1, seed=3, shard=(0, replicas), last="keep"))[0]
     assert sorted(np.flatnonzero(counts == 2).tolist()) == sorted(first)  # epoch 1's first step, visited again
 
 
