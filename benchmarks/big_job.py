@@ -17,6 +17,7 @@ import argparse
 import json
 import lzma
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,9 +94,16 @@ def run(model: Path, text: Path, out: Path, wire: list[str], link: dict[str, str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29671", "-m",
            "aqpipe", "causal-lm", "--model", str(model), "--dataset", str(text), *job, *wire,
            "--output_dir", str(out), "--overwrite_output_dir"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate()
+    except BaseException:  # a time limit's SIGTERM or Ctrl-C: no worker is left holding the GPU
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     if proc.returncode:
-        return {"failed": f"{' '.join(cmd)}:\n{proc.stderr[-3000:]}"}
+        return {"failed": f"{' '.join(cmd)}:\n{err[-3000:]}"}
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"lr"' in line]
     later = steps[1:] or steps
     return {"s_per_step": statistics.median(s["seconds"] for s in later), "steps": len(steps),
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/big_job", help="where the weights and the runs go (the weights kept)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     shape, steps, seq = ("quick", 3, 64) if args.quick else ("8b", args.steps, args.seq_len)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (--device cpu with --quick runs the tiny shape)")
@@ -138,16 +147,22 @@ def main(argv: list[str] | None = None) -> int:
             out = work / "runs" / f"{wire_name.split()[0]}_{link_name.split()[0]}"
             figures = run(model, text, out, wire, link, job, args.device)
             result["runs"][f"{wire_name} | {link_name}"] = figures
+            if args.json:  # after every run: a run cut short by a time limit keeps what was measured
+                Path(args.json).write_text(json.dumps(result, indent=2))
             if "failed" in figures:
                 print(f"| {wire_name} | {link_name} | failed | | | | |\n{figures['failed']}", flush=True)
                 continue
-            free = free or figures["s_per_step"]
+            if not link:
+                free = figures["s_per_step"]
             mb = [figures[k] / 1e6 for k in ("fwd_bytes", "bwd_bytes", "tie_bytes")]
+            versus = "-" if free is None else f"{figures['s_per_step'] / free:.2f}x"
             print(f"| {wire_name} | {link_name} | {figures['s_per_step']:.2f} | {mb[0]:.2f} | {mb[1]:.2f} | "
-                  f"{mb[2]:.2f} | {figures['s_per_step'] / free:.2f}x |", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+                  f"{mb[2]:.2f} | {versus} |", flush=True)
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through run(): its torchrun group is killed
 
 
 if __name__ == "__main__":

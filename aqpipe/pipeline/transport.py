@@ -46,21 +46,23 @@ class Incoming:
     def __init__(self, work: Any, buf: torch.Tensor, staging: HostStaging, device: torch.device, *, src: int,
                  link: EmulatedLink, coded: int | None = None) -> None:
         """`coded`: the message's size where it travels entropy-coded (`buf` then holds its coded form); `link`:
-        the emulated link it crosses from `src`, which stamps `landed_at` when it sees its bytes here."""
+        the emulated link it crosses from `src` (which takes when its bytes land, where it has a rate)."""
         self.work, self.buf, self.staging, self.device = work, buf, staging, device
         self.src, self.link, self.coded = src, link, coded
-        self.landed_at: float | None = None
+        self.landing = link.watch(work, blocking=staging.transport.type == "cpu")
 
     def wait(self) -> torch.Tensor:
         """The message on the device it was posted for, once the emulated link (if any) has delivered it."""
-        self.work.wait()
+        landed_at = None if self.landing is None else self.landing.wait()
+        if self.landing is None or not self.landing.blocking:
+            self.work.wait()
         ready = time.monotonic()
         buf, size = self.buf, self.buf.numel()
         if self.coded is not None:  # decoded on the host, into pinned memory where a GPU takes it
             buf, size = entropy.decode_sized(buf, self.coded, self.staging.landing(self.coded, torch.uint8,
                                                                                     self.device))
         out = self.staging.arrived(buf, self.device)
-        hold = self.link.hold(self.src, size, self.landed_at, ready)  # decoding counts after the delivery
+        hold = self.link.hold(self.src, size, landed_at, ready)  # decoding counts after the delivery
         if hold > 0:
             time.sleep(hold)
         return out
@@ -84,7 +86,6 @@ class Wire:
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None,
              code: bool = False) -> int:
         """Send `payload` (entropy-coded with `code` where this wire codes); the bytes that go on the link."""
-        self.link.stamp()
         payload = self.staging.outgoing(payload)
         if code and self.entropy:
             payload = entropy.encode(payload)
@@ -96,21 +97,17 @@ class Wire:
              code: bool = False) -> Incoming:
         """Start receiving an `nbytes` message from `src` for use on `device` (`code`: as its sender sent it);
         messages from one peer in one group match in posting order."""
-        self.link.stamp()
         coded = code and self.entropy
         buf = self.staging.landing(entropy.capacity(nbytes) if coded else nbytes, torch.uint8,
                                    torch.device("cpu") if coded else device)  # decoded on the host
-        incoming = Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.staging, torch.device(device),
-                            src=src, link=self.link, coded=nbytes if coded else None)
-        self.link.watch(incoming)
-        return incoming
+        return Incoming(dist.irecv(buf, src, group=group, tag=tag), buf, self.staging, torch.device(device),
+                        src=src, link=self.link, coded=nbytes if coded else None)
 
     def recv(self, nbytes: int, src: int, device: torch.device, tag: int = 0,
              group: object | None = None) -> torch.Tensor:
         return self.post(nbytes, src, device, tag, group).wait()
 
     def flush(self) -> None:
-        self.link.stamp()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()

@@ -1,6 +1,8 @@
 """The link emulated in the transport (pipeline/emulated_link.py; AQPIPE_LINK_MBIT): a message is held until a link
 of that rate and latency would have delivered it, one message after another per peer, counting from when its bytes
 landed; an entropy-coded one is charged its coded length; without a rate, the latency alone, as before."""
+import threading
+
 import pytest
 import torch
 
@@ -30,17 +32,23 @@ def test_without_a_rate_every_message_waits_the_latency_alone():
 
 
 class Work:
-    def __init__(self) -> None:
-        self.done = False
+    """A gloo receive as the transport sees it: complete only once its bytes land (`land`), and reported complete
+    only to a wait."""
 
-    def is_completed(self) -> bool:
-        return self.done
+    def __init__(self) -> None:
+        self.landed = threading.Event()
+
+    def land(self) -> None:
+        self.landed.set()
 
     def wait(self) -> None:
-        self.done = True
+        self.landed.wait()
+
+    def is_completed(self) -> bool:
+        return False  # gloo's, before its wait: the landing cannot be polled
 
 
-def test_the_wire_stamps_a_landing_at_its_next_call_and_charges_a_coded_message_its_coded_length(monkeypatch):
+def test_a_landing_is_taken_when_the_bytes_land_and_a_coded_message_is_charged_its_coded_length(monkeypatch):
     clock = [100.0]
     works: list[Work] = []
     slept: list[float] = []
@@ -55,28 +63,35 @@ def test_the_wire_stamps_a_landing_at_its_next_call_and_charges_a_coded_message_
         return works[-1]
 
     monkeypatch.setattr(transport.dist, "irecv", irecv)
-    monkeypatch.setattr(transport.dist, "isend", lambda payload, dst, group=None, tag=0: Work())
     monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(transport.time, "sleep", slept.append)
     monkeypatch.setattr("aqpipe.pipeline.emulated_link.time.monotonic", lambda: clock[0])
     wire = transport.Wire(latency_s=0.01, mbit=1.0, entropy=True)
     incoming = wire.post(message.numel(), 1, torch.device("cpu"), code=True)
-    works[-1].done, clock[0] = True, 101.0  # its bytes land at 101
-    wire.send(torch.zeros(4, dtype=torch.uint8), 1)  # the wire's next call sees them
-    clock[0] = 101.02  # the stage computes on; then waits for the message, still on the link
+    clock[0] = 101.0
+    works[-1].land()  # its bytes land at 101, while the stage computes
+    assert incoming.landing.wait() == 101.0
+    clock[0] = 101.02  # then the stage waits for the message, still on the emulated link
     assert torch.equal(incoming.wait(), message)
     due = 101.0 + coded.numel() * 8 / 1e6 + 0.01
     assert slept == [pytest.approx(due - 101.02)] and due - 101.02 > 0.05
-    # the same message whole (no coding) costs its whole size, and a later landing counts from the link's end
+    # whole messages (no coding) cost their whole size, one after another on the peer's link; one waited for after
+    # it was due costs nothing more
     plain = transport.Wire(latency_s=0.01, mbit=1.0)
-    first = plain.post(1000, 1, torch.device("cpu"))
-    second = plain.post(1000, 1, torch.device("cpu"))
-    works[-2].done = works[-1].done = True
+    first, second = plain.post(1000, 1, torch.device("cpu")), plain.post(1000, 1, torch.device("cpu"))
     clock[0] = 104.0
-    plain.flush()  # both landed at 104
+    works[-2].land(), works[-1].land()
+    first.landing.wait(), second.landing.wait()
     slept.clear()
     first.wait(), second.wait()
     assert slept == [pytest.approx(0.008 + 0.01), pytest.approx(0.016 + 0.01)]
+    late = plain.post(1000, 1, torch.device("cpu"))
+    works[-1].land()
+    late.landing.wait()
+    clock[0] = 200.0
+    slept.clear()
+    late.wait()
+    assert slept == []
 
 
 def test_the_rate_is_read_from_the_environment_and_a_bad_one_is_named():
