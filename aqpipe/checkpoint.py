@@ -50,9 +50,8 @@ def fingerprint(cfg: "RunConfig") -> dict[str, Any]:
     for dest, f in destinations():
         if f.metadata.get("resume") != FREE:
             values[dest] = value_at(cfg, dest)
-    for key in ("data.max_train_samples",):  # 0 and None both mean all of them
-        if values.get(key) == 0:
-            values[key] = None
+    if values["data.max_train_samples"] == 0:  # 0 and None both mean all of them
+        values["data.max_train_samples"] = None
     return _json(values)
 
 
@@ -136,13 +135,10 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
                                   else {name: theirs[key]}))
     diff = [f"{_flag(k, fields_at)}={theirs[k]!r} in the checkpoint, {v!r} in this run" if k in theirs else
             f"{_flag(k, fields_at)}={v!r} in this run, which the checkpoint does not record"
-            for k, v in mine.items() if theirs.get(k, _MISSING) != v]
+            for k, v in mine.items() if k not in theirs or theirs[k] != v]
     if diff:
         raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
     return cfg
-
-
-_MISSING = object()
 
 
 def _flag(dest: str, fields_at: dict[str, Any]) -> str:

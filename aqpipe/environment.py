@@ -39,13 +39,18 @@ def configure_kernels(environ: dict[str, str] | None = None) -> None:
                          "interpreter, for tests); this machine has none")
 
 
+def _number(raw: str) -> float:
+    """`raw` as a number; NaN where it is none, so that every range check refuses it."""
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")
+
+
 def link_latency_s(environ: dict[str, str] | None = None) -> float:
     """The emulated one-way link delay AQPIPE_LINK_LATENCY_MS asks for, in seconds (0: none)."""
     raw = (os.environ if environ is None else environ).get("AQPIPE_LINK_LATENCY_MS", "0")
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
+    ms = _number(raw)
     if not ms >= 0:
         raise ValueError(f"AQPIPE_LINK_LATENCY_MS={raw!r}: expected a number of milliseconds >= 0")
     return ms / 1000.0
@@ -56,10 +61,7 @@ def link_mbit(environ: dict[str, str] | None = None) -> float | None:
     raw = (os.environ if environ is None else environ).get("AQPIPE_LINK_MBIT", "")
     if not raw:
         return None
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = -1.0
+    rate = _number(raw)
     if not 0 < rate < float("inf"):
         raise ValueError(f"AQPIPE_LINK_MBIT={raw!r}: expected a rate in Mbit/s > 0")
     return rate

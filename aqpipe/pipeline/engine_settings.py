@@ -24,7 +24,7 @@ class EngineSettings:
     bf16: bool = False  # bfloat16 autocast and a bf16 wire
     seed: int = 0  # of dropout masks and codecs' dither, per replica, step and micro-batch
     skip_nonfinite: bool = False  # skip a step that found NaN/inf on any rank, instead of raising
-    link_latency_s: float = 0.0  # a one-way delay added to every receive (a distant link emulated; Wire checks it)
+    link_latency_s: float = 0.0  # a one-way delay added to every receive (a distant link emulated; checked there)
     link_mbit: float | None = None  # an emulated link rate on every receive (None: the link as it is)
     loss_average: str = field(default="tokens", metadata={"choices": LOSS_AVERAGES})  # a causal LM's step loss:
     # per target token, or the micro-batches' mean
