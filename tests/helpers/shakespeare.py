@@ -45,11 +45,6 @@ def cache(tmp_path_factory):
         os.environ["AQPIPE_CACHE"] = before
 
 
-@pytest.fixture
-def use_cache(cache, monkeypatch):
-    monkeypatch.setenv("AQPIPE_CACHE", str(cache))
-
-
 @pytest.fixture(scope="session")
 def corpus(cache):
     return cache / "data" / data.SHAKESPEARE_FILE

@@ -12,7 +12,6 @@ from aqpipe import data
 from tests.helpers.processes import ROOT, checkout_env
 from tests.helpers.shakespeare import SEQ
 
-pytestmark = pytest.mark.usefixtures("use_cache")
 
 
 def toy(n: int = 50) -> data.TensorDictDataset:

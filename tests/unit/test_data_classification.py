@@ -8,7 +8,6 @@ from aqpipe import data
 from tests.helpers.files import write_table
 from tests.helpers.shakespeare import SEQ
 
-pytestmark = pytest.mark.usefixtures("use_cache")
 
 
 def test_acceptability_is_balanced_real_lines_against_shuffled_ones(cls_tok, lines):

@@ -11,7 +11,6 @@ from aqpipe import data
 from aqpipe.data import corpus as corpus_module
 from tests.helpers.processes import ROOT
 
-pytestmark = pytest.mark.usefixtures("use_cache")
 
 
 def test_corpus_is_the_37_plays_and_nothing_else(corpus, text):

@@ -13,7 +13,6 @@ from aqpipe.data import tokens as sources
 from tests.helpers.files import write_table
 from tests.helpers.shakespeare import SEQ, small_text
 
-pytestmark = pytest.mark.usefixtures("use_cache")
 
 
 def every(dataset):

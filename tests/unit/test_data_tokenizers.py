@@ -6,7 +6,6 @@ import pytest
 
 from aqpipe import data
 
-pytestmark = pytest.mark.usefixtures("use_cache")
 
 
 def test_trained_tokenizer_round_trips_text_with_many_distinct_ids(tok, text):
