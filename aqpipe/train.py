@@ -378,9 +378,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     if scratch is not None:
         made = None if cfg.compression.buffer_dir else buffer_plan.buffer_directory(cfg)  # a --buffer_dir stays
         scratch.append(lambda: drop_buffer_files(engine, made))
-    to_device = _mover(world.device)
-    eval_batches = [[to_device(mb) for mb in step]
-                    for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size, cfg.num_micro_batches)]
+    eval_batches = [list(step) for step in datalib.sequential_batches(eval_set, cfg.micro_batch_size,
+                                                                      cfg.num_micro_batches)]
     progress = Progress()
     if cfg.checkpointing.resume:  # last: the RNG states it restores are those of the saved run at that step
         progress.load_state_dict(checkpoint.load(Path(cfg.checkpointing.resume), engine, cfg))
@@ -402,7 +401,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
             if progress.step >= total_steps:
                 break
             injector.before_step(progress.step + 1)
-            m = engine.train_batch([to_device(mb) for mb in mbs], epoch)
+            m = engine.train_batch(mbs, epoch)  # host batches: the step stages them (micro_batch.py)
             samples = sum(len(mb["sample_id"]) for mb in mbs) * replicas
             progress.add(m, epoch, index + 1, time.perf_counter() - started, samples)
             record = step_record(m, samples, progress.num_tokens)
@@ -461,9 +460,3 @@ def summarize(cfg: RunConfig, world: World, progress: Progress, engine: Pipeline
             json.dump(summary, f, indent=2, default=str)
         print(json.dumps({k: summary[k] for k in ("steps", "final_loss", *evals, "fwd_bytes", "bwd_bytes", "seconds")}))
     return summary
-
-
-def _mover(device: torch.device) -> Callable[[dict], dict]:
-    if device.type == "cpu":
-        return lambda mb: mb
-    return lambda mb: {k: v.to(device, non_blocking=True) for k, v in mb.items()}

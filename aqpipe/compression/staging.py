@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .buffers import to_device
+
 
 class HostStaging:
     """Copies between the compute device and `transport` (the device the process group's tensors must live on)."""
@@ -39,6 +41,8 @@ class HostStaging:
         """`t` on the transport's device (a new tensor the caller keeps alive until the send completes)."""
         if t.device == self.transport:
             return t
+        if t.device.type == "cpu":  # to a GPU transport (NCCL): through pinned memory, the host not waiting
+            return to_device(t, self.transport)
         if t.device.type == "cuda":  # the copy waits for the work that makes t: that wait is compute, not staging
             torch.cuda.current_stream(t.device).synchronize()
         start = time.perf_counter()

@@ -147,7 +147,7 @@ class PipelineEngine:
         self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
         self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport,
-                         entropy=self.compression.entropy_coding, mbit=settings.link_mbit)
+                         entropy=self.compression.entropy_coding, mbit=settings.link_mbit, device=self.device)
         c = self.compression
         self.factory = CodecFactory(c, self.seed, groups.replica)  # every codec of this rank, and its seeds
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients

@@ -35,10 +35,9 @@ class StepPart:
 
 
 class StepParticipant(Protocol):
-    counter: str  # the StepCounters field (the wire) the bytes `begin` sends count on
-
-    def begin(self, start: StepStart) -> int:
-        """Before the schedule: what it must send or post first; the bytes it sent."""
+    def begin(self, start: StepStart) -> None:
+        """Before the schedule: what it must send or post first (its bytes count on the wire, by the counter each
+        send names)."""
 
     def finish(self) -> StepPart:
         """After the schedule (the wire flushed): what waits for the schedule done; its part of the step's row."""

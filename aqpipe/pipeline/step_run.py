@@ -24,6 +24,7 @@ from aqpipe.compression import BufferRangeError, SampleIds
 
 from . import schedule as sched
 from . import split_backward
+from .micro_batch import staged
 from .participants import StepParticipant, StepPart, StepStart, combined
 from .seeding import derive_seed
 from .step_guard import StepGuard
@@ -63,12 +64,22 @@ IGNORE = -100  # a label the loss skips
 
 
 def target_counts(micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor] | None:
-    """Each causal-LM micro-batch's target tokens (labels other than -100 after the first position), 0-dim tensors
-    where its labels are; None where the labels are not a causal LM's (B, T)."""
+    """Each causal-LM micro-batch's target tokens (labels other than -100 after the first position), 0-dim host
+    tensors (counted where the loader left the labels); None where the labels are not a causal LM's (B, T)."""
     labels = [mb.get("labels") for mb in micro_batches]
     if any(lab is None or lab.dim() != 2 for lab in labels):
         return None
-    return [(lab[:, 1:] != IGNORE).sum() for lab in labels]
+    return [(lab[:, 1:] != IGNORE).sum().cpu() for lab in labels]
+
+
+def input_counts(micro_batches: list[dict[str, torch.Tensor]],
+                 targets: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Each micro-batch's target tokens and input tokens (its attention mask's; packed rows have none, and every
+    position is an input token), read together in one transfer."""
+    inputs = [mb["attention_mask"].sum().cpu() if mb.get("attention_mask") is not None
+              else torch.tensor(mb["input_ids"].numel()) for mb in micro_batches]
+    read = torch.stack([*targets, *inputs]).tolist()
+    return read[:len(targets)], read[len(targets):]
 
 
 class StepRun:
@@ -76,6 +87,7 @@ class StepRun:
                  training: bool, guard: StepGuard | None) -> None:
         """`guard`: a training step's (None in evaluation, which changes no buffer and is never undone)."""
         self.runtime, self.micro_batches, self.phase, self.training = runtime, micro_batches, phase, training
+        self.staged = staged(micro_batches, runtime.device)  # what the stage computes with
         self.guard = guard or StepGuard({})
         self.restores = self.guard.restores if guard is not None else None  # the tie's undo points go here too
         self.counters = StepCounters()
@@ -85,10 +97,11 @@ class StepRun:
         self.weights: dict[int, split_backward.WeightGradients | None] = {}  # zb1's weight gradients still to run
         self.losses: dict[int, torch.Tensor] = {}  # on the device until `read_device_values`
         self.correct: torch.Tensor | int = 0  # likewise
-        self.targets: list[torch.Tensor] = []  # likewise: each causal-LM micro-batch's target tokens
-        self.token_stats: list[torch.Tensor] = []  # likewise: each one's [targets predicted, entropy sum]
-        self.inputs_counted: list[torch.Tensor] = []  # likewise: each one's input tokens (its attention mask's)
+        self.targets: list[int] = []  # each causal-LM micro-batch's target tokens
+        self.token_stats: list[torch.Tensor] = []  # on the device: each one's [targets predicted, entropy sum]
         self.counts = target_counts(micro_batches) if runtime.stage.is_last else None
+        # each one's targets and input tokens (its attention mask's; a packed row's every position) as numbers
+        self.host_targets, self.host_inputs = input_counts(micro_batches, self.counts) if self.counts else ([], [])
         # per token: a micro-batch's loss weighs its share of this replica's targets (the engine scales replicas)
         self.replica_tokens = torch.stack(self.counts).sum() if self.counts and runtime.per_token else None
         self.counted = self.target_tokens = self.token_correct = self.input_tokens = 0
@@ -106,8 +119,7 @@ class StepRun:
         start = StepStart(micro_batches=self.micro_batches, phase=self.phase, training=self.training,
                           undo=self.restores)
         for part in parts:
-            sent = part.begin(start)
-            setattr(self.counters, part.counter, getattr(self.counters, part.counter) + sent)
+            part.begin(start)
         began = time.perf_counter()
         for op, mb in actions:
             if op in sched.COMPUTE:
@@ -119,6 +131,8 @@ class StepRun:
             else:
                 getattr(self, op)(mb)
         e.wire.flush()
+        for counter, nbytes in e.wire.take_sent().items():  # every send of the step, on the wire it named
+            setattr(self.counters, counter, getattr(self.counters, counter) + nbytes)
         self.schedule_seconds = time.perf_counter() - began
         self.staging_seconds = e.wire.staging.take_seconds()  # what finishing stages counts with the next step's
         self.part = combined([part.finish() for part in parts])
@@ -129,10 +143,11 @@ class StepRun:
     def read_device_values(self) -> None:
         """The step's device values (loss sum, accuracy count, token counts and statistics, finiteness flags) read in
         one transfer."""
-        counts = [self.correct] if self.counted else []
+        correct = [self.correct] if self.counted else []
         stats = [v for pair in self.token_stats for v in pair.unbind()]
-        values = [*self.losses.values(), *counts, *self.targets, *self.inputs_counted, *stats,
-                  *(t for _, _, t, _ in self.guard.findings.pending)]
+        values = [*self.losses.values(), *correct, *stats, *(t for _, _, t, _ in self.guard.findings.pending)]
+        counts = self.targets  # counted on the host
+        self.target_tokens = sum(counts)
         if not values:
             return
         host = torch.stack([v.to(torch.float64) for v in values]).tolist()
@@ -140,12 +155,8 @@ class StepRun:
         self.loss_sum = sum(host[:n])
         if self.counted:
             self.correct, n = int(host[n]), n + 1
-        counts = host[n:n + len(self.targets)]
-        self.target_tokens, n = int(sum(counts)), n + len(self.targets)
         if len(counts) == len(self.losses):  # float64 products of float32 losses and integer counts: exact
             self.token_loss_sum = sum(loss * count for loss, count in zip(host[:len(counts)], counts))
-        self.input_tokens += int(sum(host[n:n + len(self.inputs_counted)]))
-        n += len(self.inputs_counted)
         self.token_correct = int(sum(host[n:n + len(stats):2]))
         self.entropy_sum, n = sum(host[n + 1:n + len(stats):2]), n + len(stats)
         self.guard.findings.resolve(host[n:])
@@ -189,19 +200,14 @@ class StepRun:
         e.tied.before_forward(mb, self.restores)
         seed = derive_seed(e.seed, e.replica, e.step, mb) if self.training else None
         with e.autocast(), torch.set_grad_enabled(self.training):
-            out = e.stage(self.inputs.get(mb), self.micro_batches[mb], seed=seed)
+            out = e.stage(self.inputs.get(mb), self.staged[mb], seed=seed)
         if e.stage.is_last:
             loss = out.loss.float()
             self.losses[mb] = loss.detach()
-            self._score(out.logits, self.micro_batches[mb])
+            self._score(out.logits, self.staged[mb])
             if self.counts is not None:  # a causal LM's: what its loss falls on, how much it predicts, its input
-                self.targets.append(self.counts[mb])
-                batch = self.micro_batches[mb]
-                mask = batch.get("attention_mask")
-                if mask is not None:
-                    self.inputs_counted.append(mask.sum())
-                else:  # packed rows: every position is an input token
-                    self.input_tokens += batch["input_ids"].numel()
+                self.targets.append(self.host_targets[mb])
+                self.input_tokens += self.host_inputs[mb]
                 stats = getattr(out, "token_stats", None)  # a stage's output may not count them
                 if stats is not None:
                     self.token_stats.append(stats.detach())
@@ -217,7 +223,7 @@ class StepRun:
         out = self.outputs[mb] if self.training else self.outputs.pop(mb)
         x = self.guard.zeros_unless(out.detach().to(e.wire_dtype), ACTIVATION, mb)  # never send NaN/inf
         self._remember(e.next, mb)
-        self.counters.fwd_bytes += e.next.send_activation(x, self.ids[mb], self.phase)
+        e.next.send_activation(x, self.ids[mb], self.phase)
         for step in e.next.take_checks():  # its encoding's largest step: finite where the message is
             self.guard.findings.check_value(ACTIVATION, mb, step)
 
@@ -230,7 +236,7 @@ class StepRun:
             out.backward()
         else:
             out.backward(self.grads.pop(mb).to(out.dtype))
-        self.counters.tie_bytes += self.runtime.tied.after_backward(mb, self.phase)
+        self.runtime.tied.after_backward(mb, self.phase)
 
     def backward_input(self, mb: int) -> None:
         """zb1: the input's gradient now (send_grad sends it), the weights' when backward_weight runs."""
@@ -249,13 +255,13 @@ class StepRun:
         weights = self.weights.pop(mb)
         if weights is not None:
             weights.run()
-        self.counters.tie_bytes += self.runtime.tied.after_backward(mb, self.phase)
+        self.runtime.tied.after_backward(mb, self.phase)
 
     def send_grad(self, mb: int) -> None:
         x = self.inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         grad = self.guard.zeros_unless(grad.to(self.runtime.wire_dtype), GRADIENT, mb)
-        self.counters.bwd_bytes += self.runtime.prev.send_grad(grad, self.phase)
+        self.runtime.prev.send_grad(grad, self.phase)
         for step in self.runtime.prev.take_checks():
             self.guard.findings.check_value(GRADIENT, mb, step)
 

@@ -32,12 +32,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from aqpipe.compression import BackwardCodec, ForwardCodec
+from aqpipe.compression.buffers import to_device
 
 from .participants import StepPart, StepStart
 from .step_guard import finite_or_zeros
 from .transport import Boundary, Wire
 
 TIE_TAG = 7  # p2p tag of tie messages, apart from boundary traffic between the same ranks
+TIE_BYTES = "tie_bytes"  # the wire (StepCounters field) every tie message counts on
 TIE_MODES = ("none", "aqsgd")
 
 
@@ -112,13 +114,20 @@ class _Link:
     boundary: Boundary
 
     step: StepRows | None = None  # this step's rows
+    first_at: list[torch.Tensor] = field(default_factory=list)  # step.first on the weight's device, copied once
+    last_at: list[torch.Tensor] = field(default_factory=list)  # step.last likewise
     agreed: bool = False  # whether the two sides have compared their copies (prime)
     incoming: list[Any] = field(default_factory=list)  # posted receives, in the order they were posted
     next_mb: int = 0  # follower: the next micro-batch whose rows are due
     next_back: int = 0  # follower: the next micro-batch whose backward sends gradients
 
-    def rows(self, micro_batches: Sequence[dict[str, Any]]) -> StepRows:
-        return self.tie.rows(self.follower, micro_batches, as_matrix(self.param).shape[0])
+    def start_step(self, micro_batches: Sequence[dict[str, Any]]) -> None:
+        """This step's rows, read from the host's batches, and their indices on the weight's device, sent there once
+        without the host waiting (an index a GPU op reads from host memory would wait for the GPU each time)."""
+        self.step = self.tie.rows(self.follower, micro_batches, as_matrix(self.param).shape[0])
+        self.first_at = [to_device(r, self.param.device) for r in self.step.first]
+        self.last_at = [to_device(r, self.param.device) for r in self.step.last]
+        self.incoming, self.next_mb, self.next_back = [], 0, 0
 
 
 def _header(rows: torch.Tensor) -> torch.Tensor:
@@ -154,7 +163,8 @@ class TiedWeights:
                     (ForwardCodec("none"), BackwardCodec("none"))
                 boundary = Boundary(wire, rank_of(peer), *link, ForwardCodec("none"), BackwardCodec("none"),
                                     sends_activations=stage == tie.owner, tag=TIE_TAG, send_ids=False,
-                                    outgoing=channel(stage, peer), incoming=channel(peer, stage))
+                                    outgoing=channel(stage, peer), incoming=channel(peer, stage),
+                                    counters=(TIE_BYTES, TIE_BYTES))
                 self.links.append(_Link(key, tie, param, follower, stage == tie.owner, boundary))
 
     def codecs(self) -> dict[str, Any]:
@@ -166,35 +176,33 @@ class TiedWeights:
         return out
 
     # ------------------------------------------------------------------ a step participant (participants.py)
-    counter = "tie_bytes"  # what `begin` sends
-
-    def begin(self, start: StepStart) -> int:
+    def begin(self, start: StepStart) -> None:
         """Before the schedule. Owner: send each follower a header and, per micro-batch, the rows first read there,
         and post the receives of the follower's gradients. Follower: check the header, post the rows' receives.
-        `start.undo` (a step that may be rejected) collects how to put back what this changes. Returns bytes sent."""
+        `start.undo` (a step that may be rejected) collects how to put back what this changes. Every message counts
+        on the tie's wire."""
         micro_batches, phase, training, undo = start.micro_batches, start.phase, start.training, start.undo
-        sent, self.finite_flags = 0, []
+        self.finite_flags = []
         for link in self.links:
-            link.step, link.incoming, link.next_mb, link.next_back = link.rows(micro_batches), [], 0, 0
+            link.start_step(micro_batches)
             matrix, boundary = as_matrix(link.param.detach()), link.boundary
             if phase == "train" and not link.agreed:
-                sent += _prime(link, matrix)
+                _prime(link, matrix)
             if link.owner:
-                header = _header(link.step.every).to(matrix.device)
-                boundary.send_raw(header)
-                sent += header.numel()
-                for rows in link.step.first:
+                header = _header(link.step.every)  # from the host: the transport stages it
+                boundary.send_raw(header, TIE_BYTES)
+                for rows, at in zip(link.step.first, link.first_at):
                     if rows.numel():
                         if undo is not None:
                             undo.append(boundary.forward.undo_point(rows))
-                        sent += boundary.send_activation(matrix.index_select(0, rows.to(matrix.device)), rows, phase)
+                        boundary.send_activation(matrix.index_select(0, at), rows, phase)
                         self.finite_flags += [torch.isfinite(v) for v in boundary.take_checks()]
                 if training:
                     link.incoming = [boundary.post_grad(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype,
                                                         phase, matrix.device) if rows.numel() else None
                                      for rows in link.step.last]
                 continue
-            header = boundary.recv_raw(16, matrix.device).cpu()
+            header = boundary.recv_raw(16, torch.device("cpu"))  # read here: on the host, as gloo lands it
             if not torch.equal(header, _header(link.step.every)):
                 count = int(header.view(torch.int64)[0])
                 raise RuntimeError(
@@ -204,7 +212,6 @@ class TiedWeights:
             link.incoming = [boundary.post_activation(torch.Size((rows.numel(), matrix.shape[1])), matrix.dtype, rows,
                                                       phase, matrix.device) if rows.numel() else None
                              for rows in link.step.first]
-        return sent
 
     def before_forward(self, mb: int, undo: list[Callable[[], None]] | None = None) -> None:
         """Follower: write the rows first read in micro-batches up to `mb` into this stage's copy."""
@@ -213,20 +220,19 @@ class TiedWeights:
                 continue
             matrix = as_matrix(link.param.data)
             while link.next_mb <= mb:
-                rows, posted = link.step.first[link.next_mb], link.incoming[link.next_mb]
+                rows, index, posted = (link.step.first[link.next_mb], link.first_at[link.next_mb],
+                                       link.incoming[link.next_mb])
                 link.next_mb += 1
                 if posted is None:
                     continue
-                index = rows.to(matrix.device)
                 if undo is not None:
                     undo.append(link.boundary.forward.undo_point(rows))
                     undo.append(partial(matrix.index_copy_, 0, index, matrix.index_select(0, index)))
                 matrix.index_copy_(0, index, link.boundary.take_activation(posted))
 
-    def after_backward(self, mb: int, phase: str) -> int:
+    def after_backward(self, mb: int, phase: str) -> None:
         """Follower: send the gradient of the rows last read in micro-batch `mb` (final now: micro-batches are
-        backwarded in order), zeros where it is not finite (the step is then rejected). Returns bytes sent."""
-        sent = 0
+        backwarded in order), zeros where it is not finite (the step is then rejected)."""
         for link in self.links:
             if link.owner:
                 continue
@@ -237,14 +243,13 @@ class TiedWeights:
             rows, grad = link.step.last[mb], link.param.grad
             if not rows.numel():
                 continue
-            g = (as_matrix(grad).index_select(0, rows.to(grad.device)) if grad is not None
+            g = (as_matrix(grad).index_select(0, link.last_at[mb]) if grad is not None
                  else torch.zeros(rows.numel(), as_matrix(link.param).shape[1], dtype=link.param.dtype,
                                   device=link.param.device))
             g, ok = finite_or_zeros(g)  # where not finite, zeros go; the engine rejects the step on the parameter grad
             self.finite_flags.append(ok)
-            sent += link.boundary.send_grad(g, phase)
+            link.boundary.send_grad(g, phase)
             self.finite_flags += [torch.isfinite(v) for v in link.boundary.take_checks()]  # its encoding's too
-        return sent
 
     def finish(self) -> StepPart:
         """After the schedule. Owner: wait for every follower's gradient and add it to its own (a step the engine
@@ -253,9 +258,9 @@ class TiedWeights:
         land, a subspace gradient codec's step clock): the first overflow of rows this stage sent (an owner's)."""
         for link in self.links:
             if link.owner:
-                for rows, posted in zip(link.step.last, link.incoming):
+                for at, posted in zip(link.last_at, link.incoming):
                     if posted is not None:
-                        _add_rows(link.param, rows, link.boundary.take_grad(posted))
+                        _add_rows(link.param, at, link.boundary.take_grad(posted))
             else:
                 link.param.grad = None
             link.incoming = []
@@ -268,29 +273,29 @@ def _digest(matrix: torch.Tensor) -> torch.Tensor:
     return torch.tensor([int.from_bytes(hashlib.sha256(data).digest()[:7], "little")], dtype=torch.int64)
 
 
-def _prime(link: _Link, matrix: torch.Tensor) -> int:
+def _prime(link: _Link, matrix: torch.Tensor) -> None:
     """Before a link's first training step: the two sides exchange a digest of their copies, and where the copies are
     the same (both stages loaded one checkpoint) both store every row as AQ-SGD's buffer rows, so no row ever
     travels whole: a fine-tune's first visits of 50257 rows at full precision were most of a tie's bytes. Copies that
     differ (a model built from scratch on each stage) keep whole first visits. A buffer that holds rows (a resumed
-    run's, on both sides alike) is left as it is, and nothing is sent. Returns the bytes sent."""
+    run's, on both sides alike) is left as it is, and nothing is sent."""
     link.agreed = True
     codec, boundary = link.boundary.forward, link.boundary
     if not hasattr(codec, "prime") or not codec.empty():
-        return 0
-    mine = _digest(matrix).view(torch.uint8).to(matrix.device)
-    boundary.send_raw(mine)
-    theirs = boundary.recv_raw(8, matrix.device)
+        return
+    mine = _digest(matrix).view(torch.uint8)  # from the host, compared there
+    boundary.send_raw(mine, TIE_BYTES)
+    theirs = boundary.recv_raw(8, torch.device("cpu"))
     boundary.wire.flush()
-    if torch.equal(mine.cpu(), theirs.cpu()):
+    if torch.equal(mine, theirs):
         codec.prime(matrix)
-    return mine.numel()
 
 
 def _add_rows(param: torch.nn.Parameter, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """`values` added to the gradient's `rows` (indices on the parameter's device)."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    as_matrix(param.grad).index_add_(0, rows.to(param.device), values.to(param.grad.dtype))
+    as_matrix(param.grad).index_add_(0, rows, values.to(param.grad.dtype))
 
 
 __all__ = ["TIE_MODES", "TIE_TAG", "Tie", "TiedWeights", "as_matrix"]

@@ -33,6 +33,7 @@ from aqpipe.compression import BackwardCodec, BufferRangeError, ForwardCodec, Me
 from aqpipe.compression.buffers import to_device
 from aqpipe.compression.staging import HostStaging
 
+from .departures import Departures, copied_out
 from .emulated_link import EmulatedLink
 from .participants import StepPart, StepStart
 
@@ -74,24 +75,49 @@ class Wire:
     process group moves tensors from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through
     it (compression.staging).
     `entropy`: messages sent and posted with `code=True` travel entropy-coded (compression.entropy), which needs a
-    transport that takes a message shorter than its receive (gloo; NCCL does not): elsewhere it is ignored."""
+    transport that takes a message shorter than its receive (gloo; NCCL does not): elsewhere it is ignored.
+    `device`: where the stage computes. A GPU's payloads over a host transport (gloo) leave through `Departures`
+    (departures.py), so no send waits for the GPU on the main thread; `defer=True` sends that way from any device.
+    What each send puts on the link is counted on the wire it names (`counter`, a StepCounters field), read by
+    `take_sent` once `flush` has sent everything."""
 
     def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu", entropy: bool = False,
-                 mbit: float | None = None) -> None:
+                 mbit: float | None = None, device: torch.device | str = "cpu", defer: bool | None = None) -> None:
         self._pending: list[tuple[object, torch.Tensor]] = []
         self.link = EmulatedLink(latency_s, mbit)
         self.staging = HostStaging(transport)
         self.entropy = bool(entropy) and self.staging.transport.type == "cpu"
+        if defer is None:
+            defer = torch.device(device).type == "cuda" and self.staging.transport.type == "cpu"
+        self.departures = Departures() if defer else None
+        self._sent: dict[str, int] = {}
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None,
-             code: bool = False) -> int:
-        """Send `payload` (entropy-coded with `code` where this wire codes); the bytes that go on the link."""
+             code: bool = False, counter: str | None = None) -> None:
+        """Send `payload` (entropy-coded with `code` where this wire codes), its bytes on the link counted on
+        `counter` (None: not a step's bytes, as a probe's)."""
+        encode = entropy.encode if code and self.entropy else None
+        if self.departures is not None:
+            host, ready = copied_out(payload)
+            self.departures.post(host, ready, dst, tag=tag, group=group, encode=encode, counter=counter)
+            return
         payload = self.staging.outgoing(payload)
-        if code and self.entropy:
-            payload = entropy.encode(payload)
+        if encode is not None:
+            payload = encode(payload)
         work = dist.isend(payload, dst, group=group, tag=tag)
         self._pending.append((work, payload))  # keep the buffer alive until the send completes
-        return payload.numel()
+        self.count(counter, payload.numel())
+
+    def count(self, counter: str | None, nbytes: int) -> None:
+        """`nbytes` more put on the link, on `counter`'s wire (None: on none)."""
+        if counter is not None:
+            self._sent[counter] = self._sent.get(counter, 0) + nbytes
+
+    def take_sent(self) -> dict[str, int]:
+        """Bytes put on the link since the last call, by counter (call after `flush`: a deferred send counts once
+        it has gone)."""
+        sent, self._sent = self._sent, {}
+        return sent
 
     def post(self, nbytes: int, src: int, device: torch.device, tag: int = 0, group: object | None = None,
              code: bool = False) -> Incoming:
@@ -108,6 +134,10 @@ class Wire:
         return self.post(nbytes, src, device, tag, group).wait()
 
     def flush(self) -> None:
+        """Wait until every send so far has completed."""
+        if self.departures is not None:
+            for counter, nbytes in self.departures.drain():
+                self.count(counter, nbytes)
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
@@ -137,13 +167,14 @@ class Boundary:
     def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,
                  fallback_forward: ForwardCodec, fallback_backward: BackwardCodec, *, sends_activations: bool,
                  tag: int = 0, send_ids: bool = True, outgoing: object | None = None,
-                 incoming: object | None = None) -> None:
+                 incoming: object | None = None, counters: tuple[str, str] = ("fwd_bytes", "bwd_bytes")) -> None:
         """`sends_activations`: this side encodes the forward messages (it reports what they found, its peer finds the
         same); `tag` keeps this boundary's messages apart from others between the same two ranks (gloo), `outgoing`
         and `incoming` are the groups that carry its messages each way (pipeline.topology.channels: what keeps NCCL,
         which ignores tags, from matching them with others); `send_ids=False` leaves the ids off the wire where both
-        sides derive them from data already checked elsewhere."""
-        self.wire, self.peer, self.tag, self.send_ids = wire, peer, tag, send_ids
+        sides derive them from data already checked elsewhere; `counters`: the wires (StepCounters fields) its
+        activations' and its gradients' bytes count on."""
+        self.wire, self.peer, self.tag, self.send_ids, self.counters = wire, peer, tag, send_ids, counters
         self.sends_activations = sends_activations
         self.outgoing, self.incoming = outgoing, incoming
         self.forward, self.backward = forward, backward
@@ -171,11 +202,12 @@ class Boundary:
     def _backward_codec(self, phase: str) -> BackwardCodec:
         return self.backward if phase == "train" else self.fallback_backward
 
-    def send_activation(self, x: torch.Tensor, sample_ids: torch.Tensor, phase: str) -> int:
+    def send_activation(self, x: torch.Tensor, sample_ids: torch.Tensor, phase: str) -> None:
         codec, kw = self._forward_codec(phase)
         msg = codec.encode(x, sample_ids, **kw)
         payload = torch.cat([msg.payload, _ids_bytes(sample_ids, msg.payload.device)]) if self.send_ids else msg.payload
-        return self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, code=_coded(codec))
+        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, code=_coded(codec),
+                       counter=self.counters[0])
 
     def post_activation(self, shape: torch.Size, dtype: torch.dtype, sample_ids: torch.Tensor, phase: str,
                         device: torch.device) -> "Posted":
@@ -198,12 +230,9 @@ class Boundary:
         return codec.decode(Message(buf[:nbytes], posted.shape, posted.dtype), ids, **kw)
 
     # ------------------------------------------------------------------ a step participant (participants.py)
-    counter = "fwd_bytes"  # what `begin` sends would count as (it sends nothing)
-
-    def begin(self, start: StepStart) -> int:
+    def begin(self, start: StepStart) -> None:
         """Drop the ids kept for `check_order` (a step that stopped short is not checked by the next)."""
         self._arrived = []
-        return 0
 
     def finish(self) -> StepPart:
         """The arrived ids checked, the codecs' step ended; the sender's AQ-SGD changes and overflow."""
@@ -235,10 +264,11 @@ class Boundary:
                     "the stages' data orders differ (same dataset, seed and batch sizes on every stage?)"
                 )
 
-    def send_grad(self, g: torch.Tensor, phase: str) -> int:
+    def send_grad(self, g: torch.Tensor, phase: str) -> None:
         codec = self._backward_codec(phase)
         msg = codec.encode(g)
-        return self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing, code=_coded(codec))
+        self.wire.send(msg.payload, self.peer, tag=self.tag, group=self.outgoing, code=_coded(codec),
+                       counter=self.counters[1])
 
     def post_grad(self, shape: torch.Size, dtype: torch.dtype, phase: str, device: torch.device) -> "Posted":
         codec = self._backward_codec(phase)
@@ -246,8 +276,9 @@ class Boundary:
         return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag, group=self.incoming,
                                      code=_coded(codec)), nbytes, shape, dtype, phase)
 
-    def send_raw(self, payload: torch.Tensor) -> None:
-        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing)
+    def send_raw(self, payload: torch.Tensor, counter: str | None = None) -> None:
+        """`payload` as it is (`counter`: the wire its bytes count on; None: none, as a probe's)."""
+        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, counter=counter)
 
     def recv_raw(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self.wire.recv(nbytes, self.peer, device, tag=self.tag, group=self.incoming)

@@ -1,7 +1,8 @@
 """The CUDA paths, run where a GPU is (`pytest -m gpu`; skipped elsewhere with the reason): Triton's compiled kernels
 against the C kernels, staging through pinned host memory, AQ-SGD's messages without a host sync, and a 2-stage job
 sharing one GPU over gloo, whose step losses equal the CPU run's once dropout is off (dropout masks are drawn by
-each device's own generator)."""
+each device's own generator), and that job's steps with every schedule action under sync debug mode "error"
+(strict_steps.py), which fails where a sync is planted."""
 from __future__ import annotations
 
 import json
@@ -73,3 +74,22 @@ def test_two_stages_on_one_gpu_match_the_cpu_run_without_dropout(tmp_path):
     # which the last bits of the activations move, so within 2%, not to the byte
     assert [s["fwd_bytes"] for s in gpu] == pytest.approx([s["fwd_bytes"] for s in cpu], rel=0.02)
     assert gpu[-1]["loss"] < gpu[0]["loss"]
+
+
+def _strict_job(work: Path, **env: str) -> subprocess.CompletedProcess:
+    """A 2-stage GPT2 job (a tied head, AQ-SGD on its boundary and tie) sharing the GPU over gloo, packed rows,
+    its steps' actions under sync debug mode "error" from the second step (strict_steps.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673", "-m",
+           "tests.gpu.strict_steps", "gpt2", "--backend", "gloo", "--packing", "True", "--seq_len", "128",
+           "--micro_batch_size", "2", "--num_micro_batches", "4", "--max_train_samples", "64", "--max_eval_samples",
+           "8", "--max_steps", "3", "--output_dir", str(work / "strict")]
+    return subprocess.run(cmd, cwd=work, env=_env(**env), capture_output=True, text=True, timeout=600)
+
+
+def test_a_steps_actions_sync_nowhere_and_a_planted_sync_is_caught(tmp_path):
+    proc = _strict_job(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    counts = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("strict actions:")]
+    assert len(counts) == 2 and min(counts) >= 2 * 4 * 3, counts  # two steps of 4 micro-batches, 3+ actions each
+    planted = _strict_job(tmp_path, PLANT_SYNC="1")
+    assert planted.returncode != 0 and "synchroniz" in planted.stderr.lower(), planted.stderr[-3000:]

@@ -2,16 +2,21 @@
 losses, finiteness flags and counts stay on the device through the schedule (a GPU runs ahead of the Python that
 queues its work) and are read together at the step's table."""
 import collections
+import functools
 
 import pytest
 import torch
 
 from aqpipe.compression import quantizer
 from aqpipe.pipeline import CompressionConfig, Grid, PipelineEngine, EngineSettings, build_groups
+from aqpipe.pipeline import micro_batch, step_run
 from tests.helpers.processes import spawn
 from tests.helpers.toy import toy_batches, toy_stages, toy_ties
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")  # every way a tensor's value reaches Python
+# what reads the host's own tensors, never a device's: a quantizer's dither key (from a generator on the host), and
+# what a step reads of the loader's micro-batches before they leave it (their masks' forms, their token counts)
+HOST_SIDE = [(quantizer, "_dither_key"), (micro_batch, "step_facts"), (step_run, "input_counts")]
 
 
 def reads_per_step(rank: int, world: int, micro: int, compression: CompressionConfig) -> dict[str, int]:
@@ -26,7 +31,7 @@ def reads_per_step(rank: int, world: int, micro: int, compression: CompressionCo
     engine.train_batch(first)  # the first step's one-time work (receive buffers, optimizer state) is not counted
     counts: collections.Counter = collections.Counter()
     originals = {name: getattr(torch.Tensor, name) for name in READS}
-    draw_key, host_draws = quantizer._dither_key, [0]
+    host_draws = [0]
 
     def counted(name):
         def read(self, *args, **kwargs):
@@ -34,22 +39,28 @@ def reads_per_step(rank: int, world: int, micro: int, compression: CompressionCo
             return originals[name](self, *args, **kwargs)
         return read
 
-    def host_drawn_key(*args, **kwargs):  # a quantizer's dither key comes from a generator on the host: not a sync
-        host_draws[0] += 1
-        try:
-            return draw_key(*args, **kwargs)
-        finally:
-            host_draws[0] -= 1
+    def on_the_host(fn):  # reads that only ever read host tensors: not a sync
+        @functools.wraps(fn)
+        def read(*args, **kwargs):
+            host_draws[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                host_draws[0] -= 1
+        return read
 
     for name in READS:
         setattr(torch.Tensor, name, counted(name))
-    quantizer._dither_key = host_drawn_key
+    for module, name in HOST_SIDE:
+        setattr(module, name, on_the_host(getattr(module, name)))
+    host_side = [(module, name, getattr(module, name)) for module, name in HOST_SIDE]
     try:
         metrics = engine.train_batch(second)
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-        quantizer._dither_key = draw_key
+        for module, name, wrapped in host_side:
+            setattr(module, name, wrapped.__wrapped__)
     assert metrics.loss == metrics.loss and metrics.grad_norm > 0.5  # a real step, clipped
     return dict(counts)
 

@@ -18,25 +18,22 @@ from tests.helpers.toy import toy_batches, toy_stages
 
 
 class Recording:
-    """A participant standing in the tied weights' place: it records every call, sends 7 bytes at `begin` and
-    finishes with what the test gives it."""
+    """A participant standing in the tied weights' place: it records every call, counts 7 bytes on the tie's wire at
+    `begin` (as a send there would) and finishes with what the test gives it."""
 
-    counter = "tie_bytes"
+    def __init__(self, part: StepPart, wire: Wire) -> None:
+        self.part, self.wire, self.calls, self.start = part, wire, [], None
 
-    def __init__(self, part: StepPart) -> None:
-        self.part, self.calls, self.start = part, [], None
-
-    def begin(self, start: StepStart) -> int:
+    def begin(self, start: StepStart) -> None:
         self.calls.append("begin")
         self.start = start
-        return 7
+        self.wire.count("tie_bytes", 7)
 
     def before_forward(self, mb, undo=None) -> None:
         self.calls.append(f"forward {mb}")
 
-    def after_backward(self, mb, phase) -> int:
+    def after_backward(self, mb, phase) -> None:
         self.calls.append(f"backward {mb}")
-        return 0
 
     def finish(self) -> StepPart:
         self.calls.append("finish")
@@ -45,8 +42,9 @@ class Recording:
 
 def run_step(part: StepPart, batches: list[dict]) -> tuple[StepRun, Recording]:
     torch.manual_seed(0)
-    stage, participant = toy_stages(1)[0], Recording(part)
-    runtime = StageRuntime(stage=stage, prev=None, next=None, tied=participant, wire=Wire(),
+    wire = Wire()
+    stage, participant = toy_stages(1)[0], Recording(part, wire)
+    runtime = StageRuntime(stage=stage, prev=None, next=None, tied=participant, wire=wire,
                            wire_dtype=torch.float32, device=torch.device("cpu"), autocast=contextlib.nullcontext,
                            seed=0, replica=0, step=0, num_samples=16, buffered=False, timed=False)
     actions = sched.train_schedule("1f1b", 0, 1, len(batches))

@@ -55,10 +55,9 @@ class DecoderStage(PipelineStage):
 
     def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
         positions = position_ids(hidden, batch)
-        attention_mask = batch.get("attention_mask")
         rotary = self.get_submodule(self.family.every[0])
         kinds = dict.fromkeys(self.kinds.values())
-        masks = {kind: causal_mask(self.config, hidden, attention_mask, positions, kind) for kind in kinds}
+        masks = {kind: causal_mask(self.config, hidden, batch, positions, kind) for kind in kinds}
         if self.rotary_per_kind:
             cos_sin = {kind: rotary(hidden, positions, kind) for kind in kinds}
         else:

@@ -38,7 +38,7 @@ class GPT2Stage(PipelineStage):
 
     def block_arguments(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[int, Any]:
         positions = position_ids(hidden, batch)
-        mask = causal_mask(self.config, hidden, batch.get("attention_mask"), positions)
+        mask = causal_mask(self.config, hidden, batch, positions)
         kwargs = {"encoder_attention_mask": None, "use_cache": False, "position_ids": positions}
         return {i: ((None, mask, None), kwargs) for i in self.block_indices}
 

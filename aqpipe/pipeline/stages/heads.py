@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from typing import Any
 
 import torch
@@ -14,6 +15,9 @@ from .base import StageOutput
 _CACHE = "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
 MASKS = {"full_attention": masking_utils.create_causal_mask,
          "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+# whether the builders take the facts a staged batch carries (transformers 5): else they read them off the batch
+_TOLD = hasattr(masking_utils, "packed_sequence_mask_function") and all(
+    {"allow_is_causal_skip", "and_mask_function"} <= set(inspect.signature(f).parameters) for f in MASKS.values())
 
 
 def position_ids(hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -25,14 +29,35 @@ def position_ids(hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-def causal_mask(config: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+def causal_mask(config: Any, hidden: torch.Tensor, batch: dict[str, torch.Tensor], position_ids: torch.Tensor,
                 kind: str = "full_attention") -> Any:
     """The mask HF's model builds for its layers of `kind` (the padding mask folded in; None where the attention
-    implementation needs none), from the stage's own activations: every stage rebuilds it from the batch."""
+    implementation needs none), from the stage's own activations: every stage rebuilds it from the batch.
+
+    transformers decides the mask's form by reading the batch's values (is any token padding? do the position ids
+    restart?), a host sync per call on a GPU. A batch staged by the step (micro_batch.StagedBatch) carries those facts,
+    read on the host, and the builder is told them instead: the same mask, no sync."""
+    attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(hidden.device)
-    return MASKS[kind](config=config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
-                       **{_CACHE: None})
+    build = partial(MASKS[kind], config=config, inputs_embeds=hidden, **{_CACHE: None})
+    facts = getattr(batch, "facts", None)
+    if facts is None or not _TOLD:
+        return build(attention_mask=attention_mask, position_ids=position_ids)
+    if facts.padded:  # transformers skips the mask only where no token is padding: never here
+        return build(attention_mask=attention_mask, position_ids=position_ids, allow_is_causal_skip=False)
+    if facts.packed:  # its packed-sequence mask, from sequence numbers it would otherwise check on the host
+        sequences = packed_sequences(position_ids.expand(hidden.shape[0], -1))
+        return build(attention_mask=None, position_ids=None,
+                     and_mask_function=masking_utils.packed_sequence_mask_function(sequences))
+    return build(attention_mask=None, position_ids=None)  # causal alone: what an all-ones mask comes to
+
+
+def packed_sequences(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence number within its row (a new sequence wherever the position does not go up by one), as
+    transformers numbers packed sequences, without its check whether any row is packed."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
 def classify_last_token(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None,

@@ -1,0 +1,73 @@
+"""Run by test_cuda_path under torchrun: `python -m aqpipe`'s job with every action of a step's schedule (forwards,
+backwards, sends, receives, the tied weights' and boundaries' `begin`) run under torch's sync debug mode "error",
+from the second training step on (the first primes the tie and fills buffers once). A synchronizing CUDA call there
+raises, naming its site; what a step reads once at its end (the loss, the order check) stays outside. Prints
+`strict actions: N` on each rank at exit. With PLANT_SYNC set, GPT2's stages read their position ids back on the
+host: the check's own check."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+from aqpipe.cli import leave, main
+from aqpipe.pipeline import step_run, ties, transport
+from aqpipe.pipeline.stages import gpt2, heads
+
+STRICT_FROM_STEP = 1  # optimizer steps taken before the first strict one
+ACTIONS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "backward_input", "backward_weight",
+           "send_grad")
+checked = [0]
+
+
+def strict(method, runtime_of):
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        runtime = runtime_of(self)
+        if runtime is None or runtime.step < STRICT_FROM_STEP or not torch.cuda.is_available():
+            return method(self, *args, **kwargs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked[0] += 1
+    return run
+
+
+current: list = [None]  # the runtime of the step running now
+
+
+def _tracking(run):
+    @functools.wraps(run)
+    def tracked(self, actions):
+        current[0] = self.runtime if self.training else None
+        try:
+            return run(self, actions)
+        finally:
+            current[0] = None
+    return tracked
+
+
+step_run.StepRun.run = _tracking(step_run.StepRun.run)
+for name in ACTIONS:
+    setattr(step_run.StepRun, name, strict(getattr(step_run.StepRun, name), lambda self: current[0]))
+for cls in (ties.TiedWeights, transport.Boundary):
+    cls.begin = strict(cls.begin, lambda self: current[0])
+
+if os.environ.get("PLANT_SYNC"):  # the test's check that a sync in a stage's forward is caught
+    _positions = heads.position_ids
+
+    def reading_positions(hidden, batch):
+        out = _positions(hidden, batch)
+        int(out.max())  # reads a device value on the host
+        return out
+
+    gpt2.position_ids = reading_positions
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    print(f"strict actions: {checked[0]}", flush=True)
+    leave(code)
