@@ -244,6 +244,10 @@ class RunConfig:
                                              ds="pipeline.activation_checkpoint_interval", resume=FREE)
     compile: bool = setting(False, "torch.compile each stage's forward (the first steps pay the compilation)",
                             resume=FREE)
+    use_liger_kernel: bool = setting(False, "train a causal LM's loss with Liger Kernel's fused linear "
+                                          "cross-entropy (pip install liger-kernel; a CUDA GPU): the logits never "
+                                          "exist; training rows then log no token accuracy, as TRL's do",
+                                     resume=FREE, older=False)
     bf16: bool = setting(False, "bfloat16 autocast and bf16 boundary activations", ds="bf16.enabled")
     compression_preset: str | None = setting(None, "a measured setting of every wire, under what is given "
                                                  "explicitly: wan (a link of about 100 Mbit/s: every wire about "
@@ -269,6 +273,9 @@ class RunConfig:
             raise ValueError(f"dropout={self.dropout!r}: expected a probability in [0, 1)")
         if self.data.packing and self.task != "causal_lm":
             raise ValueError(f"packing with task {self.task}: expected causal-lm (chat or prompt/completion data)")
+        if self.use_liger_kernel and self.task != "causal_lm":
+            raise ValueError(f"use_liger_kernel with task {self.task}: expected causal-lm (it fuses an LM head's "
+                             "loss)")
         if self.compile and self.distributed.schedule == "zb1":
             raise ValueError("compile=True with schedule='zb1': a compiled stage's backward is one step, which zb1's "
                              "split would run twice; expected schedule 1f1b or gpipe with --compile")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,24 @@ def configure_kernels(environ: dict[str, str] | None = None) -> None:
 
     env = os.environ if environ is None else environ
     choice = env.get("AQPIPE_KERNELS", "auto")
-    interpret = env.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")  # as Triton reads it
+    interpret = triton_interprets(env)
     kernels.configure(choice, env.get("AQPIPE_CACHE"), env.get("CC", "cc"), interpret=interpret)
     if choice == "triton" and not torch.cuda.is_available() and not interpret:
         raise ValueError("AQPIPE_KERNELS=triton: Triton's kernels need a CUDA GPU (or TRITON_INTERPRET=1, its CPU "
                          "interpreter, for tests); this machine has none")
+
+
+def triton_interprets(environ: dict[str, str] | None = None) -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (TRITON_INTERPRET, as Triton reads it)."""
+    env = os.environ if environ is None else environ
+    return env.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
+
+
+def check_liger(device: Any, environ: dict[str, str] | None = None) -> None:
+    """--use_liger_kernel's kernels are Triton's: a ValueError in one line where `device` cannot run them."""
+    if getattr(device, "type", device) != "cuda" and not triton_interprets(environ):
+        raise ValueError(f"--use_liger_kernel on {device}: Liger Kernel's kernels need a CUDA GPU (or "
+                         "TRITON_INTERPRET=1, Triton's CPU interpreter, for tests)")
 
 
 def _number(raw: str) -> float:

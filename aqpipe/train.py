@@ -31,7 +31,7 @@ from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
 from . import faults, interrupts
 from .config import RunConfig
-from .environment import launch
+from .environment import check_liger, launch
 from .export import save_adapter, save_model
 from .lr_plan import PlannedLR
 from .metrics import MetricsWriter
@@ -293,6 +293,9 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     if adapters is not None:  # after the dropout: the adapters' own is --lora_dropout
         add_lora(stage, adapters, cfg.seed, trained)
     release_freed_memory()  # what reading (and quantizing) the stage freed, not held for the run
+    if cfg.use_liger_kernel:  # before compiling: the compiled forward takes the loss it will run
+        check_liger(world.device)
+        stage.use_fused_loss("liger")
     if cfg.compile:
         stage.compile()  # in place: the stage's names, state_dict and attributes stay its own
     barrier(world)  # every stage built (a model download takes what it takes) before the first message

@@ -203,7 +203,9 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ one step
     def train_batch(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int = 0) -> StepMetrics:
-        """One optimizer step over the micro-batches; its metrics, the same on every stage."""
+        """One optimizer step over the micro-batches; its metrics, the same on every stage. Give the loader's host
+        tensors: the step reads what it decides there and stages them to the device itself (micro_batch.py); batches
+        already on a GPU work too, at a host sync for each value it then reads back."""
         if not micro_batches:
             raise ValueError("train_batch needs at least one micro-batch")
         start, m = time.perf_counter(), len(micro_batches)

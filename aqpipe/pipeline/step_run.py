@@ -104,7 +104,7 @@ class StepRun:
         self.host_targets, self.host_inputs = input_counts(micro_batches, self.counts) if self.counts else ([], [])
         # per token: a micro-batch's loss weighs its share of this replica's targets (the engine scales replicas)
         self.replica_tokens = torch.stack(self.counts).sum() if self.counts and runtime.per_token else None
-        self.counted = self.target_tokens = self.token_correct = self.input_tokens = 0
+        self.counted = self.target_tokens = self.token_correct = self.input_tokens = self.accuracy_tokens = 0
         self.loss_sum = self.token_loss_sum = self.entropy_sum = 0.0
         self.schedule_seconds = self.compute_seconds = self.staging_seconds = 0.0
         buffered = phase != "eval" and runtime.buffered  # ids checked once, where AQ-SGD buffers read them
@@ -176,6 +176,7 @@ class StepRun:
         change = self.part.change  # its AQ-SGD sender's squares
         return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, token_loss_sum=self.token_loss_sum,
                           target_tokens=self.target_tokens, token_correct=self.token_correct,
+                          accuracy_tokens=self.accuracy_tokens,
                           entropy_sum=self.entropy_sum, input_tokens=self.input_tokens,
                           correct=int(self.correct),
                           counted=self.counted, nonfinite=int(self.guard.findings.bad != 0),
@@ -208,9 +209,10 @@ class StepRun:
             if self.counts is not None:  # a causal LM's: what its loss falls on, how much it predicts, its input
                 self.targets.append(self.host_targets[mb])
                 self.input_tokens += self.host_inputs[mb]
-                stats = getattr(out, "token_stats", None)  # a stage's output may not count them
+                stats = getattr(out, "token_stats", None)  # a stage's output may not count them (a fused loss)
                 if stats is not None:
                     self.token_stats.append(stats.detach())
+                    self.accuracy_tokens += self.host_targets[mb]
             self.guard.finite(loss, LOSS, mb)  # a NaN loss backwards NaN gradients: the step is rejected after
             # per token: its token sum over this replica's target count, as loss / (that count / its own), which is
             # loss / micro-batches where they hold equal counts (LM blocks train as with a micro-batch's mean)

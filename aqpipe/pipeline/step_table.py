@@ -43,7 +43,8 @@ class StepTotals(StepCounters):
     loss_sum: float = 0.0
     token_loss_sum: float = 0.0  # the sum of each causal-LM micro-batch's loss times its target tokens
     target_tokens: int = 0  # the tokens the causal-LM loss fell on (labels other than -100 after the first position)
-    token_correct: int = 0  # of them, those the argmax predicts (TRL's mean_token_accuracy = this / target_tokens)
+    token_correct: int = 0  # of them, those the argmax predicts (TRL's mean_token_accuracy = this / accuracy_tokens)
+    accuracy_tokens: int = 0  # of them, those whose predictions were counted (none under a fused loss in training)
     entropy_sum: float = 0.0  # in evaluation, the predicted distributions' entropies summed over the same tokens
     input_tokens: int = 0  # the causal-LM micro-batches' input tokens (their attention masks'; TRL's num_tokens)
     correct: int = 0
@@ -73,8 +74,9 @@ class StepTotals(StepCounters):
         return self.staging_seconds / self.schedule_seconds if self.staging_seconds and self.schedule_seconds else None
 
     def token_accuracy(self) -> float | None:
-        """TRL's mean_token_accuracy: of the tokens the loss fell on, the share the argmax predicts."""
-        return self.token_correct / self.target_tokens if self.target_tokens else None
+        """TRL's mean_token_accuracy: of the tokens the loss fell on, the share the argmax predicts (None where no
+        prediction was counted: a fused loss builds no logits, and TRL logs none with it either)."""
+        return self.token_correct / self.accuracy_tokens if self.accuracy_tokens else None
 
     def mean_loss(self, micro_batches: int, replicas: int) -> float:
         """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""

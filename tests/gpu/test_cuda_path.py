@@ -93,3 +93,25 @@ def test_a_steps_actions_sync_nowhere_and_a_planted_sync_is_caught(tmp_path):
     assert len(counts) == 2 and min(counts) >= 2 * 4 * 3, counts  # two steps of 4 micro-batches, 3+ actions each
     planted = _strict_job(tmp_path, PLANT_SYNC="1")
     assert planted.returncode != 0 and "synchroniz" in planted.stderr.lower(), planted.stderr[-3000:]
+
+
+@pytest.mark.parametrize("cap", [None, 30.0], ids=["plain", "softcap"])
+def test_the_fused_liger_loss_is_hfs_on_the_gpu(cap):
+    """--use_liger_kernel's loss compiled (the suite's CPU runs interpret it, which cannot soft-cap)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from aqpipe.pipeline.stages.lm_loss import causal_lm_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(2, 64, 128, device="cuda", generator=g, requires_grad=True)
+    head = torch.nn.Linear(128, 5000, bias=False, device="cuda")
+    labels = torch.randint(0, 5000, (2, 64), device="cuda", generator=g)
+    labels[0, :9] = -100
+    logits = head(hidden)
+    logits = torch.tanh(logits / cap) * cap if cap else logits
+    want = ForCausalLMLoss(logits, labels, vocab_size=5000)
+    want_grads = torch.autograd.grad(want, [hidden, head.weight])
+    got = causal_lm_loss(head, hidden, labels, 5000, cap, fused="liger")[0]
+    for a, b in zip(torch.autograd.grad(got, [hidden, head.weight]), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..adapters import has_adapters, merged_state_dict
 from ..seeding import reseed
+from .lm_loss import fused_ready
 
 
 @dataclass
@@ -103,6 +104,7 @@ class PipelineStage(nn.Module):
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.block_indices = list(block_indices)
         self.activation_checkpointing = activation_checkpointing
+        self.fused_loss: str | None = None  # a causal LM head's loss kernel in training (lm_loss.FUSED)
         self.hidden_size = int(self.config.hidden_size)
         blocks = model.get_submodule(family.blocks)
         for path in family.paths(stage_index, num_stages):  # the embeddings, the blocks, the rest: the model's order
@@ -125,6 +127,12 @@ class PipelineStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage {self.stage_index}/{self.num_stages}, blocks {self.block_indices}"
+
+    def use_fused_loss(self, fused: str | None) -> None:
+        """Train the causal-LM loss by `fused` (lm_loss.FUSED: None, the chunked loss; "liger"), checked here once,
+        alike on every stage: what it needs is installed, and a last stage's head is one it can fuse."""
+        fused_ready(fused, getattr(self, "lm_head", None) if self.is_last else None)
+        self.fused_loss = fused
 
     def blocks(self) -> Iterator[tuple[int, nn.Module]]:
         held = self.get_submodule(self.family.blocks)

@@ -70,7 +70,8 @@ class DecoderStage(PipelineStage):
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
             loss, logits, stats = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size,
-                                          getattr(self.config, "final_logit_softcapping", None))
+                                                 getattr(self.config, "final_logit_softcapping", None),
+                                                 fused=self.fused_loss)
             return StageOutput(loss=loss, logits=logits, token_stats=stats)
         return classify_last_token(self.score(hidden), batch["input_ids"], labels, self.config)
 

@@ -46,7 +46,8 @@ class GPT2Stage(PipelineStage):
         hidden = self.transformer.ln_f(hidden)
         labels = batch.get("labels")
         if hasattr(self, "lm_head"):
-            loss, logits, stats = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size)
+            loss, logits, stats = causal_lm_loss(self.lm_head, hidden, labels, self.config.vocab_size,
+                                                 fused=self.fused_loss)
             return StageOutput(loss=loss, logits=logits, token_stats=stats)
         return classify_last_token(self.score(hidden), batch["input_ids"], labels, self.config)
 

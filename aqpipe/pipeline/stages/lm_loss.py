@@ -10,6 +10,12 @@ computes it, and the logits come back; chunked, they don't (a causal LM's step u
 With the loss, from the same logits and without a gradient, what TRL logs beside it (`token_stats`): how many target
 tokens the argmax predicts (mean_token_accuracy's numerator) and, outside autograd (evaluation), the sum of the
 predicted distributions' entropies over the targets. They stay on the device, read with the loss.
+
+`fused="liger"` (the trainer's --use_liger_kernel, HF's and TRL's flag): in training, Liger Kernel's fused linear
+cross-entropy computes the loss and its gradients from the hidden states and the head's weight a block of rows at a
+time, in one pass, so the logits never exist and the head runs once (the chunks here run it twice under autograd).
+It builds no logits, so training rows count no token accuracy, as TRL's do with the same flag. Evaluation keeps the
+path above: its entropies and accuracy need the logits.
 """
 from __future__ import annotations
 
@@ -48,11 +54,42 @@ def _summed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, vocab_s
     return loss, token_stats(logits, targets, entropy)
 
 
+FUSED = (None, "liger")  # the loss's kernel in training: the chunks here, or Liger's fused linear cross-entropy
+
+
+def fused_ready(fused: str | None, head: torch.nn.Module | None = None) -> None:
+    """A ValueError naming what is missing where the `fused` loss cannot run: Liger's package (checked on every
+    stage alike), a `head` that is a plain Linear (its weight and bias are all it computes with; a LoRA-wrapped one
+    is more)."""
+    if fused not in FUSED:
+        raise ValueError(f"fused loss {fused!r}: expected one of {FUSED}")
+    if fused is None:
+        return
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("--use_liger_kernel needs Liger Kernel: pip install liger-kernel (or aqpipe[liger])") from None
+    if head is not None and type(head) is not torch.nn.Linear:
+        raise ValueError(f"--use_liger_kernel fuses a plain Linear head with its loss; this stage's head is a "
+                         f"{type(head).__name__} (an adapter on the head?)")
+
+
+def _liger_loss(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, cap: float | None
+                ) -> torch.Tensor:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    targets = F.pad(labels.to(hidden.device), (0, 1), value=IGNORE)[:, 1:]
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, softcap=cap, reduction="mean")
+    return loss(head.weight, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), head.bias)
+
+
 def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor | None,
-                   vocab_size: int, cap: float | None = None, chunk_bytes: int | None = None
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+                   vocab_size: int, cap: float | None = None, chunk_bytes: int | None = None,
+                   fused: str | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss, logits, token_stats) of `head` over `hidden` (B, T, H) against `labels` (B, T); logits None where
-    chunked, token_stats None without labels; entropies in evaluation (no autograd) alone."""
+    chunked or fused, token_stats None without labels or where fused; entropies in evaluation (no autograd) alone."""
+    if fused == "liger" and labels is not None and torch.is_grad_enabled():
+        return _liger_loss(head, hidden, labels, cap), None, None
     limit = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows, positions = hidden.shape[:2]
     entropy = not torch.is_grad_enabled()
