@@ -38,10 +38,13 @@ def _wait(ready: Any) -> None:
 
 class Departures:
     """A FIFO of sends on one worker thread: `post` returns at once; `drain` waits until every send posted so far
-    has gone and returns [(counter, bytes on the link)]."""
+    has gone and returns [(counter, bytes on the link)]. `device`: the stage's, made the worker's current device
+    (so that nothing the worker asks of CUDA opens a context on another GPU)."""
 
-    def __init__(self) -> None:
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aqpipe-departures")
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        device = torch.device(device)
+        start = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aqpipe-departures", initializer=start)
         self._queued: list[Future] = []
 
     def post(self, payload: torch.Tensor, ready: Any, dst: int, *, tag: int, group: object | None,
@@ -56,13 +59,20 @@ class Departures:
         self._queued.append(self._worker.submit(depart))
 
     def drain(self) -> list[tuple[str | None, int]]:
-        """Every queued send posted and complete (a send's error is raised here); what each put on the link."""
+        """Every queued send posted and complete; what each put on the link. A send's error is raised here, the
+        first one, once every other send has been waited for (none is left in flight with its buffer)."""
         queued, self._queued = self._queued, []
-        sent = []
+        sent: list[tuple[str | None, int]] = []
+        error: BaseException | None = None
         for future in queued:
-            work, data, counter = future.result()
-            work.wait()
-            sent.append((counter, data.numel()))
+            try:
+                work, data, counter = future.result()
+                work.wait()
+                sent.append((counter, data.numel()))
+            except Exception as failed:  # noqa: BLE001 - raised below, after the rest
+                error = error or failed
+        if error is not None:
+            raise error
         return sent
 
 

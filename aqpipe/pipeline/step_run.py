@@ -115,6 +115,7 @@ class StepRun:
 
     def run(self, actions: list[sched.Action]) -> "StepRun":
         e, parts = self.runtime, self.runtime.participants()
+        e.wire.take_sent()  # this step's bytes alone (a step that raised may have left a tally)
         self.posted = self._post_receives(actions)
         start = StepStart(micro_batches=self.micro_batches, phase=self.phase, training=self.training,
                           undo=self.restores)

@@ -89,7 +89,7 @@ class Wire:
         self.entropy = bool(entropy) and self.staging.transport.type == "cpu"
         if defer is None:
             defer = torch.device(device).type == "cuda" and self.staging.transport.type == "cpu"
-        self.departures = Departures() if defer else None
+        self.departures = Departures(device) if defer else None
         self._sent: dict[str, int] = {}
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None,
