@@ -22,8 +22,9 @@ has nothing to split: `backward_input` returns no gradient and `run` is the whol
 
 Memory: until `run`, the micro-batch's whole graph stays alive (every tensor its backward saved, also those only
 the input part needed) plus one gradient per split node (for an LM head, one the size of the logits). A stage
-with activation checkpointing is not split (the engine runs its whole backward in the input part): each
-`autograd.grad` call would recompute the checkpointed blocks again.
+that says `whole_backward` is not split (the engine runs its whole backward in the input part): with activation
+checkpointing each `autograd.grad` call would recompute the checkpointed blocks again; Liger's fused loss scales
+its saved gradients in place, so a second pass over its node would scale them twice.
 """
 from __future__ import annotations
 

@@ -246,7 +246,7 @@ class StepRun:
         stage = self.runtime.stage
         out, x = self.outputs.pop(mb), self.inputs.get(mb)
         grad = None if stage.is_last else self.grads.pop(mb).to(out.dtype)
-        if getattr(stage, "activation_checkpointing", False):  # split, it would recompute per weight node
+        if getattr(stage, "whole_backward", False):  # a split would recompute or rescale (PipelineStage's)
             out.backward(grad)
             self.weights[mb] = None
             return

@@ -134,6 +134,13 @@ class PipelineStage(nn.Module):
         fused_ready(fused, getattr(self, "lm_head", None) if self.is_last else None)
         self.fused_loss = fused
 
+    @property
+    def whole_backward(self) -> bool:
+        """Whether zb1 must run this stage's backward whole, not split into its input and weight parts: checkpointed
+        blocks would be recomputed per weight node, and Liger's fused loss scales the gradients it saved in place by
+        its incoming gradient, so a second pass over its node would scale the head's gradient twice."""
+        return self.activation_checkpointing or (self.is_last and self.fused_loss is not None)
+
     def blocks(self) -> Iterator[tuple[int, nn.Module]]:
         held = self.get_submodule(self.family.blocks)
         return ((i, held[str(i)]) for i in self.block_indices)

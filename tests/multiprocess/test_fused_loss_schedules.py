@@ -1,0 +1,39 @@
+"""Liger's fused loss (--use_liger_kernel) on every schedule: zb1 runs a fused last stage's backward whole, since
+Liger scales the gradients it saved in place by the incoming gradient and a split's second pass over its node
+would scale the head's gradient twice. A 2-stage tied GPT2 trained by SGD (whose step is the gradient itself, so a
+scaled gradient shows) ends where 1f1b puts it, and where the chunked loss does. Triton's CPU interpreter here."""
+import pytest
+import torch
+
+from aqpipe.pipeline import EngineSettings, Grid, PipelineEngine, build_groups, owned_parameters, partition, tie_groups
+from tests.helpers.processes import spawn
+from tests.multiprocess.test_pipeline_hf import SAMPLES, SEQ, batches, gpt2
+
+
+def train(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for schedule, fused in (("1f1b", "liger"), ("zb1", "liger"), ("zb1", None)):
+        stages = partition(gpt2(dropout=0.0), world)
+        ties = tie_groups(stages)
+        groups = build_groups(Grid.for_world(world, world), rank)
+        stage = stages[groups.stage]
+        stage.use_fused_loss(fused)
+        engine = PipelineEngine(stage, groups, torch.optim.SGD(owned_parameters(stage, ties), lr=0.5),
+                                EngineSettings(num_samples=SAMPLES, seq_len=SEQ, schedule=schedule), ties=ties)
+        losses = [engine.train_batch(mbs).loss for mbs in list(batches(0, False))[:2]]
+        out[(schedule, fused)] = (losses, {k: v.detach().clone() for k, v in engine.hf_state_dict().items()})
+    return out
+
+
+def test_zb1_trains_a_fused_last_stage_as_1f1b_does():
+    runs = spawn(train, 2)
+    losses = {case: run[case][0] for run in runs[-1:] for case in run}  # the job's, as every stage reports it
+    weights = {case: {k: v for run in runs for k, v in run[case][1].items()} for case in runs[0]}
+    assert losses[("zb1", "liger")] == losses[("1f1b", "liger")]  # the first step's; the second after a step
+    assert losses[("zb1", None)] == pytest.approx(losses[("1f1b", "liger")], rel=1e-5)
+    fused, split, chunked = weights[("1f1b", "liger")], weights[("zb1", "liger")], weights[("zb1", None)]
+    assert "lm_head.weight" in split  # the tied head's weight, trained through the fused loss
+    for key in split:
+        torch.testing.assert_close(split[key], fused[key], rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(split[key], chunked[key], rtol=1e-4, atol=1e-6, msg=key)
