@@ -12,18 +12,13 @@ from aqpipe.environment import check_liger
 from aqpipe.pipeline.loading import build_stage
 from aqpipe.pipeline.stages.lm_loss import causal_lm_loss, fused_ready
 from aqpipe.pipeline.step_table import StepTotals
+from tests.helpers.lm_head import assert_no_targets_train_nothing, head_case
 
 B, T, H, V = 2, 19, 16, 50
 
 
 def case(seed: int = 0, bias: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
-    head = torch.nn.Linear(H, V, bias=bias)
-    torch.nn.init.normal_(head.weight, generator=g)
-    labels = torch.randint(0, V, (B, T), generator=g)
-    labels[0, :5] = -100  # a prompt's positions, ignored
-    return hidden, head, labels
+    return head_case(seed, (B, T, H, V), bias)
 
 
 # Gemma's soft-capped logits: Triton's interpreter cannot run Liger's soft-capping kernel (it hands the kernel a Python
@@ -91,3 +86,9 @@ def test_what_it_cannot_run_is_refused_in_one_line(monkeypatch):
 def test_a_step_without_counted_predictions_reports_no_accuracy():
     assert StepTotals(target_tokens=40, token_correct=0, accuracy_tokens=0).token_accuracy() is None
     assert StepTotals(target_tokens=40, token_correct=10, accuracy_tokens=40).token_accuracy() == 0.25
+
+
+def test_a_micro_batch_with_no_targets_has_a_zero_loss_and_no_gradient():
+    """As the chunked and whole losses have it (test_lm_loss.py)."""
+    assert_no_targets_train_nothing(lambda head, hidden, labels: causal_lm_loss(head, hidden, labels, 50,
+                                                                                 fused="liger")[0])

@@ -7,18 +7,13 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from aqpipe.pipeline.loading import build_stage
 from aqpipe.pipeline.stages import lm_loss
 from aqpipe.pipeline.stages.lm_loss import causal_lm_loss
+from tests.helpers.lm_head import assert_no_targets_train_nothing, head_case
 
 B, T, H, V = 2, 37, 16, 50
 
 
 def case(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
-    head = torch.nn.Linear(H, V, bias=False)
-    torch.nn.init.normal_(head.weight, generator=g)
-    labels = torch.randint(0, V, (B, T), generator=g)
-    labels[0, :5] = -100  # a prompt's positions, ignored
-    return hidden, head, labels
+    return head_case(seed, (B, T, H, V))
 
 
 @pytest.mark.parametrize("cap", [None, 3.0])
@@ -92,3 +87,10 @@ def test_a_llama_last_stage_chunked_gives_todays_loss_and_gradients(monkeypatch)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 2 * 50 * 4 * 3], ids=["whole", "chunked"])
+def test_a_micro_batch_with_no_targets_has_a_zero_loss_and_no_gradient(chunk_bytes):
+    """As Liger's fused loss has it (test_liger_loss.py): not 0/0, whose NaN would reject the step."""
+    assert_no_targets_train_nothing(lambda head, hidden, labels: causal_lm_loss(head, hidden, labels, 50,
+                                                                                 chunk_bytes=chunk_bytes)[0])

@@ -4,8 +4,9 @@ at once: Llama 3's 128k vocabulary over 4 x 1024 tokens is 2 GB of them, and the
 Each chunk of positions runs the head, upcasts its logits and sums its cross-entropy; under autograd the chunk is
 checkpointed, so its logits are recomputed in backward instead of kept, and only one chunk's live at a time (the
 price: the head's forward runs twice where chunked). The loss is HF's `ForCausalLMLoss`: labels shifted one left,
--100 ignored, the mean over the rest. Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF
-computes it, and the logits come back; chunked, they don't (a causal LM's step uses only the loss).
+-100 ignored, the mean over the rest (0 where there is none). Where the whole micro-batch's logits fit in
+`CHUNK_BYTES` it is computed as HF computes it, and the logits come back; chunked, they don't (a causal LM's step
+uses only the loss).
 
 With the loss, from the same logits and without a gradient, what TRL logs beside it (`token_stats`): how many target
 tokens the argmax predicts (mean_token_accuracy's numerator) and, outside autograd (evaluation), the sum of the
@@ -45,6 +46,13 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool) -> t
         return torch.stack([correct, torch.zeros_like(correct)])
     logp = torch.log_softmax(logits.float(), dim=-1)  # every position, masked after: a boolean index would wait
     return torch.stack([correct, (-(logp.exp() * logp).sum(dim=-1) * kept).sum()])  # for the GPU (its count)
+
+
+def _targets(shifted: torch.Tensor) -> torch.Tensor:
+    """The mean's divisor: the target count, on the device, at least 1. A micro-batch with no targets then has a
+    loss of 0 and no gradient, as Liger's fused loss gives it (the step's per-token loss weighs it by its 0
+    targets), not 0/0; with targets the loss is HF's mean bit for bit (its sum over the count)."""
+    return (shifted != IGNORE).sum().clamp(min=1)
 
 
 def _summed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, cap: float | None,
@@ -98,8 +106,8 @@ def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
         if labels is None:
             return None, logits, None
         labels = labels.to(logits.device)
-        loss = ForCausalLMLoss(logits, labels, vocab_size=vocab_size)
         shifted = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        loss = ForCausalLMLoss(logits, labels, vocab_size=vocab_size, num_items_in_batch=_targets(shifted))
         return loss, logits, token_stats(logits, shifted, entropy)
     targets = F.pad(labels.to(hidden.device), (0, 1), value=IGNORE)[:, 1:]
     step = max(1, limit // (rows * vocab_size * 4))
@@ -112,4 +120,4 @@ def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
         else:
             loss, counted = _summed(*part)
         total, stats = total + loss, stats + counted
-    return total / (targets != IGNORE).sum(), None, stats
+    return total / _targets(targets), None, stats

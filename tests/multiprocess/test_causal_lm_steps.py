@@ -1,7 +1,11 @@
-"""Liger's fused loss (--use_liger_kernel) on every schedule: zb1 runs a fused last stage's backward whole, since
+"""A causal LM's steps through a 2-stage tied GPT2, as the loss path meets the schedule.
+
+Liger's fused loss (--use_liger_kernel) on every schedule: zb1 runs a fused last stage's backward whole, since
 Liger scales the gradients it saved in place by the incoming gradient and a split's second pass over its node
-would scale the head's gradient twice. A 2-stage tied GPT2 trained by SGD (whose step is the gradient itself, so a
-scaled gradient shows) ends where 1f1b puts it, and where the chunked loss does. Triton's CPU interpreter here."""
+would scale the head's gradient twice. Trained by SGD (whose step is the gradient itself, so a scaled gradient
+shows), it ends where 1f1b puts it, and where the chunked loss does. Triton's CPU interpreter here.
+
+A micro-batch with no targets trains nothing: the step is the step of the others alone, not one rejected for 0/0."""
 import pytest
 import torch
 
@@ -37,3 +41,29 @@ def test_zb1_trains_a_fused_last_stage_as_1f1b_does():
     for key in split:
         torch.testing.assert_close(split[key], fused[key], rtol=1e-6, atol=1e-7, msg=key)
         torch.testing.assert_close(split[key], chunked[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def one_step(rank: int, world: int, fused: str | None) -> list[tuple[float, dict]]:
+    torch.set_num_threads(1)
+    first = list(batches(0, False))[0]
+    empty = dict(first[1], labels=torch.full_like(first[1]["labels"], -100))
+    out = []
+    for micro_batches in ([first[0], empty], [first[0]]):
+        stages = partition(gpt2(dropout=0.0), world)
+        ties = tie_groups(stages)
+        groups = build_groups(Grid.for_world(world, world), rank)
+        stage = stages[groups.stage]
+        stage.use_fused_loss(fused)
+        engine = PipelineEngine(stage, groups, torch.optim.SGD(owned_parameters(stage, ties), lr=0.5),
+                                EngineSettings(num_samples=SAMPLES, seq_len=SEQ), ties=ties)
+        m = engine.train_batch(micro_batches)
+        out.append((m.loss, m.skipped, {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}))
+    return out
+
+
+@pytest.mark.parametrize("fused", [None, "liger"])
+def test_a_micro_batch_with_no_targets_leaves_the_step_of_the_others(fused):
+    for (loss, skipped, weights), (alone, _, alone_weights) in spawn(one_step, 2, fused):
+        assert skipped is None and loss == pytest.approx(alone, rel=1e-6)
+        for key in weights:
+            torch.testing.assert_close(weights[key], alone_weights[key], rtol=1e-6, atol=1e-7, msg=key)
