@@ -195,15 +195,15 @@ class AutoBitsController:
         return step % self.compression.auto_bits_every == 0
 
     @staticmethod
-    def probe(stage: int, prev: Any, next_: Any, device: Any) -> tuple[float, float, float]:
+    def probe(stage: int, prev: Any, next_: Any) -> tuple[float, float, float]:
         """Probe this rank's links, even boundaries first, then odd ones (a rank is in one probe at a time);
         returns the probe of the next link (zeros on the last stage)."""
         mine = (0.0, 0.0, 0.0)
         for parity in (0, 1):
             if next_ is not None and stage % 2 == parity:
-                mine = next_.probe(True, PROBE_BYTES, device)
+                mine = next_.probe(True, PROBE_BYTES)
             if prev is not None and (stage - 1) % 2 == parity:
-                prev.probe(False, PROBE_BYTES, device)
+                prev.probe(False, PROBE_BYTES)
         return mine
 
     def observe(self, table: Any, micro_batches: int) -> None:

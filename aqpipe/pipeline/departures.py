@@ -58,6 +58,10 @@ class Departures:
 
         self._queued.append(self._worker.submit(depart))
 
+    def idle(self) -> bool:
+        """Whether every send posted so far is on the link already (so one made now, not through here, follows them)."""
+        return all(future.done() for future in self._queued)
+
     def drain(self) -> list[tuple[str | None, int]]:
         """Every queued send posted and complete; what each put on the link. A send's error is raised here, the
         first one, once every other send has been waited for (none is left in flight with its buffer)."""

@@ -212,7 +212,7 @@ class PipelineEngine:
         phase = "warmup" if epoch < self.compression.warmup_epochs else "train"
         bits = self.auto_bits.record() if self.auto_bits is not None else None
         deciding = self.auto_bits is not None and self.auto_bits.deciding(self.global_step)
-        link = self.auto_bits.probe(self.groups.stage, self.prev, self.next, self.device) \
+        link = self.auto_bits.probe(self.groups.stage, self.prev, self.next) \
             if deciding and self.compression.link_mbit is None else (0.0, 0.0, 0.0)
         self.stage.train()
         guard = StepGuard(self.codecs())

@@ -93,11 +93,12 @@ class Wire:
         self._sent: dict[str, int] = {}
 
     def send(self, payload: torch.Tensor, dst: int, tag: int = 0, group: object | None = None,
-             code: bool = False, counter: str | None = None) -> None:
+             code: bool = False, counter: str | None = None, at_once: bool = False) -> None:
         """Send `payload` (entropy-coded with `code` where this wire codes), its bytes on the link counted on
-        `counter` (None: not a step's bytes, as a probe's)."""
+        `counter` (None: not a step's bytes, as a probe's). `at_once`: not through the departures' thread where
+        nothing waits in it (a host payload: a probe, whose timing must not include the thread's hand-off)."""
         encode = entropy.encode if code and self.entropy else None
-        if self.departures is not None:
+        if self.departures is not None and not (at_once and self.departures.idle()):
             host, ready = copied_out(payload)
             self.departures.post(host, ready, dst, tag=tag, group=group, encode=encode, counter=counter)
             return
@@ -276,33 +277,36 @@ class Boundary:
         return Posted(self.wire.post(nbytes, self.peer, device, tag=self.tag, group=self.incoming,
                                      code=_coded(codec)), nbytes, shape, dtype, phase)
 
-    def send_raw(self, payload: torch.Tensor, counter: str | None = None) -> None:
-        """`payload` as it is (`counter`: the wire its bytes count on; None: none, as a probe's)."""
-        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, counter=counter)
+    def send_raw(self, payload: torch.Tensor, counter: str | None = None, at_once: bool = False) -> None:
+        """`payload` as it is (`counter`: the wire its bytes count on; None: none, as a probe's; `at_once`: Wire's)."""
+        self.wire.send(payload, self.peer, tag=self.tag, group=self.outgoing, counter=counter, at_once=at_once)
 
     def recv_raw(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self.wire.recv(nbytes, self.peer, device, tag=self.tag, group=self.incoming)
 
-    def probe(self, leads: bool, large: int, device: torch.device,
-              small: int = 64) -> tuple[float, float, float] | None:
+    def probe(self, leads: bool, large: int, small: int = 64) -> tuple[float, float, float] | None:
         """Time this boundary's link each way with ping-pongs of `large` and `small` bytes (both sides call it at
         the same point; the two directions may differ, as shaped uplinks do). The side that `leads` (the stage
         that sends activations) returns (seconds a byte ahead, seconds a byte back, one-way delay); the other
-        side answers each message and returns None. Not counted as any wire's bytes: it is measurement."""
-        big = torch.zeros(large, dtype=torch.uint8, device=device)
-        little = torch.zeros(small, dtype=torch.uint8, device=device)
+        side answers each message and returns None. Not counted as any wire's bytes: it is measurement. The
+        messages live where the transport reads them (host memory under gloo), so that what is timed is the link:
+        no copy to or from the GPU, no hand-off to the departures' thread."""
+        where = self.wire.staging.transport
+        big = torch.zeros(large, dtype=torch.uint8, device=where)
+        little = torch.zeros(small, dtype=torch.uint8, device=where)
         plan = [(small, small)] + [(small, small), (large, small), (small, large)] * PROBE_REPEATS  # (out, back)
+        self.wire.flush()  # nothing of the step before still queued: each probe message leaves at once
         if not leads:
             for n_out, n_in in plan:
-                self.recv_raw(n_out, device)
-                self.send_raw(big[:n_in] if n_in == large else little)
+                self.recv_raw(n_out, where)
+                self.send_raw(big[:n_in] if n_in == large else little, at_once=True)
             self.wire.flush()
             return None
         times: dict[tuple[int, int], float] = {}
         for n_out, n_in in plan:  # the first message on a path pays its set-up: it is timed, then bettered
             start = time.perf_counter()
-            self.send_raw(big if n_out == large else little)
-            self.recv_raw(n_in, device)
+            self.send_raw(big if n_out == large else little, at_once=True)
+            self.recv_raw(n_in, where)
             took = time.perf_counter() - start
             times[(n_out, n_in)] = min(took, times.get((n_out, n_in), took))  # the least: the link, not the noise
         self.wire.flush()

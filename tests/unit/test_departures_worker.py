@@ -10,19 +10,30 @@ import torch
 from aqpipe.pipeline import departures
 
 
-class _Work:
-    def __init__(self, log: list, data: torch.Tensor) -> None:
-        self.log, self.data = log, data
+class _Link:
+    """What was put on the link (each message's first byte, in order) and what was waited for."""
 
-    def wait(self) -> None:
-        self.log.append(int(self.data[0]))
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.waited: list[int] = []
+
+    def isend(self, data: torch.Tensor, dst: int, group: object | None = None, tag: int = 0) -> "_Link._Work":
+        self.sent.append(int(data[0]))
+        return _Link._Work(self.waited, int(data[0]))
+
+    class _Work:
+        def __init__(self, log: list, first: int) -> None:
+            self.log, self.first = log, first
+
+        def wait(self) -> None:
+            self.log.append(self.first)
 
 
 @pytest.fixture
 def sends(monkeypatch):
-    log: list[int] = []
-    monkeypatch.setattr(departures.dist, "isend", lambda data, dst, group=None, tag=0: _Work(log, data))
-    return log
+    link = _Link()
+    monkeypatch.setattr(departures.dist, "isend", link.isend)  # torch.distributed's: the wire's own sends too
+    return link
 
 
 def _broken(_: torch.Tensor) -> torch.Tensor:
@@ -36,7 +47,7 @@ def test_drain_waits_for_every_send_then_raises_the_first_error(sends):
                  counter="fwd_bytes")
     with pytest.raises(RuntimeError, match="second message"):
         out.drain()
-    assert sends == [0, 2]  # the sends after the failure went and were waited for
+    assert sends.sent == sends.waited == [0, 2]  # the sends after the failure went and were waited for
     out.post(torch.full((3,), 5, dtype=torch.uint8), None, 1, tag=0, group=None, encode=None, counter="bwd_bytes")
     assert out.drain() == [("bwd_bytes", 3)]  # the failed batch is gone, the worker still sends
 
@@ -53,3 +64,32 @@ def test_the_worker_thread_makes_the_stages_gpu_its_current_device(monkeypatch, 
     host.post(torch.zeros(1, dtype=torch.uint8), None, 1, tag=0, group=None, encode=None, counter=None)
     host.drain()
     assert len(chosen) == 1  # a host stage's worker touches no GPU
+
+
+class _Gate:
+    """A copy's event that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def query(self) -> bool:
+        return self.open.is_set()
+
+
+def test_a_send_at_once_skips_the_thread_only_where_nothing_waits_in_it(sends):
+    from aqpipe.pipeline.transport import Wire
+
+    wire = Wire(defer=True)
+    wire.send(torch.full((2,), 1, dtype=torch.uint8), 1, at_once=True, counter="fwd_bytes")
+    assert wire.take_sent() == {"fwd_bytes": 2}  # on the link already, before any flush
+    gate = _Gate()
+    wire.departures.post(torch.full((3,), 2, dtype=torch.uint8), gate, 1, tag=0, group=None, encode=None,
+                         counter="fwd_bytes")
+    try:
+        wire.send(torch.full((4,), 3, dtype=torch.uint8), 1, at_once=True, counter="bwd_bytes")  # behind one
+        assert wire.take_sent() == {} and not wire.departures.idle()
+    finally:
+        gate.open.set()
+    wire.flush()
+    assert sends.sent == [1, 2, 3]  # the order they were made in
+    assert wire.take_sent() == {"fwd_bytes": 3, "bwd_bytes": 4}

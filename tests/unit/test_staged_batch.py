@@ -83,6 +83,10 @@ def test_staging_keeps_the_sample_ids_on_the_host_and_every_field():
     assert isinstance(out, StagedBatch) and set(out) == set(batch)
     assert all(out[k] is batch[k] for k in batch)  # on the CPU nothing is copied
     assert out.facts.padded
+    away = staged([batch], "meta")[0]  # another device (a GPU's stand-in): the compute's fields go, the ids stay
+    assert away["sample_id"] is batch["sample_id"]
+    assert {k for k in batch if away[k].device.type == "meta"} == set(batch) - {"sample_id"}
+    assert away.facts.padded  # read on the host, before they left
 
 
 def test_transformers_takes_the_facts():
