@@ -174,14 +174,15 @@ def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, pro
     """The evaluation's row; a causal LM's with TRL's token metrics, `eval_num_tokens` being, as TRL's, the input
     tokens trained on so far (the progress's), so that eval curves plot against them."""
     results = [engine.eval_batch(mbs) for mbs in batches]
-    loss = sum(r["loss"] for r in results) / len(results)
+    scored = [r for r in results if r.get("target_tokens", 1)]  # a causal LM's batch with no targets has no loss
+    loss = sum(r["loss"] for r in scored) / len(scored) if scored else float("nan")
     out = {"eval_loss": loss}
     if task.kind == "causal_lm":
         out["eval_perplexity"] = math.exp(min(loss, 50.0))
         targets = sum(r.get("target_tokens", 0) for r in results)
         if targets:  # TRL's, over every token the loss falls on
             for name in ("mean_token_accuracy", "entropy"):
-                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if "target_tokens" in r) / \
+                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if r.get("target_tokens")) / \
                     targets
             out["eval_num_tokens"] = progress.num_tokens
     else:

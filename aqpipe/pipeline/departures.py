@@ -4,8 +4,9 @@ gloo reads a payload from host memory when the send is posted, so a message a GP
 first, and that copy must wait for the compute queued before it. Waiting on the main thread stalls the queue that
 feeds the GPU at every send (a host sync per message). Here the main thread only queues the copy into pinned memory
 and an event after it; one worker thread, in the order the sends were made, waits for each event, entropy-codes
-the bytes where the wire codes, and posts the send. Every send of the wire goes through it once one does, so
-messages to a peer keep their order. What each send put on the link is counted when `drain` collects it.
+the bytes where the wire codes, and posts the send. A send made while any waits here goes through it too, so
+messages to a peer keep their order (a probe's, with nothing queued, leaves at once: `idle`). What each send put
+on the link is counted when `drain` collects it.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class Departures:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current one, read here, not in the thread
+            device = torch.device("cuda", torch.cuda.current_device())
         start = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aqpipe-departures", initializer=start)
         self._queued: list[Future] = []

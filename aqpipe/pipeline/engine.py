@@ -60,6 +60,9 @@ class Stage(Protocol):
     def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...
 
 
+NO_TARGETS = "no target tokens in the step (every label -100): skipped, as its loss is 0/0"
+
+
 @dataclass(kw_only=True)
 class StepMetrics:
     """What `train_batch` returns, alike on every rank: the step's loss (NaN when skipped), its learning rate
@@ -226,17 +229,19 @@ class PipelineEngine:
                                                     run.totals(link)))
         totals, verdict = table.totals(), table.verdict(self.global_step + 1, self.compression.buffer_dtype)
         decision = self._decide_bits(table, verdict is None, micro_batches) if self.auto_bits is not None else None
-        if verdict is not None:
+        empty = verdict is None and self.per_token and not totals.target_tokens
+        if verdict is not None or empty:  # rejected, or nothing to learn from: undone, the weights and LR untouched
             guard.undo()
             self._zero_grads()
             self.global_step += 1
-            if verdict.error is not None:
+            if verdict is not None and verdict.error is not None:
                 raise verdict.error
-            if not self.skip_nonfinite:
+            if verdict is not None and not self.skip_nonfinite:
                 raise FloatingPointError(f"{verdict.line}; stopping (skip_nonfinite skips such steps instead)")
             self.skipped_steps += 1
+            line = verdict.line if verdict is not None else NO_TARGETS
             return self._metrics(totals, m, epoch, self.optimizer.param_groups[0]["lr"], float("nan"), phase, start,
-                                 bits, decision, skipped=verdict.line)
+                                 bits, decision, skipped=line)
         lr, grad_norm = self._step(table, totals)
         return self._metrics(totals, m, epoch, lr, grad_norm, phase, start, bits, decision)
 
@@ -363,6 +368,8 @@ class PipelineEngine:
         if t.target_tokens:
             result.update(mean_token_accuracy=t.token_accuracy(), entropy=t.entropy_sum / t.target_tokens,
                           target_tokens=t.target_tokens)
+        elif self.per_token:  # a causal LM's batch with no targets: no loss to report (0/0), and no weight
+            result.update(loss=float("nan"), target_tokens=0)
         return result
 
     # ------------------------------------------------------------------ checkpoints

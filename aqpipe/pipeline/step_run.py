@@ -115,7 +115,8 @@ class StepRun:
 
     def run(self, actions: list[sched.Action]) -> "StepRun":
         e, parts = self.runtime, self.runtime.participants()
-        e.wire.take_sent()  # this step's bytes alone (a step that raised may have left a tally)
+        e.wire.flush()  # this step's bytes alone: what a step that raised left queued or counted is not its
+        e.wire.take_sent()
         self.posted = self._post_receives(actions)
         start = StepStart(micro_batches=self.micro_batches, phase=self.phase, training=self.training,
                           undo=self.restores)
@@ -218,7 +219,8 @@ class StepRun:
             # per token: its token sum over this replica's target count, as loss / (that count / its own), which is
             # loss / micro-batches where they hold equal counts (LM blocks train as with a micro-batch's mean)
             tokens = self.replica_tokens
-            out = loss / (tokens / self.counts[mb] if tokens is not None else len(self.micro_batches))
+            # (a replica's step with no targets at all: tokens clamped, so each of its losses counts 0, not 0/0)
+            out = loss / (tokens.clamp(min=1) / self.counts[mb] if tokens is not None else len(self.micro_batches))
         self.outputs[mb] = out
 
     def send_act(self, mb: int) -> None:

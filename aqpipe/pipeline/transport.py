@@ -307,6 +307,8 @@ class Boundary:
             start = time.perf_counter()
             self.send_raw(big if n_out == large else little, at_once=True)
             self.recv_raw(n_in, where)
+            if where.type == "cuda":  # NCCL's wait only orders the GPU's queue: the host waits for the bytes here
+                torch.cuda.synchronize(where)
             took = time.perf_counter() - start
             times[(n_out, n_in)] = min(took, times.get((n_out, n_in), took))  # the least: the link, not the noise
         self.wire.flush()

@@ -5,10 +5,13 @@ Liger scales the gradients it saved in place by the incoming gradient and a spli
 would scale the head's gradient twice. Trained by SGD (whose step is the gradient itself, so a scaled gradient
 shows), it ends where 1f1b puts it, and where the chunked loss does. Triton's CPU interpreter here.
 
-A micro-batch with no targets trains nothing: the step is the step of the others alone, not one rejected for 0/0."""
+A micro-batch with no targets trains nothing: the step is the step of the others alone, not one rejected for 0/0
+(the per-token average, the default); a step with no targets at all is skipped. Without Liger the loss here is HF's
+whole one (a 96-token vocabulary); the chunked loss's case is tests/unit/test_lm_loss.py's."""
 import pytest
 import torch
 
+from aqpipe.pipeline.engine import NO_TARGETS
 from aqpipe.pipeline import EngineSettings, Grid, PipelineEngine, build_groups, owned_parameters, partition, tie_groups
 from tests.helpers.processes import spawn
 from tests.multiprocess.test_pipeline_hf import SAMPLES, SEQ, batches, gpt2
@@ -50,7 +53,7 @@ def one_step(rank: int, world: int) -> dict:
     empty = dict(first[1], labels=torch.full_like(first[1]["labels"], -100))
     out = {}
     for fused in (None, "liger"):
-        for micro_batches in ([first[0], empty], [first[0]]):
+        for micro_batches in ([first[0], empty], [first[0]], [empty, empty]):
             stages = partition(gpt2(dropout=0.0), world)
             ties = tie_groups(stages)
             groups = build_groups(Grid.for_world(world, world), rank)
@@ -58,15 +61,25 @@ def one_step(rank: int, world: int) -> dict:
             stage.use_fused_loss(fused)
             engine = PipelineEngine(stage, groups, torch.optim.SGD(owned_parameters(stage, ties), lr=0.5),
                                     EngineSettings(num_samples=SAMPLES, seq_len=SEQ), ties=ties)
+            before = {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}
             m = engine.train_batch(micro_batches)
             state = {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}
-            out.setdefault(fused, []).append((m.loss, m.skipped, state))
+            out.setdefault(fused, []).append((m.loss, m.skipped, state, before))
+        out[(fused, "eval")] = engine.eval_batch([empty])
     return out
 
 
 def test_a_micro_batch_with_no_targets_leaves_the_step_of_the_others():
+    """... and a step with none at all is skipped, its weights untouched (Liger's backward multiplies by what the
+    step scales its losses with: 0/0 there gave NaN gradients, and the step raised)."""
     for run in spawn(one_step, 2):
-        for fused, ((loss, skipped, weights), (alone, _, alone_weights)) in run.items():
+        for fused in (None, "liger"):
+            evaluation = run.pop((fused, "eval"))  # no loss to report, and no weight in the evaluation's mean
+            assert evaluation["target_tokens"] == 0 and evaluation["loss"] != evaluation["loss"]
+        for fused, ((loss, skipped, weights, _), (alone, _, alone_weights, _), nothing) in run.items():
             assert skipped is None and loss == pytest.approx(alone, rel=1e-6), fused
             for key in weights:
                 torch.testing.assert_close(weights[key], alone_weights[key], rtol=1e-6, atol=1e-7, msg=key)
+            loss, skipped, after, before = nothing
+            assert skipped == NO_TARGETS and loss != loss, fused
+            assert all(torch.equal(after[k], before[k]) for k in before), fused

@@ -93,3 +93,12 @@ def test_a_send_at_once_skips_the_thread_only_where_nothing_waits_in_it(sends):
     wire.flush()
     assert sends.sent == [1, 2, 3]  # the order they were made in
     assert wire.take_sent() == {"fwd_bytes": 3, "bwd_bytes": 4}
+
+
+def test_a_gpu_named_without_its_index_is_the_current_one(monkeypatch, sends):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    out = departures.Departures("cuda")  # as EngineSettings(device="cuda") names it
+    out.post(torch.zeros(2, dtype=torch.uint8), None, 1, tag=0, group=None, encode=None, counter=None)
+    assert out.drain() == [(None, 2)] and chosen == [torch.device("cuda", 2)]

@@ -1,0 +1,32 @@
+"""The evaluation's row over a causal LM's batches: a batch with no targets (a user's own batches may hold one) has
+no loss to count, so it weighs nothing in eval_loss, not a 0 that would pull the loss and perplexity down."""
+import math
+from types import SimpleNamespace
+
+from aqpipe.train import _evaluate
+
+
+class _Engine:
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = iter(rows)
+
+    def eval_batch(self, micro_batches: list[dict]) -> dict:
+        return next(self.rows)
+
+
+def row(loss: float, targets: int) -> dict:
+    if not targets:  # as PipelineEngine.eval_batch reports such a batch
+        return {"loss": float("nan"), "target_tokens": 0}
+    return {"loss": loss, "target_tokens": targets, "mean_token_accuracy": 0.5, "entropy": 2.0}
+
+
+def test_a_batch_without_targets_weighs_nothing_in_the_evaluation():
+    rows = [row(3.0, 10), row(0.0, 0), row(5.0, 30)]
+    out = _evaluate(_Engine(rows), [[]] * 3, SimpleNamespace(kind="causal_lm"), SimpleNamespace(num_tokens=7))
+    assert out["eval_loss"] == 4.0 and out["eval_perplexity"] == math.exp(4.0)
+    assert out["eval_mean_token_accuracy"] == 0.5 and out["eval_entropy"] == 2.0
+
+
+def test_an_evaluation_with_no_targets_at_all_says_so():
+    out = _evaluate(_Engine([row(0.0, 0)]), [[]], SimpleNamespace(kind="causal_lm"), SimpleNamespace(num_tokens=7))
+    assert math.isnan(out["eval_loss"]) and "eval_mean_token_accuracy" not in out
