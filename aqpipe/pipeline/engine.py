@@ -34,7 +34,7 @@ from .codec_factory import CodecFactory
 from .compression_config import CompressionConfig
 from .step_guard import StepGuard
 from .engine_settings import EngineSettings
-from .step_run import StageRuntime, StepRun
+from .step_run import StageRuntime, StepRun, causal_lm_labels
 from .step_table import PARAM_GRAD, Row, StepCounters, StepTable, StepTotals, sum_over_job
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
@@ -229,7 +229,7 @@ class PipelineEngine:
                                                     run.totals(link)))
         totals, verdict = table.totals(), table.verdict(self.global_step + 1, self.compression.buffer_dtype)
         decision = self._decide_bits(table, verdict is None, micro_batches) if self.auto_bits is not None else None
-        empty = verdict is None and self.per_token and not totals.target_tokens
+        empty = verdict is None and self.per_token and not totals.target_tokens and causal_lm_labels(micro_batches)
         if verdict is not None or empty:  # rejected, or nothing to learn from: undone, the weights and LR untouched
             guard.undo()
             self._zero_grads()
@@ -368,7 +368,7 @@ class PipelineEngine:
         if t.target_tokens:
             result.update(mean_token_accuracy=t.token_accuracy(), entropy=t.entropy_sum / t.target_tokens,
                           target_tokens=t.target_tokens)
-        elif self.per_token:  # a causal LM's batch with no targets: no loss to report (0/0), and no weight
+        elif self.per_token and causal_lm_labels(micro_batches):  # no targets: no loss to report (0/0), no weight
             result.update(loss=float("nan"), target_tokens=0)
         return result
 

@@ -63,13 +63,18 @@ LOSS_AVERAGES = ("tokens", "micro_batches")  # per_token True / False
 IGNORE = -100  # a label the loss skips
 
 
+def causal_lm_labels(micro_batches: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether every micro-batch's labels are a causal LM's (B, T), whose target tokens a step counts (a
+    classifier's are one per row, and count none)."""
+    return all(mb.get("labels") is not None and mb["labels"].dim() == 2 for mb in micro_batches)
+
+
 def target_counts(micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor] | None:
     """Each causal-LM micro-batch's target tokens (labels other than -100 after the first position), 0-dim host
     tensors (counted where the loader left the labels); None where the labels are not a causal LM's (B, T)."""
-    labels = [mb.get("labels") for mb in micro_batches]
-    if any(lab is None or lab.dim() != 2 for lab in labels):
+    if not causal_lm_labels(micro_batches):
         return None
-    return [(lab[:, 1:] != IGNORE).sum().cpu() for lab in labels]
+    return [(mb["labels"][:, 1:] != IGNORE).sum().cpu() for mb in micro_batches]
 
 
 def input_counts(micro_batches: list[dict[str, torch.Tensor]],
