@@ -17,19 +17,28 @@ from tests.helpers.processes import spawn
 from tests.multiprocess.test_pipeline_hf import SAMPLES, SEQ, batches, gpt2
 
 
+def sgd_engine(rank: int, world: int, fused: str | None, schedule: str = "1f1b") -> PipelineEngine:
+    """This rank's stage of a fresh tied GPT2 (dropout off) with the loss `fused`, trained by SGD on `schedule`."""
+    stages = partition(gpt2(dropout=0.0), world)
+    ties = tie_groups(stages)
+    groups = build_groups(Grid.for_world(world, world), rank)
+    stage = stages[groups.stage]
+    stage.use_fused_loss(fused)
+    return PipelineEngine(stage, groups, torch.optim.SGD(owned_parameters(stage, ties), lr=0.5),
+                          EngineSettings(num_samples=SAMPLES, seq_len=SEQ, schedule=schedule), ties=ties)
+
+
+def weights(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}
+
+
 def train(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
     for schedule, fused in (("1f1b", "liger"), ("zb1", "liger"), ("zb1", None)):
-        stages = partition(gpt2(dropout=0.0), world)
-        ties = tie_groups(stages)
-        groups = build_groups(Grid.for_world(world, world), rank)
-        stage = stages[groups.stage]
-        stage.use_fused_loss(fused)
-        engine = PipelineEngine(stage, groups, torch.optim.SGD(owned_parameters(stage, ties), lr=0.5),
-                                EngineSettings(num_samples=SAMPLES, seq_len=SEQ, schedule=schedule), ties=ties)
+        engine = sgd_engine(rank, world, fused, schedule)
         losses = [engine.train_batch(mbs).loss for mbs in list(batches(0, False))[:2]]
-        out[(schedule, fused)] = (losses, {k: v.detach().clone() for k, v in engine.hf_state_dict().items()})
+        out[(schedule, fused)] = (losses, weights(engine))
     return out
 
 
@@ -54,17 +63,10 @@ def one_step(rank: int, world: int) -> dict:
     out = {}
     for fused in (None, "liger"):
         for micro_batches in ([first[0], empty], [first[0]], [empty, empty]):
-            stages = partition(gpt2(dropout=0.0), world)
-            ties = tie_groups(stages)
-            groups = build_groups(Grid.for_world(world, world), rank)
-            stage = stages[groups.stage]
-            stage.use_fused_loss(fused)
-            engine = PipelineEngine(stage, groups, torch.optim.SGD(owned_parameters(stage, ties), lr=0.5),
-                                    EngineSettings(num_samples=SAMPLES, seq_len=SEQ), ties=ties)
-            before = {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}
+            engine = sgd_engine(rank, world, fused)
+            before = weights(engine)
             m = engine.train_batch(micro_batches)
-            state = {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}
-            out.setdefault(fused, []).append((m.loss, m.skipped, state, before))
+            out.setdefault(fused, []).append((m.loss, m.skipped, weights(engine), before))
         out[(fused, "eval")] = engine.eval_batch([empty])
     return out
 
