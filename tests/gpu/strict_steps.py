@@ -1,9 +1,10 @@
-"""Run by test_cuda_path under torchrun: `python -m aqpipe`'s job with every action of a step's schedule (forwards,
-backwards, sends, receives, the tied weights' and boundaries' `begin`) run under torch's sync debug mode "error",
-from the second training step on (the first primes the tie and fills buffers once). A synchronizing CUDA call there
-raises, naming its site; what a step reads once at its end (the loss, the order check) stays outside. Prints
-`strict actions: N` on each rank at exit. With PLANT_SYNC set, GPT2's stages read their position ids back on the
-host: the check's own check."""
+"""Run by test_cuda_path under torchrun (strict_job.py): `python -m aqpipe`'s job with every action of a step's
+schedule (forwards, backwards, sends, receives, the tied weights' and boundaries' `begin`) run under torch's sync
+debug mode "error", from the second training step on (the first primes the tie and fills buffers once). A
+synchronizing CUDA call there raises, naming its site; what a step reads once at its end (the loss, the order
+check) stays outside. Prints `strict actions: N` on each rank at exit. With PLANT_SYNC set, GPT2's stages read their
+position ids back on the host: the check's own check. Without a GPU (the suite's check of this harness) the actions
+are counted alone."""
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,8 @@ import torch
 from aqpipe.cli import leave, main
 from aqpipe.pipeline import step_run, ties, transport
 from aqpipe.pipeline.stages import gpt2, heads
+from tests.gpu.strict_job import STRICT_FROM_STEP
 
-STRICT_FROM_STEP = 1  # optimizer steps taken before the first strict one
 ACTIONS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "backward_input", "backward_weight",
            "send_grad")
 checked = [0]
@@ -26,13 +27,16 @@ def strict(method, runtime_of):
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         runtime = runtime_of(self)
-        if runtime is None or runtime.step < STRICT_FROM_STEP or not torch.cuda.is_available():
+        if runtime is None or runtime.step < STRICT_FROM_STEP:
             return method(self, *args, **kwargs)
-        torch.cuda.set_sync_debug_mode("error")
+        on_gpu = torch.cuda.is_available()  # without one (the suite's check of this harness), counted alone
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("error")
         try:
             return method(self, *args, **kwargs)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("default")
             checked[0] += 1
     return run
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from aqpipe.compression.staging import HostStaging
+from tests.gpu.strict_job import MICRO_BATCHES, STEPS, STRICT_FROM_STEP, run_strict_job, strict_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,22 +77,12 @@ def test_two_stages_on_one_gpu_match_the_cpu_run_without_dropout(tmp_path):
     assert gpu[-1]["loss"] < gpu[0]["loss"]
 
 
-def _strict_job(work: Path, **env: str) -> subprocess.CompletedProcess:
-    """A 2-stage GPT2 job (a tied head, AQ-SGD on its boundary and tie) sharing the GPU over gloo, packed rows,
-    its steps' actions under sync debug mode "error" from the second step (strict_steps.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673", "-m",
-           "tests.gpu.strict_steps", "gpt2", "--backend", "gloo", "--packing", "True", "--seq_len", "128",
-           "--micro_batch_size", "2", "--num_micro_batches", "4", "--max_train_samples", "64", "--max_eval_samples",
-           "8", "--max_steps", "3", "--output_dir", str(work / "strict")]
-    return subprocess.run(cmd, cwd=work, env=_env(**env), capture_output=True, text=True, timeout=600)
-
-
 def test_a_steps_actions_sync_nowhere_and_a_planted_sync_is_caught(tmp_path):
-    proc = _strict_job(tmp_path)
+    proc = run_strict_job(tmp_path, _env(), 29673)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    counts = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("strict actions:")]
-    assert len(counts) == 2 and min(counts) >= 2 * 4 * 3, counts  # two steps of 4 micro-batches, 3+ actions each
-    planted = _strict_job(tmp_path, PLANT_SYNC="1")
+    counts = strict_counts(proc)  # the strict steps' micro-batches, 4 actions each on either stage at least
+    assert len(counts) == 2 and min(counts) >= (STEPS - STRICT_FROM_STEP) * MICRO_BATCHES * 4, counts
+    planted = run_strict_job(tmp_path, _env(PLANT_SYNC="1"), 29674)
     assert planted.returncode != 0 and "synchroniz" in planted.stderr.lower(), planted.stderr[-3000:]
 
 
