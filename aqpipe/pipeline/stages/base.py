@@ -85,7 +85,8 @@ class PipelineStage(nn.Module):
     ``(B, T, hidden_size)``. Every stage rebuilds its masks / positions from ``batch``. The last stage returns a
     :class:`StageOutput`, the others the next boundary activation. With ``seed`` (the engine's, per step and
     micro-batch) each part's dropout draws from ``reseed(seed, part)``: part ``"embed"`` before the embeddings'
-    dropout, the block's global index before each block, ``"head"`` before the head's.
+    dropout, the block's global index before each block, ``"head"`` before the head's. A compiled stage
+    (:meth:`compile`) seeds once per call instead, ``reseed(seed, "compiled")``.
 
     Built from a model whose parts it takes: copies (``copy=True``, several stages from one model in memory) or the
     modules themselves (a model on the meta device that only this stage will use). ``tied``: the HF names of the
@@ -105,6 +106,7 @@ class PipelineStage(nn.Module):
         self.block_indices = list(block_indices)
         self.activation_checkpointing = activation_checkpointing
         self.fused_loss: str | None = None  # a causal LM head's loss kernel in training (lm_loss.FUSED)
+        self._compiled: Callable[..., Any] | None = None  # the forward's parts under torch.compile (compile())
         self.hidden_size = int(self.config.hidden_size)
         blocks = model.get_submodule(family.blocks)
         for path in family.paths(stage_index, num_stages):  # the embeddings, the blocks, the rest: the model's order
@@ -145,11 +147,29 @@ class PipelineStage(nn.Module):
         held = self.get_submodule(self.family.blocks)
         return ((i, held[str(i)]) for i in self.block_indices)
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile the stage's forward whole, in place (`torch.compile`'s arguments): embeddings, blocks, head
+        and loss in one graph, as a compiled plain loop compiles its model.
+
+        A part's dropout seed is a hash taken on the host, which a graph cannot hold, and a graph break inside the
+        loop over the blocks sends the whole forward back to eager. So a compiled stage seeds the generators once a
+        call, before its graph, from (run seed, replica, step, micro-batch): a resumed run still draws what the
+        uninterrupted one drew, and the masks no longer depend on where the parts run (the compiled kernels draw
+        their own masks from that state, not eager's)."""
+        self._compiled = torch.compile(self._forward, *args, **kwargs)
+
     # ------------------------------------------------------------------ the forward, written once
     def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
                 seed: int | None = None) -> torch.Tensor | StageOutput:
         """The stage's slice of the model's forward (class docstring); a family fills in three hooks: `embed`, the
         arguments its blocks take (`block_arguments`), and its `head` with the loss."""
+        if self._compiled is None:
+            return self._forward(hidden, batch, seed)
+        reseed(seed, "compiled")
+        return self._compiled(hidden, batch, None)
+
+    def _forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                 seed: int | None) -> torch.Tensor | StageOutput:
         if self.is_first:
             if hidden is not None:
                 raise ValueError("the first stage takes hidden=None and reads batch['input_ids']")
