@@ -1,8 +1,9 @@
-"""How much of a stage `--compile` compiles: the graphs torch.compile captures for each stage's training forward and
-backward, called as the engine calls it (a staged micro-batch, the step's dropout seed), and the ops in them, beside
-the same model compiled whole as a plain loop compiles it (`torch.compile(model)`, its head and loss inside). A
-counting backend captures them; no compiler runs, so a CPU answers in seconds, and a GPU's would be the same graphs.
-Printed per run: graphs (frames), the ops in them. The goal is one graph a stage holding its share of the ops.
+"""How much of a stage `--compile` compiles: the graphs torch.compile's front end (dynamo) captures for each stage's
+training forward, called as the engine calls it (a staged micro-batch, the step's dropout seed) and backwarded, and
+the ops in them, beside the same model compiled whole as a plain loop compiles it (`torch.compile(model)`, its head
+and loss inside). A counting backend captures them; no compiler runs, so a CPU answers in seconds, and a GPU's would
+be the same graphs. Printed per run: graphs (frames), and their top-level ops (a checkpointed region, such as a chunk
+of the chunked loss, counts as one). The goal is one graph a stage holding its share of the model.
 
     python -m benchmarks.compiled_graphs                         # step_overhead's 1b shape's depth, at width 64
     python -m benchmarks.compiled_graphs --stages 4              # the same model at 4 stages (split by parameters:

@@ -54,7 +54,8 @@ class Stage(Protocol):
     hidden_size: int
 
     def __call__(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor], seed: int | None = None) -> Any:
-        """`seed`: this micro-batch's (training only); a stage with dropout seeds each part from it (seeding.py)."""
+        """`seed`: this micro-batch's (training only); a stage with dropout seeds each part from it (seeding.py),
+        a compiled stage the whole of it."""
 
     def parameters(self) -> Any: ...
     def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...

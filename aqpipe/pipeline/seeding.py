@@ -3,7 +3,9 @@
 Dropout inside a stage draws from the global torch generator. Seeding it before each part of the model
 (the embeddings, block i, the head) from (run seed, replica, step, micro-batch, part) gives every part the
 same masks on any stage count and schedule: a pipeline with dropout on computes what the unpartitioned
-model computes with the same seeds, and a resumed run draws what the uninterrupted one drew.
+model computes with the same seeds, and a resumed run draws what the uninterrupted one drew. A compiled stage
+(`--compile`) seeds once a micro-batch, by its stage index, before its one graph: its compiled kernels draw masks of
+their own, which a resumed compiled run draws again but no eager run or other stage count does.
 """
 from __future__ import annotations
 

@@ -53,20 +53,26 @@ def llama() -> LlamaConfig:
                        eos_token_id=0, pad_token_id=0)
 
 
-def test_a_tied_llama_stage_trains_the_same_with_the_fused_loss():
+def test_a_tied_llama_stage_trains_the_same_with_the_fused_loss_compiled_or_not():
+    """--compile with it: the stage's graph calls the fused loss as it is (dynamo would trace into its kernels)."""
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
     results = []
-    for fused in (None, "liger"):
+    for fused, compiled in ((None, False), ("liger", False), ("liger", True)):
         stage, _, _ = build_stage(LlamaForCausalLM, llama(), 0, 1, seed=4)
         stage.use_fused_loss(fused)
+        if compiled:
+            torch._dynamo.reset()
+            stage.compile(backend="aot_eager")
         out = stage(None, {"input_ids": ids, "labels": ids})
         out.loss.backward()
         results.append((out.loss.detach(), {n: p.grad.clone() for n, p in stage.named_parameters()}))
-    (plain, g1), (fused, g2) = results
-    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
-    assert "model.embed_tokens.weight" in g2  # the tied weight: the head's gradient lands on the embedding's
-    for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()
+    (plain, g1), *with_liger = results
+    for fused, g2 in with_liger:
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+        assert "model.embed_tokens.weight" in g2  # the tied weight: the head's gradient lands on the embedding's
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_what_it_cannot_run_is_refused_in_one_line(monkeypatch):

@@ -86,7 +86,7 @@ class PipelineStage(nn.Module):
     :class:`StageOutput`, the others the next boundary activation. With ``seed`` (the engine's, per step and
     micro-batch) each part's dropout draws from ``reseed(seed, part)``: part ``"embed"`` before the embeddings'
     dropout, the block's global index before each block, ``"head"`` before the head's. A compiled stage
-    (:meth:`compile`) seeds once per call instead, ``reseed(seed, "compiled")``.
+    (:meth:`compile`) seeds once per call instead, by its stage index.
 
     Built from a model whose parts it takes: copies (``copy=True``, several stages from one model in memory) or the
     modules themselves (a model on the meta device that only this stage will use). ``tied``: the HF names of the
@@ -106,7 +106,7 @@ class PipelineStage(nn.Module):
         self.block_indices = list(block_indices)
         self.activation_checkpointing = activation_checkpointing
         self.fused_loss: str | None = None  # a causal LM head's loss kernel in training (lm_loss.FUSED)
-        self._compiled: Callable[..., Any] | None = None  # the forward's parts under torch.compile (compile())
+        self._compiled: Callable[..., Any] | None = None  # _forward under torch.compile (compile())
         self.hidden_size = int(self.config.hidden_size)
         blocks = model.get_submodule(family.blocks)
         for path in family.paths(stage_index, num_stages):  # the embeddings, the blocks, the rest: the model's order
@@ -153,10 +153,16 @@ class PipelineStage(nn.Module):
 
         A part's dropout seed is a hash taken on the host, which a graph cannot hold, and a graph break inside the
         loop over the blocks sends the whole forward back to eager. So a compiled stage seeds the generators once a
-        call, before its graph, from (run seed, replica, step, micro-batch): a resumed run still draws what the
-        uninterrupted one drew, and the masks no longer depend on where the parts run (the compiled kernels draw
-        their own masks from that state, not eager's)."""
+        call, before its graph, from (run seed, replica, step, micro-batch) and its stage index: a resumed compiled
+        run draws what the uninterrupted one drew, and no two stages draw alike. The masks are the compiled
+        kernels' own, so they differ from an eager run's and from another stage count's. A copy (deepcopy, pickle)
+        is an eager stage, as a copy of a module compiled by `nn.Module.compile` is."""
         self._compiled = torch.compile(self._forward, *args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_compiled"] = None  # bound to this stage's own forward: a copy would run the original's weights
+        return state
 
     # ------------------------------------------------------------------ the forward, written once
     def forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],
@@ -165,7 +171,7 @@ class PipelineStage(nn.Module):
         arguments its blocks take (`block_arguments`), and its `head` with the loss."""
         if self._compiled is None:
             return self._forward(hidden, batch, seed)
-        reseed(seed, "compiled")
+        reseed(seed, f"compiled stage {self.stage_index}")
         return self._compiled(hidden, batch, None)
 
     def _forward(self, hidden: torch.Tensor | None, batch: dict[str, torch.Tensor],

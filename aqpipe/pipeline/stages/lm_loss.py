@@ -82,6 +82,7 @@ def fused_ready(fused: str | None, head: torch.nn.Module | None = None) -> None:
                          f"{type(head).__name__} (an adapter on the head?)")
 
 
+@torch.compiler.disable  # a compiled stage calls it as it is: fused already, and it reads a count on the host
 def _liger_loss(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, cap: float | None
                 ) -> torch.Tensor:
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
