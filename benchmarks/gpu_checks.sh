@@ -41,6 +41,8 @@ step step_overhead 420 python3 -m benchmarks.step_overhead --device cuda --shape
     --num_micro_batches 4 --seq_len 1024 --steps 10 \
     --variants ",--param_dtype=bfloat16,--compile,--use_liger_kernel,--compile --use_liger_kernel" \
     --json "$out/step_overhead.json"
+step step_profile 240 python3 -m benchmarks.step_profile --device cuda --shape 1b --bf16 --micro_batch_size 4 \
+    --num_micro_batches 4 --seq_len 1024 --json "$out/step_profile.json"
 step big_job 540 python3 -m benchmarks.big_job --work "$work/big_job" --json "$out/big_job.json"
 export -f dp_rows
 export work

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,9 +53,10 @@ def write_model(path: Path, shape: str) -> int:
 
 
 def plain_loop(path: Path, device: str, bf16: bool, mb: int, micro: int, seq: int, steps: int,
-               compiled: bool = False) -> dict[str, Any]:
+               compiled: bool = False, on_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """A plain HF loop: float32 weights, the loss / micro backwarded per micro-batch, clipping, AdamW; `compiled`:
-    the model under torch.compile, its head and loss inside the compiled graph."""
+    the model under torch.compile, its head and loss inside the compiled graph; `on_step` after each step (a
+    profiler's clock, step_profile.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
@@ -79,6 +80,8 @@ def plain_loop(path: Path, device: str, bf16: bool, mb: int, micro: int, seq: in
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     del model, forward, optimizer
     if device == "cuda":
