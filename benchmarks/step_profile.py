@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from benchmarks.step_overhead import SHAPES, plain_loop, write_model
@@ -30,17 +31,23 @@ def _profiler(device: str, skip: int, active: int) -> profile:
     return profile(activities=activities, schedule=schedule(wait=skip, warmup=1, active=active))
 
 
-def by_op(prof: profile, device: str, active: int) -> tuple[Counter, float]:
-    """Milliseconds a step by op name (self time: on the device where there is one, else on the host), and the host's
-    milliseconds a step (every op's self CPU time: what the Python and the dispatcher spent)."""
+def by_op(prof: profile, device: str, active: int) -> tuple[Counter, float, float]:
+    """Milliseconds a step by op name, the device's total and the host's. An op's time is its self time on the
+    device (the kernels it launched itself; a kernel launched from no op, as a compiled graph's may be, is in the
+    total alone) where there is one, else on the host. The device's total sums the kernels and copies themselves,
+    each once; the host's sums every op's self CPU time (what the Python and the dispatcher spent)."""
     times: Counter = Counter()
-    host = 0.0
+    total = host = 0.0
     for event in prof.key_averages():
-        own = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        on_device = event.device_type != DeviceType.CPU
+        own = (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1e3 / active
+        if on_device:
+            total += own
+            continue
         if own:
-            times[event.key] += own / 1e3 / active
+            times[event.key] += own
         host += event.self_cpu_time_total / 1e3 / active
-    return times, host
+    return times, (total if device == "cuda" else host), host
 
 
 def engine_run(path: Path, work: Path, args: argparse.Namespace, on_step: Callable[[], None]) -> None:
@@ -99,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         with _profiler(args.device, args.skip, args.steps) as prof:
             engine_run(work / "model", work, args, prof.step)
         runs["aqpipe"] = by_op(prof, args.device, args.steps)
-    (plain, plain_host), (ours, our_host) = runs["plain"], runs["aqpipe"]
+    (plain, plain_total, plain_host), (ours, our_total, our_host) = runs["plain"], runs["aqpipe"]
     where = "device" if args.device == "cuda" else "host"
     print(f"{args.device}, {args.shape} shape, {args.micro_batch_size} x {args.num_micro_batches} x {args.seq_len} "
           f"tokens a step, bf16={args.bf16}; ms a step ({where} self time), {args.steps} steps profiled")
-    print(f"total: plain {sum(plain.values()):.1f}, aqpipe {sum(ours.values()):.1f}; host: plain {plain_host:.1f}, "
-          f"aqpipe {our_host:.1f}\n")
+    print(f"{where} total: plain {plain_total:.1f}, aqpipe {our_total:.1f} (by op: {sum(plain.values()):.1f}, "
+          f"{sum(ours.values()):.1f}); host: plain {plain_host:.1f}, aqpipe {our_host:.1f}\n")
     top = sorted(ours, key=ours.get, reverse=True)[:args.top]
     print(table([(k, ours[k], plain.get(k, 0.0)) for k in top], ("op", "aqpipe", "plain")) + "\n")
     gaps = sorted(set(ours) | set(plain), key=lambda k: -abs(ours.get(k, 0.0) - plain.get(k, 0.0)))[:args.top]
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("op", "aqpipe - plain", "plain")))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "plain": plain, "aqpipe": ours,
+                                               "total": {"plain": plain_total, "aqpipe": our_total},
                                                "host": {"plain": plain_host, "aqpipe": our_host}}, indent=1))
     return 0
 
