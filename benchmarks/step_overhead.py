@@ -138,14 +138,19 @@ def median_after(times: list[float], skip: int) -> float:
     return statistics.median(times[skip:] if len(times) > skip else times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say the workload (device, shape, precision, micro-batches), shared with step_profile.py."""
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--shape", default="small", choices=sorted(SHAPES))
     p.add_argument("--bf16", action="store_true", help="bf16 autocast over float32 weights, in both")
     p.add_argument("--micro_batch_size", type=int, default=2)
     p.add_argument("--num_micro_batches", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=256)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_flags(p)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=3, help="first steps left out of the median (warm-up, compilation)")
     p.add_argument("--variants", default="", help="the engine's extra flags per run, comma-separated ('' = none)")

@@ -23,7 +23,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from benchmarks.step_overhead import SHAPES, plain_loop, write_model
+from benchmarks.step_overhead import plain_loop, workload_flags, write_model
 
 
 def _profiler(device: str, skip: int, active: int) -> profile:
@@ -82,12 +82,7 @@ def table(rows: list[tuple[str, float, float]], heads: tuple[str, str, str]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shape", default="small", choices=sorted(SHAPES))
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast over float32 weights, in both")
-    p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--num_micro_batches", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=256)
+    workload_flags(p)
     p.add_argument("--skip", type=int, default=2, help="steps before the profiled ones (one more warms it up)")
     p.add_argument("--steps", type=int, default=3, help="steps profiled")
     p.add_argument("--top", type=int, default=15)
