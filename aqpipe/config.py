@@ -242,8 +242,9 @@ class RunConfig:
                              resume=FREE)
     activation_checkpointing: bool = setting(False, "recompute blocks in backward",
                                              ds="pipeline.activation_checkpoint_interval", resume=FREE)
-    compile: bool = setting(False, "torch.compile each stage's forward whole, its head and loss included (the first "
-                                   "steps pay the compilation; dropout then seeded once a micro-batch and stage)",
+    compile: bool = setting(False, "torch.compile each stage's forward whole, its head and loss included, and "
+                                   "--param_dtype bfloat16's update (the first steps pay the compilation; dropout then "
+                                   "seeded once a micro-batch and stage)",
                             resume=FREE)
     use_liger_kernel: bool = setting(False, "train a causal LM's loss with Liger Kernel's fused linear "
                                           "cross-entropy (pip install liger-kernel; a CUDA GPU): the logits never "

@@ -119,7 +119,8 @@ def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
         kwargs["betas"] = tuple(kwargs["betas"])
     if cfg.optimization.param_dtype == "bfloat16":  # bf16 weights: float32 moments, stochastic rounding (optim.py)
         kwargs.setdefault("weight_decay", 1e-2 if kind == "AdamW" else 0.0)
-        return LowPrecisionAdamW(params, lr=cfg.optimization.lr, decoupled=kind == "AdamW", seed=cfg.seed, **kwargs)
+        return LowPrecisionAdamW(params, lr=cfg.optimization.lr, decoupled=kind == "AdamW", seed=cfg.seed,
+                                 compile_backend="inductor" if cfg.compile else None, **kwargs)
     params = list(params)
     if kind in FUSED and not {"fused", "foreach"} & set(kwargs) and params and \
             all(p.device.type == "cuda" for p in params):

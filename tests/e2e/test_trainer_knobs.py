@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
+from aqpipe.optim import LowPrecisionAdamW
 from aqpipe.settings import finalize
 from aqpipe.train import build_optimizer
 from tests.helpers.processes import ROOT, checkout_env
@@ -39,6 +40,14 @@ def test_flags_edit_the_blocks_a_config_file_set():
     params = cfg.optimization.optimizer["params"]
     assert params["betas"] == [0.8, 0.999] and params["weight_decay"] == 0.2
 
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_weights_get_their_own_adamw_compiled_with_the_stage(compiled):
+    cfg = finalized({"param_dtype": "bfloat16", "compile": compiled, "weight_decay": 0.1, "seed": 5})
+    opt = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    assert isinstance(opt, LowPrecisionAdamW) and opt.decoupled and opt.seed == 5
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.compile_backend == ("inductor" if compiled else None)
 
 @pytest.mark.parametrize("layer, said", [
     ({"optim": "lion"}, "--optim lion: expected one of adamw, adam, sgd"),

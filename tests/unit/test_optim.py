@@ -1,15 +1,17 @@
-"""`--param_dtype bfloat16`: bf16 weights, float32 Adam moments, stochastic rounding that keeps small updates."""
+"""`--param_dtype bfloat16`: bf16 weights, float32 Adam moments, stochastic rounding that keeps small updates; with
+`--compile`, each parameter's update compiled."""
 import copy
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
-from aqpipe.optim import LowPrecisionAdamW, round_stochastic
+from aqpipe.optim import LowPrecisionAdamW, round_with, rounding_bits
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_the_two_neighbours():
     x = torch.full((200_000,), 1.0 + 2 ** -10)  # an eighth of the way from 1.0 to bf16's next value, 1.0078125
-    rounded = round_stochastic(x, torch.bfloat16, torch.Generator().manual_seed(0)).float()
+    rounded = round_with(x, rounding_bits(x.shape, x.device, seed=0))
     assert set(rounded.unique().tolist()) == {1.0, 1.0078125}
     # the mean lands on x within 4 standard errors (the step is 2^-7; P(up) = 1/8)
     assert abs(rounded.mean().item() - x[0].item()) < 4 * 2 ** -7 * (1 / 8 * 7 / 8 / 200_000) ** 0.5
@@ -55,3 +57,57 @@ def test_a_resumed_optimizer_steps_as_the_uninterrupted_one():
 
     assert torch.equal(run(), run(resume_at=3))
     assert not torch.equal(run(), run(seed=4))  # the rounding's draws follow the seed
+
+
+def _trained(compile_backend=None, decoupled=True, steps=4, after_step=lambda: None):
+    """Three parameters of two ranks and two sizes, stepped with a learning rate that changes every step (as a
+    schedule's does): their weights and moments after `steps`."""
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(torch.bfloat16)) for s in [(64, 8), (8,),
+                                                                                                  (16, 4)]]
+    opt = LowPrecisionAdamW(params, lr=1e-2, weight_decay=0.1, decoupled=decoupled, seed=7,
+                            compile_backend=compile_backend)
+    for t in range(steps):
+        opt.param_groups[0]["lr"] = 1e-2 / (t + 1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(torch.bfloat16)
+        opt.step()
+        after_step()
+    return [p.detach() for p in params], [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_compiled_update_compiles_in_its_first_step_alone_and_writes_the_eager_weights(decoupled):
+    """`--compile`: each parameter's update compiled whole, a graph for each rank of tensor, the sizes, the step and
+    the learning rate its inputs, so that no later step compiles again. It draws the eager update's rounding bits:
+    the same bf16 weights, the moments within float32 rounding."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = []
+    weights, moments = _trained(decoupled=decoupled)
+    compiled_weights, compiled_moments = _trained(counter, decoupled=decoupled,
+                                                  after_step=lambda: compiled.append(counter.frame_count))
+    assert compiled == [2 if decoupled else 3] * 4  # ranks 1 and 2 (L2 decay: a restart, to fix the decay)
+    assert all(torch.equal(a, b) for a, b in zip(weights, compiled_weights))
+    for a, b in zip(moments, compiled_moments):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
+
+
+def test_a_copy_of_a_compiled_optimizer_keeps_its_seed_and_steps_eagerly_as_the_original():
+    p = torch.nn.Parameter(torch.ones(32, dtype=torch.bfloat16))
+    opt = LowPrecisionAdamW([p], lr=1e-3, seed=11, decoupled=False, compile_backend="aot_eager")
+    twin_p, twin = copy.deepcopy((p, opt))
+    assert (twin.seed, twin.decoupled, twin.compile_backend) == (11, False, None)
+    p.grad, twin_p.grad = torch.full_like(p, 0.5), torch.full_like(p, 0.5)
+    opt.step()
+    twin.step()
+    assert torch.equal(p, twin_p)
+
+
+def test_a_step_at_learning_rate_zero_moves_no_weight_and_still_updates_the_moments():
+    """A warm-up's first step runs at lr 0: the step size folded into the divisor must not divide by it."""
+    p = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
+    opt = LowPrecisionAdamW([p], lr=0.0)
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    assert torch.equal(p, torch.ones_like(p)) and torch.equal(opt.state[p]["exp_avg"], torch.full((16,), 0.05))
