@@ -3,9 +3,9 @@ plain loop compiles its model. Before, each part's dropout seed was hashed insid
 inside the loop over the blocks, which sends the whole forward back to eager, so most of a "compiled" stage ran
 uncompiled. Compiled here through AOTAutograd with its graphs run as torch ops (no compiler needed): one frame a
 stage, the eager stage's loss and gradients where nothing is random, dropout drawn from the micro-batch's seed and
-the stage, checkpointed blocks recomputed with their masks, and a copy that is its own stage. (DeBERTa's head is
-HF's line for line, which picks its labelled rows by `nonzero`, a size read from the data: its last stage's graph
-breaks there, after the blocks.)"""
+the stage, checkpointed blocks recomputed with their masks, and a copy that is its own stage. (DeBERTa's head took
+its labelled rows by `nonzero`, as HF's does, a size read from the data: its graph broke there; it takes their mean
+by a mask now.)"""
 from copy import deepcopy
 
 import pytest
@@ -82,8 +82,9 @@ def _compiled(stages: list) -> list[CompileCounterWithBackend]:
     return counters
 
 
-# (model, packed rows, LoRA adapters): a tied Llama with the chunked loss, a classifier (GPT2: with dropout, below)
-CASES = {"llama-tied-packed-lora": ("llama-tied", True, True), "bert": ("bert", False, False)}
+# (model, packed rows, LoRA adapters): a tied Llama with the chunked loss, classifiers (GPT2: with dropout, below)
+CASES = {"llama-tied-packed-lora": ("llama-tied", True, True), "bert": ("bert", False, False),
+         "deberta": ("deberta", False, False)}
 
 
 @pytest.mark.parametrize("case", CASES)

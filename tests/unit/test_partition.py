@@ -28,6 +28,7 @@ from aqpipe.pipeline.partitioning import (
     stage_block_counts,
     tie_groups,
 )
+from tests.helpers.host_reads import HostReads
 
 KINDS = ["gpt2_lm", "gpt2_cls", "deberta", "deberta_v2"]
 
@@ -192,6 +193,23 @@ def test_deberta_without_attention_mask(kind):
     del batch["attention_mask"]
     assert_matches_hf(model, stages, batch)
 
+
+
+@pytest.mark.parametrize("kind", ["deberta", "deberta_v2"])
+def test_deberta_leaves_unlabelled_rows_out_as_hf_does_without_reading_them_back(kind):
+    """HF's DeBERTa head picks its labelled rows (label >= 0) by `nonzero`, which waits for the GPU every
+    micro-batch; the stage takes the same mean by a mask, and no labelled row is a loss of 0, as HF's. (v1's blocks
+    still read their attention span back, as a Python number: HF's code, left as it is.)"""
+    model = make_model(kind)
+    stages = partition(model, 2)
+    batch = dict(make_batch(kind), labels=torch.tensor([2, -100, -1]))
+    assert_matches_hf(model, stages, batch)
+    with HostReads() as seen:
+        run(stages, batch)
+    assert set(seen.reads) == {"deberta": {"_local_scalar_dense"}, "deberta_v2": set()}[kind]
+    out = run(stages, dict(batch, labels=torch.full((3,), -100)))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 == model(**dict(batch, labels=torch.full((3,), -100))).loss.item()
 
 def test_gpt2_cls_pools_last_non_pad_token():
     model = make_model("gpt2_cls").eval()

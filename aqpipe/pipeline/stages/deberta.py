@@ -110,7 +110,10 @@ class DebertaStage(PipelineStage):
         return self._classify(hidden, batch.get("labels"))
 
     def _classify(self, encoder_layer: torch.Tensor, labels: torch.Tensor | None) -> StageOutput:
-        """Deberta(V2)ForSequenceClassification's head and loss, line for line (identical in v1 and v2)."""
+        """Deberta(V2)ForSequenceClassification's head and loss (identical in v1 and v2), line for line but one:
+        HF takes the mean over the labelled rows (label >= 0) by gathering them at `nonzero`'s indices, a size the
+        host reads back from the GPU every micro-batch (and where a compiled stage's graph breaks). A mask takes the
+        same mean on the device."""
         pooled_output = self.pooler(encoder_layer)
         pooled_output = self.dropout(pooled_output)
         logits = self.classifier(pooled_output)
@@ -125,16 +128,11 @@ class DebertaStage(PipelineStage):
                     logits = logits.view(-1).to(labels.dtype)
                     loss = nn.MSELoss()(logits, labels.view(-1))
                 elif labels.dim() == 1 or labels.size(-1) == 1:
-                    label_index = (labels >= 0).nonzero()
-                    labels = labels.long()
-                    if label_index.size(0) > 0:
-                        labeled_logits = torch.gather(
-                            logits, 0, label_index.expand(label_index.size(0), logits.size(1))
-                        )
-                        labels = torch.gather(labels, 0, label_index.view(-1))
-                        loss = CrossEntropyLoss()(labeled_logits.view(-1, num_labels).float(), labels.view(-1))
-                    else:
-                        loss = torch.tensor(0).to(logits)
+                    labels = labels.view(-1).long()
+                    labeled = labels >= 0  # no labelled row: a loss of 0, as HF's
+                    losses = CrossEntropyLoss(reduction="none")(logits.view(-1, num_labels).float(),
+                                                                labels.clamp(min=0))
+                    loss = (losses * labeled).sum() / labeled.sum().clamp(min=1)
                 else:
                     loss = -((nn.LogSoftmax(-1)(logits) * labels).sum(-1)).mean()
             elif problem_type == "regression":
