@@ -32,24 +32,28 @@ def round_with(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return ((x.contiguous().view(torch.int32) + bits) & -65536).view(torch.float32)
 
 
+SMALLEST_STEP = 1e-30  # a step size below it moves no float32 weight (and its divisor would not fit in float32)
+
+
 def adamw_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor | None,
-                 lr: float, beta1: float, beta2: float, eps: float, decay: float, decoupled: bool, step: int) -> None:
+                 beta1: float, beta2: float, shrink: float | None, l2: float | None, scale: float | None,
+                 offset: float) -> None:
     """One parameter's step in float32, moments `m` and `v` updated in place, the weight written back to `p` through
-    `bits` (stochastic rounding) or, without them, as its dtype rounds. A function of its arguments alone, so that
-    torch.compile can fuse it into one kernel (eager, it is about fifteen passes over the parameter). What changes
-    from step to step (the learning rate, the bias corrections) enters as a factor of a tensor, never as an op's
-    `value=`: that would fix it in the graph and compile again every step."""
+    `bits` (stochastic rounding) or, without them, as its dtype rounds: the weight times `shrink` (decoupled decay),
+    `l2` times it added to the gradient (Adam's L2), then x -= m / (sqrt(v) * scale + offset), which is AdamW's
+    step with its size folded into the divisor (`scale` None: no step). A function of its arguments alone, so that
+    torch.compile fuses it into one kernel (eager, it is about fifteen passes over the parameter). What changes
+    from step to step enters as a tensor's factor, never as an op's `value=` (which would fix it in the graph and
+    compile again every step), and the arithmetic on it is done before, in Python."""
     x, grad = p.float(), grad.float()
-    if decay and decoupled:
-        x.mul_(1 - lr * decay)
-    elif decay:
-        grad = grad.add(x, alpha=decay)
+    if shrink is not None:
+        x.mul_(shrink)
+    if l2 is not None:
+        grad = grad.add(x, alpha=l2)
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr / (1 - beta1 ** step)
-    if step_size:  # x -= step_size * m / (sqrt(v / (1 - beta2^step)) + eps), the step size folded into the divisor
-        denom = (v.sqrt() / (math.sqrt(1 - beta2 ** step) * step_size)).add_(eps / step_size)
-        x.addcdiv_(m, denom, value=-1.0)
+    if scale is not None:
+        x.addcdiv_(m, (v.sqrt() * scale).add_(offset), value=-1.0)
     p.copy_(x if bits is None else round_with(x, bits))
 
 
@@ -101,7 +105,12 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 t = int(state["step"])
                 bits = rounding_bits(p.shape, p.device, derive_seed(self.seed, t, index)) \
                     if p.dtype == torch.bfloat16 else None
-                # a Parameter's sizes would be fixed in the graph (torch.compile's rule), one graph per shape
-                self._update(p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], bits, lr, beta1, beta2, eps,
-                             decay, self.decoupled, t)
+                step_size = lr / (1 - beta1 ** t)  # x -= step_size * m / (sqrt(v / (1 - beta2^t)) + eps)
+                moves = step_size > SMALLEST_STEP
+                # a Parameter's own sizes would be fixed in the graph (torch.compile's rule): a graph a shape
+                self._update(p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], bits, beta1, beta2,
+                             1 - lr * decay if decay and self.decoupled else None,
+                             decay if decay and not self.decoupled else None,
+                             1 / (math.sqrt(1 - beta2 ** t) * step_size) if moves else None,
+                             eps / step_size if moves else 0.0)
         return loss

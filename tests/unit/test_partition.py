@@ -194,15 +194,15 @@ def test_deberta_without_attention_mask(kind):
     assert_matches_hf(model, stages, batch)
 
 
-
+@pytest.mark.parametrize("labels", [[2, -100, -1], [-0.5, 1.0, 2.0]])  # a float label below 0 is none, as HF's
 @pytest.mark.parametrize("kind", ["deberta", "deberta_v2"])
-def test_deberta_leaves_unlabelled_rows_out_as_hf_does_without_reading_them_back(kind):
+def test_deberta_leaves_unlabelled_rows_out_as_hf_does_without_reading_them_back(kind, labels):
     """HF's DeBERTa head picks its labelled rows (label >= 0) by `nonzero`, which waits for the GPU every
     micro-batch; the stage takes the same mean by a mask, and no labelled row is a loss of 0, as HF's. (v1's blocks
     still read their attention span back, as a Python number: HF's code, left as it is.)"""
     model = make_model(kind)
     stages = partition(model, 2)
-    batch = dict(make_batch(kind), labels=torch.tensor([2, -100, -1]))
+    batch = dict(make_batch(kind), labels=torch.tensor(labels))
     assert_matches_hf(model, stages, batch)
     with HostReads() as seen:
         run(stages, batch)

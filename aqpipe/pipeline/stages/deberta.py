@@ -128,11 +128,10 @@ class DebertaStage(PipelineStage):
                     logits = logits.view(-1).to(labels.dtype)
                     loss = nn.MSELoss()(logits, labels.view(-1))
                 elif labels.dim() == 1 or labels.size(-1) == 1:
-                    labels = labels.view(-1).long()
-                    labeled = labels >= 0  # no labelled row: a loss of 0, as HF's
+                    labeled = labels.view(-1) >= 0  # before the cast, as HF's (-0.5 is no label); none: a loss of 0
                     losses = CrossEntropyLoss(reduction="none")(logits.view(-1, num_labels).float(),
-                                                                labels.clamp(min=0))
-                    loss = (losses * labeled).sum() / labeled.sum().clamp(min=1)
+                                                                labels.view(-1).long().clamp(min=0))
+                    loss = torch.where(labeled, losses, 0.0).sum() / labeled.sum().clamp(min=1)
                 else:
                     loss = -((nn.LogSoftmax(-1)(logits) * labels).sum(-1)).mean()
             elif problem_type == "regression":
