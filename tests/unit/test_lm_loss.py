@@ -1,6 +1,7 @@
 """The last stage's causal-LM loss in chunks: HF's loss and gradients, without a micro-batch's full logits."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -94,3 +95,48 @@ def test_a_micro_batch_with_no_targets_has_a_zero_loss_and_no_gradient(chunk_byt
     """As Liger's fused loss has it (test_liger_loss.py): not 0/0, whose NaN would reject the step."""
     assert_no_targets_train_nothing(lambda head, hidden, labels: causal_lm_loss(head, hidden, labels, 50,
                                                                                  chunk_bytes=chunk_bytes)[0])
+
+
+MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+
+
+class Matmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_a_frozen_head_runs_twice_a_chunk_to_hfs_loss_gradient_and_token_counts(cap, bias):
+    """LoRA's frozen head: the hidden states' gradient made in the forward (logits, then the gradient: two matmuls a
+    chunk, where checkpointed chunks take three), scaled in the backward by the loss's own (here 1.7)."""
+    hidden, head, labels = head_case(4, (B, T, H, V), bias=bias)
+    head.requires_grad_(False)
+    labels[1, 10:20] = head(hidden).argmax(-1)[1, 9:19]  # targets the argmax predicts, to count
+    logits = head(hidden)
+    logits = torch.tanh(logits / cap) * cap if cap else logits
+    want = ForCausalLMLoss(logits, labels, vocab_size=V)
+    (want_grad,) = torch.autograd.grad(want * 1.7, [hidden])
+    with torch.no_grad():
+        _, _, want_stats = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)
+    with Matmuls() as counted:
+        got, got_logits, stats = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)
+        (grad,) = torch.autograd.grad(got * 1.7, [hidden])
+    assert counted.count == 2 * 8 and got_logits is None  # 8 chunks of 5 positions, the last of 2
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert stats[0] == want_stats[0] >= 10 and stats[1] == 0
+
+
+def test_a_frozen_heads_micro_batch_with_no_targets_has_a_zero_loss_and_gradient():
+    hidden, head, labels = head_case(5, (2, 11, 16, 50), bias=True)
+    head.requires_grad_(False)
+    labels[:, 1:] = -100
+    loss = causal_lm_loss(head, hidden, labels, 50, chunk_bytes=2 * 50 * 4 * 3)[0]
+    (grad,) = torch.autograd.grad(loss, [hidden])
+    assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))

@@ -3,10 +3,10 @@ at once: Llama 3's 128k vocabulary over 4 x 1024 tokens is 2 GB of them, and the
 
 Each chunk of positions runs the head, upcasts its logits and sums its cross-entropy; under autograd the chunk is
 checkpointed, so its logits are recomputed in backward instead of kept, and only one chunk's live at a time (the
-price: the head's forward runs twice where chunked). The loss is HF's `ForCausalLMLoss`: labels shifted one left,
--100 ignored, the mean over the rest (0 where there is none). Where the whole micro-batch's logits fit in
-`CHUNK_BYTES` it is computed as HF computes it, and the logits come back; chunked, they don't (a causal LM's step
-uses only the loss).
+price: the head's forward runs twice where chunked; a frozen head, LoRA's, runs once: frozen_head_loss.py). The
+loss is HF's `ForCausalLMLoss`: labels shifted one left, -100 ignored, the mean over the rest (0 where there is
+none). Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF computes it, and the logits
+come back; chunked, they don't (a causal LM's step uses only the loss).
 
 With the loss, from the same logits and without a gradient, what TRL logs beside it (`token_stats`): how many target
 tokens the argmax predicts (mean_token_accuracy's numerator) and, outside autograd (evaluation), the sum of the
@@ -26,6 +26,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
+
+from .frozen_head_loss import FrozenHeadLoss, is_frozen_linear
 
 CHUNK_BYTES = 256 * 2**20  # the float32 logits a chunk may hold
 IGNORE = -100
@@ -112,6 +114,9 @@ def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
         return loss, logits, token_stats(logits, shifted, entropy)
     targets = F.pad(labels.to(hidden.device), (0, 1), value=IGNORE)[:, 1:]
     step = max(1, limit // (rows * vocab_size * 4))
+    if torch.is_grad_enabled() and hidden.requires_grad and is_frozen_linear(head):  # two matmuls a chunk, not three
+        total, stats = FrozenHeadLoss.apply(hidden, head.weight, head.bias, targets, cap, step, token_stats)
+        return total / _targets(targets), None, stats
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     stats = torch.zeros(2, dtype=torch.float32, device=hidden.device)
     for start in range(0, positions, step):
