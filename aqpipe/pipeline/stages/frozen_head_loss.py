@@ -35,6 +35,9 @@ class FrozenHeadLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         stats = torch.zeros(2, dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden)
+        kind = hidden.device.type
+        if torch.is_autocast_enabled(kind):  # the weight cast once, not twice a chunk (autocast caches no frozen one)
+            weight = weight.to(torch.get_autocast_dtype(kind))
         for start in range(0, hidden.shape[1], step):
             part, wanted = hidden[:, start:start + step], targets[:, start:start + step]
             raw = F.linear(part, weight, bias)
@@ -46,7 +49,7 @@ class FrozenHeadLoss(torch.autograd.Function):
             d_logits = logp.exp_().scatter_add_(-1, index, -kept.float()).mul_(kept)  # softmax less the target
             if cap is not None:  # through the softcap: 1 - tanh^2
                 d_logits.mul_(1 - (logits / cap) ** 2)
-            grad[:, start:start + step] = d_logits.to(raw.dtype) @ weight.to(raw.dtype)
+            grad[:, start:start + step] = d_logits.to(raw.dtype) @ weight
             stats = stats + stats_of(logits, wanted, False)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(stats)
