@@ -82,9 +82,10 @@ def _compiled(stages: list) -> list[CompileCounterWithBackend]:
     return counters
 
 
-# (model, packed rows, LoRA adapters): a tied Llama with the chunked loss, classifiers (GPT2: with dropout, below)
-CASES = {"llama-tied-packed-lora": ("llama-tied", True, True), "bert": ("bert", False, False),
-         "deberta": ("deberta", False, False)}
+# (model, packed rows, LoRA adapters): a tied Llama with the chunked loss (a frozen head's, then a trained head's
+# checkpointed chunks), classifiers (GPT2: with dropout, below)
+CASES = {"llama-tied-packed-lora": ("llama-tied", True, True), "llama-tied-packed-full": ("llama-tied", True, False),
+         "bert": ("bert", False, False), "deberta": ("deberta", False, False)}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -140,3 +140,17 @@ def test_a_frozen_heads_micro_batch_with_no_targets_has_a_zero_loss_and_gradient
     loss = causal_lm_loss(head, hidden, labels, 50, chunk_bytes=2 * 50 * 4 * 3)[0]
     (grad,) = torch.autograd.grad(loss, [hidden])
     assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_a_head_with_a_trained_bias_or_in_evaluation_keeps_the_checkpointed_chunks():
+    """The frozen path computes no weight or bias gradient and no entropy: a head whose bias trains gets its
+    gradient, and evaluation (no autograd) its entropies, where the hidden states ask for a gradient too."""
+    hidden, head, labels = head_case(6, (B, T, H, V), bias=True)
+    head.weight.requires_grad_(False)
+    loss = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)[0]
+    want = ForCausalLMLoss(head(hidden), labels, vocab_size=V)
+    got_bias, want_bias = (torch.autograd.grad(x, [head.bias])[0] for x in (loss, want))
+    torch.testing.assert_close(got_bias, want_bias, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        _, _, stats = causal_lm_loss(head.requires_grad_(False), hidden, labels, V, chunk_bytes=B * V * 4 * 5)
+    assert stats[1] > 0  # the predicted distributions' entropies, summed

@@ -45,8 +45,8 @@ class FrozenHeadLoss(torch.autograd.Function):
             kept = (wanted != IGNORE).unsqueeze(-1)
             index = wanted.clamp(min=0).unsqueeze(-1)
             logp = torch.log_softmax(logits, dim=-1)
-            total = total - (logp.gather(-1, index) * kept).sum()
-            d_logits = logp.exp_().scatter_add_(-1, index, -kept.float()).mul_(kept)  # softmax less the target
+            total = total - torch.where(kept, logp.gather(-1, index), 0.0).sum()  # an ignored NaN drops out
+            d_logits = torch.where(kept, logp.exp_().scatter_add_(-1, index, -kept.float()), 0.0)  # softmax - target
             if cap is not None:  # through the softcap: 1 - tanh^2
                 d_logits.mul_(1 - (logits / cap) ** 2)
             grad[:, start:start + step] = d_logits.to(raw.dtype) @ weight
@@ -58,4 +58,4 @@ class FrozenHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_total: torch.Tensor, d_stats: torch.Tensor) -> tuple[Any, ...]:
         (grad,) = ctx.saved_tensors
-        return grad * d_total.to(grad.dtype), None, None, None, None, None, None
+        return grad * d_total, None, None, None, None, None, None  # the scale not rounded to a bf16 gradient's

@@ -14,7 +14,7 @@ predicted distributions' entropies over the targets. They stay on the device, re
 
 `fused="liger"` (the trainer's --use_liger_kernel, HF's and TRL's flag): in training, Liger Kernel's fused linear
 cross-entropy computes the loss and its gradients from the hidden states and the head's weight a block of rows at a
-time, in one pass, so the logits never exist and the head runs once (the chunks here run it twice under autograd).
+time, in one pass, so the logits never exist and the head runs once (a trained head's chunks here run it twice).
 It builds no logits, so training rows count no token accuracy, as TRL's do with the same flag. Evaluation keeps the
 path above: its entropies and accuracy need the logits.
 """
