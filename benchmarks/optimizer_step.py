@@ -36,7 +36,7 @@ def parameter_shapes(shape: str) -> list[torch.Size]:
 def timed(step: Callable[[], None], device: str, steps: int) -> float:
     """Median seconds of `steps` steps after two untimed ones (a compiled update compiles in them)."""
     times = []
-    for i in range(steps + 2):
+    for _ in range(steps + 2):
         sync(device)
         start = time.perf_counter()
         step()
