@@ -82,8 +82,8 @@ def _compiled(stages: list) -> list[CompileCounterWithBackend]:
     return counters
 
 
-# (model, packed rows, LoRA adapters): a tied Llama with the chunked loss (a frozen head's, then a trained head's
-# checkpointed chunks), classifiers (GPT2: with dropout, below)
+# (model, packed rows, LoRA adapters): a tied Llama with the chunked loss (a frozen head's, then a trained one's,
+# gradients made in the forward), classifiers (GPT2: with dropout, below)
 CASES = {"llama-tied-packed-lora": ("llama-tied", True, True), "llama-tied-packed-full": ("llama-tied", True, False),
          "bert": ("bert", False, False), "deberta": ("deberta", False, False)}
 

@@ -34,9 +34,13 @@ def test_chunked_loss_and_gradients_equal_hfs(cap):
         torch.testing.assert_close(causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)[0], want)
 
 
-def test_no_logits_are_kept_for_backward():
-    """Checkpointed chunks keep only their inputs (the hidden rows and targets); their logits are recomputed."""
+@pytest.mark.parametrize("wrapped", [False, True], ids=["linear", "wrapped"])
+def test_no_logits_are_kept_for_backward(wrapped):
+    """A plain Linear's chunks keep their gradients, made in the forward; a head that is more than a Linear (a LoRA
+    adapter on it, here a Sequential) keeps its checkpointed chunks' inputs (the hidden rows and targets) and
+    recomputes their logits. Neither keeps a chunk's logits."""
     hidden, head, labels = case(1)
+    head = torch.nn.Sequential(head) if wrapped else head
     kept = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
         loss, _, _ = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)
@@ -97,7 +101,7 @@ def test_a_micro_batch_with_no_targets_has_a_zero_loss_and_no_gradient(chunk_byt
                                                                                  chunk_bytes=chunk_bytes)[0])
 
 
-MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm}
 
 
 class Matmuls(TorchDispatchMode):
@@ -110,27 +114,47 @@ class Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("trains", [False, True], ids=["frozen", "trained"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("cap", [None, 3.0])
-def test_a_frozen_head_runs_twice_a_chunk_to_hfs_loss_gradient_and_token_counts(cap, bias):
-    """LoRA's frozen head: the hidden states' gradient made in the forward (logits, then the gradient: two matmuls a
-    chunk, where checkpointed chunks take three), scaled in the backward by the loss's own (here 1.7)."""
+def test_a_linear_heads_gradients_are_made_in_its_forward_to_hfs_loss_gradients_and_token_counts(cap, bias, trains):
+    """The loss's gradient made in the forward, then the gradients asked: the hidden states' and, where the head
+    trains, its weight's and bias's. Two matmuls a chunk for LoRA's frozen head, three for a trained one, where
+    checkpointed chunks take three and four; scaled in the backward by the loss's own (here 1.7)."""
     hidden, head, labels = head_case(4, (B, T, H, V), bias=bias)
-    head.requires_grad_(False)
+    head.requires_grad_(trains)
+    wrt = [hidden, *head.parameters()] if trains else [hidden]
     labels[1, 10:20] = head(hidden).argmax(-1)[1, 9:19]  # targets the argmax predicts, to count
     logits = head(hidden)
     logits = torch.tanh(logits / cap) * cap if cap else logits
     want = ForCausalLMLoss(logits, labels, vocab_size=V)
-    (want_grad,) = torch.autograd.grad(want * 1.7, [hidden])
+    want_grads = torch.autograd.grad(want * 1.7, wrt)
     with torch.no_grad():
         _, _, want_stats = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)
     with Matmuls() as counted:
         got, got_logits, stats = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)
-        (grad,) = torch.autograd.grad(got * 1.7, [hidden])
-    assert counted.count == 2 * 8 and got_logits is None  # 8 chunks of 5 positions, the last of 2
+        grads = torch.autograd.grad(got * 1.7, wrt)
+    assert counted.count == (3 if trains else 2) * 8 and got_logits is None  # 8 chunks of 5 positions, the last 2
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+    for grad, want_grad in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
     assert stats[0] == want_stats[0] >= 10 and stats[1] == 0
+
+
+def test_a_trained_heads_gradients_under_bf16_autocast_are_hfs_in_the_weights_dtype():
+    """Under autocast the head computes in bf16 from float32 weights and hidden states (a float32-master model's
+    residual stream): the weight's gradient summed over chunks in bf16 matmuls, returned float32 as the weight is,
+    within bf16's rounding of what HF's loss gives under the same autocast."""
+    hidden, head, labels = head_case(7, (B, T, H, V), bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ForCausalLMLoss(head(hidden), labels, vocab_size=V)
+        got = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)[0]
+    want_grads = torch.autograd.grad(want, [hidden, head.weight, head.bias])
+    grads = torch.autograd.grad(got, [hidden, head.weight, head.bias])
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    for grad, want_grad in zip(grads, want_grads, strict=True):
+        assert grad.dtype == want_grad.dtype == torch.float32
+        torch.testing.assert_close(grad, want_grad, rtol=2e-2, atol=2e-3)
 
 
 def test_a_frozen_heads_micro_batch_with_no_targets_has_a_zero_loss_and_gradient():
@@ -142,9 +166,9 @@ def test_a_frozen_heads_micro_batch_with_no_targets_has_a_zero_loss_and_gradient
     assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
 
 
-def test_a_head_with_a_trained_bias_or_in_evaluation_keeps_the_checkpointed_chunks():
-    """The frozen path computes no weight or bias gradient and no entropy: a head whose bias trains gets its
-    gradient, and evaluation (no autograd) its entropies, where the hidden states ask for a gradient too."""
+def test_a_head_whose_bias_alone_trains_gets_its_gradient_and_evaluation_its_entropies():
+    """The gradients made in the forward are the ones asked: a bias's alone beside a frozen weight; evaluation (no
+    autograd) keeps the chunks that compute the predicted distributions' entropies."""
     hidden, head, labels = head_case(6, (B, T, H, V), bias=True)
     head.weight.requires_grad_(False)
     loss = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)[0]

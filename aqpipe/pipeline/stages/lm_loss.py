@@ -1,12 +1,13 @@
 """A last stage's causal-LM loss in chunks over the sequence, so that a micro-batch's full float32 logits never exist
 at once: Llama 3's 128k vocabulary over 4 x 1024 tokens is 2 GB of them, and their gradient as much again.
 
-Each chunk of positions runs the head, upcasts its logits and sums its cross-entropy; under autograd the chunk is
-checkpointed, so its logits are recomputed in backward instead of kept, and only one chunk's live at a time (the
-price: the head's forward runs twice where chunked; a frozen head, LoRA's, runs once: frozen_head_loss.py). The
-loss is HF's `ForCausalLMLoss`: labels shifted one left, -100 ignored, the mean over the rest (0 where there is
-none). Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF computes it, and the logits
-come back; chunked, they don't (a causal LM's step uses only the loss).
+Each chunk of positions runs the head, upcasts its logits and sums its cross-entropy, and only one chunk's logits
+live at a time. In training, a plain Linear head's chunks make their gradients in the forward
+(linear_cross_entropy.py: the head's matmuls the plain loop's count); a head that is more than a Linear (an adapter
+on it) checkpoints each chunk, its logits recomputed in the backward instead of kept (the price: the head's forward
+runs twice). The loss is HF's `ForCausalLMLoss`: labels shifted one left, -100 ignored, the mean over the rest (0
+where there is none). Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF computes it,
+and the logits come back; chunked, they don't (a causal LM's step uses only the loss).
 
 With the loss, from the same logits and without a gradient, what TRL logs beside it (`token_stats`): how many target
 tokens the argmax predicts (mean_token_accuracy's numerator) and, outside autograd (evaluation), the sum of the
@@ -14,9 +15,10 @@ predicted distributions' entropies over the targets. They stay on the device, re
 
 `fused="liger"` (the trainer's --use_liger_kernel, HF's and TRL's flag): in training, Liger Kernel's fused linear
 cross-entropy computes the loss and its gradients from the hidden states and the head's weight a block of rows at a
-time, in one pass, so the logits never exist and the head runs once (a trained head's chunks here run it twice).
-It builds no logits, so training rows count no token accuracy, as TRL's do with the same flag. Evaluation keeps the
-path above: its entropies and accuracy need the logits.
+time, in one pass, so the logits never exist and the head runs once: what the chunks here do in torch ops, with
+its softmax's gradient computed in place over each block's logits in one Triton kernel. It builds no logits, so
+training rows count no token accuracy, as TRL's do with the same flag. Evaluation keeps the path above: its
+entropies and accuracy need the logits.
 """
 from __future__ import annotations
 
@@ -27,10 +29,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .frozen_head_loss import FrozenHeadLoss, is_frozen_linear
+from .linear_cross_entropy import IGNORE, LinearCrossEntropy, is_plain_linear
 
 CHUNK_BYTES = 256 * 2**20  # the float32 logits a chunk may hold
-IGNORE = -100
 
 
 def _logits(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -114,8 +115,9 @@ def causal_lm_loss(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
         return loss, logits, token_stats(logits, shifted, entropy)
     targets = F.pad(labels.to(hidden.device), (0, 1), value=IGNORE)[:, 1:]
     step = max(1, limit // (rows * vocab_size * 4))
-    if torch.is_grad_enabled() and hidden.requires_grad and is_frozen_linear(head):  # two matmuls a chunk, not three
-        total, stats = FrozenHeadLoss.apply(hidden, head.weight, head.bias, targets, cap, step, token_stats)
+    if torch.is_grad_enabled() and is_plain_linear(head) and \
+            any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias)):  # a matmul a chunk fewer
+        total, stats = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, cap, step, token_stats)
         return total / _targets(targets), None, stats
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     stats = torch.zeros(2, dtype=torch.float32, device=hidden.device)
