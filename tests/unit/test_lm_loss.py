@@ -36,9 +36,9 @@ def test_chunked_loss_and_gradients_equal_hfs(cap):
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["linear", "wrapped"])
 def test_no_logits_are_kept_for_backward(wrapped):
-    """A plain Linear's chunks keep their gradients, made in the forward; a head that is more than a Linear (a LoRA
-    adapter on it, here a Sequential) keeps its checkpointed chunks' inputs (the hidden rows and targets) and
-    recomputes their logits. Neither keeps a chunk's logits."""
+    """A plain Linear's chunks keep their gradients, made in the forward; a head of another type (here a Sequential)
+    keeps its checkpointed chunks' inputs (the hidden rows and targets) and recomputes their logits. Neither keeps a
+    chunk's logits."""
     hidden, head, labels = case(1)
     head = torch.nn.Sequential(head) if wrapped else head
     kept = []
@@ -153,8 +153,38 @@ def test_a_trained_heads_gradients_under_bf16_autocast_are_hfs_in_the_weights_dt
     grads = torch.autograd.grad(got, [hidden, head.weight, head.bias])
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
     for grad, want_grad in zip(grads, want_grads, strict=True):
-        assert grad.dtype == want_grad.dtype == torch.float32
         torch.testing.assert_close(grad, want_grad, rtol=2e-2, atol=2e-3)
+    # scaled in float32: a bf16 gradient (the matmuls' sum) times the loss's gradient (1 / the target count), rounded
+    # once to float32, not to bf16 first (autograd would cast a bf16 gradient to float32, exact in bf16)
+    assert not torch.equal(grads[1], grads[1].bfloat16().float())
+
+
+def test_a_bf16_heads_gradient_is_scaled_unrounded_then_rounded_once():
+    """`--param_dtype bfloat16`: the weight's gradient, summed in bf16 over the chunks, times the loss's gradient (1.7 /
+    the target count) in float32, the product rounded to bf16 once. Rounding the scale to bf16 first moves it."""
+    hidden, head, labels = head_case(8, (B, T, H, V))
+    head.bfloat16()
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    count = int((torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:] != -100).sum())
+    loss_of = lambda: causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)[0]  # noqa: E731
+    (summed,) = torch.autograd.grad(loss_of() * count, [head.weight])  # the loss's gradient exactly 1: the bare sum
+    (scaled,) = torch.autograd.grad(loss_of() * 1.7, [head.weight])
+    assert scaled.dtype == torch.bfloat16
+    assert torch.equal(scaled, (summed.float() * (torch.tensor(1.7) / count)).bfloat16())
+
+
+def test_a_trained_head_over_hidden_states_that_need_no_gradient_runs_two_matmuls_a_chunk():
+    """The first and only stage of a model whose blocks are frozen and head trains: the logits and the weight's
+    gradient a chunk, no hidden states' gradient (checkpointed chunks: three)."""
+    hidden, head, labels = head_case(9, (B, T, H, V))
+    hidden = hidden.detach()
+    want = ForCausalLMLoss(head(hidden), labels, vocab_size=V)
+    (want_grad,) = torch.autograd.grad(want, [head.weight])
+    with Matmuls() as counted:
+        got = causal_lm_loss(head, hidden, labels, V, chunk_bytes=B * V * 4 * 5)[0]
+        (grad,) = torch.autograd.grad(got, [head.weight])
+    assert counted.count == 2 * 8
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_a_frozen_heads_micro_batch_with_no_targets_has_a_zero_loss_and_gradient():

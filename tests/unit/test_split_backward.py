@@ -8,6 +8,8 @@ from aqpipe.pipeline.split_backward import backward_input
 from aqpipe.pipeline.stages import lm_loss
 from tests.unit.test_partition import make_batch, make_model
 
+CHUNKED = 2_000  # the float32 logits a chunk may hold where the tied head's loss is chunked
+
 
 def stage_inputs(stages, batch):
     """Each stage's input as the engine holds it: the previous stage's output, detached, requiring a gradient."""
@@ -26,6 +28,8 @@ def grads(stage, hidden, batch, grad_out, split):
     x = None if hidden is None else hidden.clone().requires_grad_(True)
     out = stage(x, batch)
     out = out.loss if stage.is_last else out
+    if stage.is_last and lm_loss.CHUNK_BYTES == CHUNKED:  # the chunked head's node is on the graph, not checkpoints
+        assert "LinearCrossEntropyBackward" in {type(f).__name__ for f, _ in out.grad_fn.next_functions}
     if not split:
         out.backward(grad_out)
         return (None if x is None else x.grad), {n: p.grad for n, p in stage.named_parameters()}
@@ -41,7 +45,7 @@ def grads(stage, hidden, batch, grad_out, split):
 def test_split_backward_gives_one_backwards_gradients_bit_for_bit(kind, checkpointing, monkeypatch):
     if kind == "gpt2_lm_chunked":  # the tied head's loss in chunks, its gradients made in the forward: one node
         kind = "gpt2_lm"  # that zb1's two parts both run, from the same saved gradients
-        monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 2_000)
+        monkeypatch.setattr(lm_loss, "CHUNK_BYTES", CHUNKED)
     model = make_model(kind)
     stages = partition(model, 3, activation_checkpointing=checkpointing)
     for stage in stages:

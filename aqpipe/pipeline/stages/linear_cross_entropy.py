@@ -26,7 +26,8 @@ IGNORE = -100  # the label no loss is computed for (HF's)
 
 
 def is_plain_linear(head: Any) -> bool:
-    """A torch Linear (not an adapter's wrapper): its weight and bias are all the head computes with."""
+    """A torch Linear: its weight and bias are all the head computes with. Every family's head is one in training
+    (LoRA adapts the blocks alone); a head of another type keeps lm_loss's checkpointed chunks."""
     return type(head) is torch.nn.Linear
 
 
@@ -56,7 +57,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             index = wanted.clamp(min=0).unsqueeze(-1)
             logp = torch.log_softmax(logits, dim=-1)
             total = total - torch.where(kept, logp.gather(-1, index), 0.0).sum()  # an ignored NaN drops out
-            d_logits = torch.where(kept, logp.exp_().scatter_add_(-1, index, -kept.float()), 0.0)  # softmax - target
+            d_logits = logp.exp_().scatter_add_(-1, index, -kept.float()).masked_fill_(~kept, 0.0)  # softmax - target
             if cap is not None:  # through the softcap: 1 - tanh^2
                 d_logits.mul_(1 - (logits / cap) ** 2)
             d_raw = d_logits.to(raw.dtype)
@@ -73,7 +74,9 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_total: torch.Tensor, d_stats: torch.Tensor) -> tuple[Any, ...]:
-        # Not in place: zb1 runs this backward twice (the input's gradient, then the weights'), from the same saves.
-        # The scale is not rounded to a bf16 gradient's dtype: the product is, once.
-        scaled = [None if g is None else g.to(dtype) * d_total for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+        # On a copy: zb1 runs this backward twice (the input's gradient, then the weights'), from the same saves; one
+        # copy, not a cast beside a product (two of the weight's size). The scale is not rounded to a bf16 gradient's
+        # dtype: the product is, once.
+        scaled = [None if g is None else g.to(dtype, copy=True).mul_(d_total)
+                  for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
         return *scaled, None, None, None, None

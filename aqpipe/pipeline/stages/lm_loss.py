@@ -3,11 +3,11 @@ at once: Llama 3's 128k vocabulary over 4 x 1024 tokens is 2 GB of them, and the
 
 Each chunk of positions runs the head, upcasts its logits and sums its cross-entropy, and only one chunk's logits
 live at a time. In training, a plain Linear head's chunks make their gradients in the forward
-(linear_cross_entropy.py: the head's matmuls the plain loop's count); a head that is more than a Linear (an adapter
-on it) checkpoints each chunk, its logits recomputed in the backward instead of kept (the price: the head's forward
-runs twice). The loss is HF's `ForCausalLMLoss`: labels shifted one left, -100 ignored, the mean over the rest (0
-where there is none). Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF computes it,
-and the logits come back; chunked, they don't (a causal LM's step uses only the loss).
+(linear_cross_entropy.py: the head's matmuls the plain loop's count; every family's head in training); a head of
+another type checkpoints each chunk, its logits recomputed in the backward instead of kept (the price: the head's
+forward runs twice). The loss is HF's `ForCausalLMLoss`: labels shifted one left, -100 ignored, the mean over the
+rest (0 where there is none). Where the whole micro-batch's logits fit in `CHUNK_BYTES` it is computed as HF
+computes it, and the logits come back; chunked, they don't (a causal LM's step uses only the loss).
 
 With the loss, from the same logits and without a gradient, what TRL logs beside it (`token_stats`): how many target
 tokens the argmax predicts (mean_token_accuracy's numerator) and, outside autograd (evaluation), the sum of the
