@@ -40,7 +40,7 @@ step aqsgd_messages 90 python3 -m benchmarks.aqsgd_messages --device cuda --shap
 step step_profile 240 python3 -m benchmarks.step_profile --device cuda --shape 1b --bf16 --micro_batch_size 4 \
     --num_micro_batches 4 --seq_len 1024 --json "$out/step_profile.json"
 step optimizer_step 90 python3 -m benchmarks.optimizer_step --device cuda --shape 1b --json "$out/optimizer_step.json"
-step head_loss 120 python3 -m benchmarks.head_loss --device cuda --rows 4 --positions 1024 --hidden 2048 \
+step head_loss 240 python3 -m benchmarks.head_loss --device cuda --rows 4 --positions 1024 --hidden 2048 \
     --vocab 128256 --bf16 --chunk_mib 256
 step step_overhead 420 python3 -m benchmarks.step_overhead --device cuda --shape 1b --bf16 --micro_batch_size 4 \
     --num_micro_batches 4 --seq_len 1024 --steps 10 \
