@@ -8,6 +8,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from aqpipe.pipeline.loading import build_stage
 from aqpipe.pipeline.stages import lm_loss
 from aqpipe.pipeline.stages.lm_loss import causal_lm_loss
+from tests.helpers.host_reads import HostReads
 from tests.helpers.lm_head import assert_no_targets_train_nothing, head_case
 
 B, T, H, V = 2, 37, 16, 50
@@ -208,3 +209,15 @@ def test_a_head_whose_bias_alone_trains_gets_its_gradient_and_evaluation_its_ent
     with torch.no_grad():
         _, _, stats = causal_lm_loss(head.requires_grad_(False), hidden, labels, V, chunk_bytes=B * V * 4 * 5)
     assert stats[1] > 0  # the predicted distributions' entropies, summed
+
+
+@pytest.mark.parametrize("trains", [False, True], ids=["frozen", "trained"])
+def test_the_chunked_loss_and_its_backward_read_nothing_back_on_the_host(trains):
+    """Item 3's rule for a last stage on a GPU: no `.item()`, no boolean index, no `nonzero` in the loss (ignored
+    targets masked, not selected), so the host never waits for the device there."""
+    hidden, head, labels = head_case(10, (B, T, H, V), bias=True)
+    head.requires_grad_(trains)
+    with HostReads() as seen:
+        loss = causal_lm_loss(head, hidden, labels, V, 3.0, chunk_bytes=B * V * 4 * 5)[0]
+        loss.backward()
+    assert seen.reads == []
