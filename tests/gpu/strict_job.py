@@ -27,6 +27,8 @@ def write_chats(path: Path, rows: int = 96) -> Path:
 def run_strict_job(work: Path, env: dict[str, str], port: int) -> subprocess.CompletedProcess:
     """The job under torchrun in `work`: 16 packed samples, 8 a step, so steps 3 and 4 revisit steps 1 and 2's."""
     data = write_chats(work / "chats.jsonl")
+    for stale in work.glob("strict_actions.*"):  # an earlier job's counts in the same directory
+        stale.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), "-m",
            "tests.gpu.strict_steps", "gpt2", "--backend", "gloo", "--dataset", str(data), "--chat_template",
            "chatml", "--packing", "True", "--seq_len", "128", "--micro_batch_size", "2", "--num_micro_batches",
@@ -35,6 +37,6 @@ def run_strict_job(work: Path, env: dict[str, str], port: int) -> subprocess.Com
     return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
 
 
-def strict_counts(proc: subprocess.CompletedProcess) -> list[int]:
-    """The actions each rank ran under the strict mode, as strict_steps.py printed them."""
-    return [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("strict actions:")]
+def strict_counts(work: Path) -> list[int]:
+    """The actions each rank ran under the strict mode, as strict_steps.py wrote them in `work` (rank order)."""
+    return [int(f.read_text()) for f in sorted(work.glob("strict_actions.*"))]

@@ -2,14 +2,16 @@
 schedule (forwards, backwards, sends, receives, the tied weights' and boundaries' `begin`) run under torch's sync
 debug mode "error", from the second training step on (the first primes the tie and fills buffers once). A
 synchronizing CUDA call there raises, naming its site; what a step reads once at its end (the loss, the order
-check) stays outside. Prints `strict actions: N` on each rank at exit. With PLANT_SYNC set, GPT2's stages read their
-position ids back on the host: the check's own check. Without a GPU (the suite's check of this harness) the actions
-are counted alone."""
+check) stays outside. Each rank writes the count of actions it ran strictly to `strict_actions.<rank>` in the
+working directory at exit (a file, not stdout, where two ranks' lines can interleave in one pipe: CI once lost one).
+With PLANT_SYNC set, GPT2's stages read their position ids back on the host: the check's own check. Without a GPU
+(the suite's check of this harness) the actions are counted alone."""
 from __future__ import annotations
 
 import functools
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -73,5 +75,5 @@ if os.environ.get("PLANT_SYNC"):  # the test's check that a sync in a stage's fo
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    print(f"strict actions: {checked[0]}", flush=True)
+    Path(f"strict_actions.{os.environ['RANK']}").write_text(str(checked[0]))
     leave(code)

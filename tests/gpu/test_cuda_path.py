@@ -80,7 +80,7 @@ def test_two_stages_on_one_gpu_match_the_cpu_run_without_dropout(tmp_path):
 def test_a_steps_actions_sync_nowhere_and_a_planted_sync_is_caught(tmp_path):
     proc = run_strict_job(tmp_path, _env(), 29673)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    counts = strict_counts(proc)  # the strict steps' micro-batches, 4 actions each on either stage at least
+    counts = strict_counts(tmp_path)  # the strict steps' micro-batches, 4 actions each on either stage at least
     assert len(counts) == 2 and min(counts) >= (STEPS - STRICT_FROM_STEP) * MICRO_BATCHES * 4, counts
     planted = run_strict_job(tmp_path, _env(PLANT_SYNC="1"), 29674)
     assert planted.returncode != 0 and "synchroniz" in planted.stderr.lower(), planted.stderr[-3000:]

@@ -16,7 +16,7 @@ def test_aqsgd_messages_harness_runs_on_the_cpu():
 def test_the_strict_job_launches_and_wraps_every_action(tmp_path):
     proc = run_strict_job(tmp_path, checkout_env(OMP_NUM_THREADS="1"), free_port())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    counts = strict_counts(proc)
+    counts = strict_counts(tmp_path)
     assert len(counts) == 2 and min(counts) >= (STEPS - STRICT_FROM_STEP) * MICRO_BATCHES * 4, counts
     rows = [json.loads(line) for line in (tmp_path / "strict" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "lr" in row]
