@@ -13,7 +13,7 @@ export, a merge); a checkpoint holds none of them (the base is re-read on resume
 """
 from __future__ import annotations
 
-import functools
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,25 +32,18 @@ class FourBit:
     compute_dtype: torch.dtype = torch.bfloat16
 
 
-@functools.cache
-def _optional_bnb():
-    """bitsandbytes, or None where it is not installed (looked for once: every parameter of every stage asks)."""
+def _bnb():
     try:
         import bitsandbytes as bnb
     except ImportError:
-        return None
-    return bnb
-
-
-def _bnb():
-    bnb = _optional_bnb()
-    if bnb is None:
-        raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'aqpipe[qlora]'")
+        raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'aqpipe[qlora]'") from None
     return bnb
 
 
 def is_four_bit(module: nn.Module) -> bool:
-    bnb = _optional_bnb()
+    """Whether `module` is a 4-bit linear. Only a run that imported bitsandbytes (`swap_in`) can hold one, so the
+    others never import it: that costs every process 1.7 s (it loads torch's compiler) and prints a line."""
+    bnb = sys.modules.get("bitsandbytes")
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 

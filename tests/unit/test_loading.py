@@ -1,6 +1,7 @@
 """A stage built alone (aqpipe/pipeline/loading.py): it reads its own tensors and no other's, a config alone gives the
 same values on any stage count, and what cannot load is said in one line."""
 import json
+import sys
 import warnings
 
 import pytest
@@ -47,6 +48,15 @@ def test_each_rank_reads_its_own_tensors_only(tied_llama):
     assert set().union(*reads) == stored
     total = sum(v.numel() * 2 for v in weights.values()) - weights["lm_head.weight"].numel() * 2
     assert sum(sizes) == total + weights["model.embed_tokens.weight"].numel() * 2  # the tie read twice, by its holders
+
+
+def test_a_stage_without_a_4_bit_base_never_imports_bitsandbytes(tied_llama, monkeypatch):
+    """Importing it costs every process of every run 1.7 s (it loads torch's compiler) and prints a line."""
+    for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+        monkeypatch.delitem(sys.modules, name)  # as in a fresh process (restored after the test)
+    build_stage(LlamaForCausalLM, LlamaConfig(**SMALL, tie_word_embeddings=True), 2, 3, checkpoint=tied_llama[0])
+    build_stage(LlamaForCausalLM, LlamaConfig(**SMALL, tie_word_embeddings=True), 0, 3)  # from its config alone
+    assert "bitsandbytes" not in sys.modules
 
 
 def test_a_config_alone_gives_the_same_weights_on_any_stage_count():
