@@ -34,9 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Workers fork from a server that imported these once (3 s a spawn becomes 0.1 s); it was started with the first
-# test's environment, so each worker takes the test's own at its start (_entry; multiprocessing sets the directory)
-PRELOAD = ["torch", "torch.distributed", "aqpipe.pipeline", "aqpipe.data_parallel", "aqpipe.compression", __name__]
+# Workers fork from a server that imported these once: torch, transformers and PEFT (with bitsandbytes, which PEFT
+# imports where it is installed) cost a worker 3-8 s of imports, a spawn 0.1 s from here. The server was started with
+# the first test's environment, so each worker takes the test's own at its start (_entry; multiprocessing sets the
+# directory).
+PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "aqpipe.pipeline", "aqpipe.data_parallel",
+           "aqpipe.compression", "aqpipe.settings", "aqpipe.models", "aqpipe.data", "aqpipe.train", __name__]
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, environ: dict[str, str]
