@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from aqpipe.compression.staging import HostStaging
+from aqpipe.pipeline.seeding import derive_seed, reseed
 from tests.gpu.strict_job import MICRO_BATCHES, STEPS, STRICT_FROM_STEP, run_strict_job, strict_counts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,15 @@ def test_staging_round_trips_through_pinned_host_memory():
     torch.cuda.synchronize()
     assert back.device.type == "cuda" and torch.equal(back.reshape(x.shape), x)
     assert staging.take_seconds() > 0
+
+
+def test_reseed_seeds_the_gpus_generator_as_torch_manual_seed_does():
+    torch.manual_seed(derive_seed(11, 3))
+    expected = torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5)
+    torch.manual_seed(0)
+    torch.rand(5, device="cuda")
+    reseed(11, 3)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(4096, device="cuda"), 0.5), expected)
 
 
 def test_aqsgd_messages_wait_for_no_host_sync():
