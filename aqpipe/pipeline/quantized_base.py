@@ -121,15 +121,3 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             w = module.weight
             state[key] = _bnb().functional.dequantize_4bit(w.data, w.quant_state).to(module.compute_dtype)
     return state
-
-
-def four_bit_bytes(model: nn.Module) -> int:
-    """What the 4-bit weights hold, statistics included."""
-    total = 0
-    for module in model.modules():
-        if is_four_bit(module):
-            total += module.weight.numel() * module.weight.element_size()
-            qs = module.weight.quant_state
-            for t in (qs.absmax, getattr(qs, "code", None), *((qs.state2.absmax, qs.state2.code) if qs.nested else ())):
-                total += t.numel() * t.element_size() if t is not None else 0
-    return total

@@ -18,21 +18,25 @@ def case(seed: int = 0):
     return head_case(seed, (B, T, H, V))
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["linear", "wrapped"])
 @pytest.mark.parametrize("cap", [None, 3.0])
-def test_chunked_loss_and_gradients_equal_hfs(cap):
+def test_chunked_loss_and_gradients_equal_hfs(cap, wrapped):
+    """A plain Linear takes the gradients-in-the-forward Function; a head of another type (a Sequential here, as a
+    wrapped head would be) the checkpointed chunks: both give HF's loss and gradients."""
     hidden, head, labels = case()
     logits = head(hidden)
     logits = torch.tanh(logits / cap) * cap if cap else logits
     want = ForCausalLMLoss(logits, labels, vocab_size=V)
     want_grads = torch.autograd.grad(want, [hidden, head.weight])
-    got, got_logits, _ = causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)  # 5 a chunk
+    call = torch.nn.Sequential(head) if wrapped else head
+    got, got_logits, _ = causal_lm_loss(call, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)  # 5 a chunk
     assert got_logits is None  # chunked: 8 chunks, the last of 2 positions
     grads = torch.autograd.grad(got, [hidden, head.weight])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     with torch.no_grad():
-        torch.testing.assert_close(causal_lm_loss(head, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)[0], want)
+        torch.testing.assert_close(causal_lm_loss(call, hidden, labels, V, cap, chunk_bytes=B * V * 4 * 5)[0], want)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["linear", "wrapped"])

@@ -65,7 +65,11 @@ def test_a_stretched_plan_survives_another_resume_exactly():
     longer = PlannedLR(optimizer(), hf("linear"), 50, 0.1)  # and a second stretch
     longer.load_state_dict(mid.state_dict())
     assert run(again, 21) == run(mid, 21)
-    assert run(longer, 41)[0] == again.rate(9) and longer.stretches == [(4, 10, 30), (9, 30, 50)]
+    rest = run(longer, 41)
+    assert rest[0] == again.rate(9) and longer.stretches == [(4, 10, 30), (9, 30, 50)]
+    # what was left of the once-stretched plan (21 steps), laid over 41: step 9 + k reads mid's 9 + k * 21 / 41
+    assert rest == [pytest.approx(again.rate(9 + k * 21 / 41), rel=1e-12) for k in range(41)]
+    assert rest[-1] > 0  # the last step still learns: the decay ends at step 50, not before
 
 
 def test_a_finished_decay_refuses_more_steps_and_a_constant_rate_goes_on():

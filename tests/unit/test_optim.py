@@ -20,14 +20,18 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_the_two_neighbours():
 
 
 def test_moments_are_float32_and_updates_below_bf16s_step_are_kept_on_average():
+    """Each step and each parameter draws its own rounding bits: with the same bits every step, the same 2% of the
+    weights would move a whole bf16 step each time and the rest never (the mean alone cannot tell); with the same
+    bits for two parameters of one shape, their weights would stay equal."""
     torch.manual_seed(0)
     start = torch.ones(4096)
-    p16 = torch.nn.Parameter(start.to(torch.bfloat16))
+    p16, twin = torch.nn.Parameter(start.to(torch.bfloat16)), torch.nn.Parameter(start.to(torch.bfloat16))
     p32 = torch.nn.Parameter(start.clone())
-    o16 = LowPrecisionAdamW([p16], lr=1e-4, weight_decay=0.0)
+    o16 = LowPrecisionAdamW([p16, twin], lr=1e-4, weight_decay=0.0)
     o32 = torch.optim.AdamW([p32], lr=1e-4, weight_decay=0.0)
     for _ in range(30):  # each update (1e-4) is an eightieth of bf16's step at 1.0
-        p16.grad, p32.grad = torch.ones(4096, dtype=torch.bfloat16), torch.ones(4096)
+        p16.grad, twin.grad = torch.ones(4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16)
+        p32.grad = torch.ones(4096)
         o16.step()
         o32.step()
     state = o16.state[p16]
@@ -35,6 +39,8 @@ def test_moments_are_float32_and_updates_below_bf16s_step_are_kept_on_average():
     moved32, moved16 = (start - p32.detach()).mean().item(), (start - p16.detach().float()).mean().item()
     assert moved32 == pytest.approx(30e-4, rel=1e-3)
     assert moved16 == pytest.approx(moved32, rel=0.1)  # round to nearest would leave every weight at 1.0
+    assert (p16.detach() != 1).float().mean().item() > 0.3  # 0.54 here; the same bits every step: 0.02
+    assert not torch.equal(p16.detach(), twin.detach())
 
 
 def test_a_resumed_optimizer_steps_as_the_uninterrupted_one():

@@ -3,6 +3,7 @@ quantized from its own tensors as they are read; embeddings, the tied head and n
 dtype; the adapters train on top through PEFT; a checkpoint holds none of the 4-bit base."""
 import pytest
 import torch
+from bitsandbytes import functional as F
 from bitsandbytes.nn import Linear4bit
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
@@ -10,7 +11,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 from aqpipe.pipeline.adapters import LoraSettings, merged_state_dict
 from aqpipe.pipeline.loading import CheckpointReader, build_stage
 from aqpipe.pipeline.lora import add_lora, lora_config
-from aqpipe.pipeline.quantized_base import FourBit, four_bit_bytes, plain_state_dict
+from aqpipe.pipeline.quantized_base import FourBit, plain_state_dict
 from tests.helpers.files import tiny_llama_dir
 
 FOUR = FourBit("nf4", nested=True, compute_dtype=torch.bfloat16)
@@ -43,20 +44,22 @@ def test_a_stage_holds_its_block_linears_in_4_bits_from_its_own_tensors_and_the_
         if name.rpartition(".")[0] not in four:  # embeddings, norms, the head: the checkpoint's dtype
             assert p.dtype == torch.bfloat16, name
     plain = plain_state_dict(stage)
-    for path in four:  # each weight its own stored tensor, to 4-bit precision (a wrong tensor is off by ~100%)
-        want = stored[origin[f"{path}.weight"]].float()
-        got = plain[f"{path}.weight"].float()
-        assert got.dtype == torch.float32 and got.shape == want.shape
-        assert (got - want).norm() < 0.12 * want.norm(), path
+    for path in four:  # each weight its own stored tensor, as bitsandbytes quantizes and dequantizes it whole
+        stored_weight = stored[origin[f"{path}.weight"]]
+        want = F.dequantize_4bit(*F.quantize_4bit(stored_weight, quant_type="nf4", compress_statistics=True))
+        got = plain[f"{path}.weight"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), path
+        assert (got.float() - stored_weight.float()).norm() < 0.12 * stored_weight.float().norm(), path  # NF4's
     # read: this stage's tensors alone, each once (the other stage's blocks never)
     theirs = {n for n in stored if n.startswith(f"model.layers.{1 - index}.")}
     assert not theirs & set(reader.read) and len(reader.read) == len(set(reader.read))
-    for path in four:  # half a byte a weight, packed
-        w = stage.get_submodule(path).weight
-        assert w.dtype == torch.uint8 and w.numel() == stored[origin[f"{path}.weight"]].numel() // 2, path
-    weights = sum(stored[origin[f"{p}.weight"]].numel() for p in four)
-    # the statistics: a scale per 64 weights (nested: a byte each), and each layer's 16- and 256-entry code books
-    assert weights // 2 < four_bit_bytes(stage) < weights // 2 + weights // 64 * 4 + len(four) * (16 + 256 + 8) * 4
+    for path in four:  # half a byte a weight, packed; a scale per 64 weights, itself a byte (nested), and a
+        w = stage.get_submodule(path).weight  # float32 scale per 256 of those
+        n, qs = stored[origin[f"{path}.weight"]].numel(), w.quant_state
+        assert w.dtype == torch.uint8 and w.numel() == n // 2, path
+        assert qs.quant_type == "nf4" and qs.blocksize == 64 and qs.nested, path
+        assert qs.absmax.dtype == torch.uint8 and qs.absmax.numel() == n // 64, path
+        assert qs.state2.absmax.dtype == torch.float32 and qs.state2.absmax.numel() == -(-n // 64 // 256), path
 
 
 def test_lora_wraps_the_4_bit_layers_trains_only_adapters_and_the_merge_is_dequantized_plus_delta(llama):
@@ -70,9 +73,8 @@ def test_lora_wraps_the_4_bit_layers_trains_only_adapters_and_the_merge_is_dequa
             if "lora_B" in n:
                 p.normal_()
     q = stage.get_submodule("model.layers.0.self_attn.q_proj")
-    plain = plain_state_dict(stage)
     merged = merged_state_dict(stage)
-    base = plain["model.layers.0.self_attn.q_proj.base_layer.weight"].float()
+    base = F.dequantize_4bit(q.base_layer.weight.data, q.base_layer.weight.quant_state).float()
     assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], base + q.get_delta_weight("default"))
     assert not any(".absmax" in k or "quant_" in k for k in merged)  # the statistics are not model weights
     x = torch.randn(1, 8, 64, dtype=torch.bfloat16)
@@ -92,8 +94,6 @@ def test_settings_refuse_a_4_bit_base_without_adapters_and_an_unknown_type():
 
 @pytest.mark.parametrize("quant_type,nested", [("nf4", True), ("nf4", False), ("fp4", True)])
 def test_quantizing_a_chunk_at_a_time_gives_bitsandbytes_whole_tensor_result(quant_type, nested, monkeypatch):
-    import bitsandbytes.functional as F
-
     from aqpipe.pipeline import quantized_base
 
     monkeypatch.setattr(quantized_base, "CHUNK", 64 * 40)  # several chunks, the last a partial one

@@ -1,8 +1,8 @@
 """A micro-batch staged for its stage (pipeline/micro_batch.py): the causal mask built from facts the host read gives
 transformers' own mask, to the element, for every form a batch takes (plain, padded, packed, an all-ones mask, position
-ids that do not restart), both attention implementations that build one (sdpa, eager) and both kinds (full, sliding
-window); and built so, it reads no device value back (a host sync per call and stage on a GPU), where transformers'
-own decision reads one each time."""
+ids that do not restart, position ids that jump forward), both attention implementations that build one (sdpa, eager)
+and both kinds (full, sliding window); and built so, it reads no device value back (a host sync per call and stage on
+a GPU), where transformers' own decision reads one each time."""
 import pytest
 import torch
 from transformers import MistralConfig
@@ -28,6 +28,10 @@ def batches() -> dict[str, dict[str, torch.Tensor]]:
                                                                    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
                                                                    [0, 1, 0, 1, 0, 1, 2, 3, 4, 5, 0, 1]])},
         "positions from 0": {"input_ids": ids, "position_ids": torch.arange(T).expand(B, T)},
+        # a jump forward starts a new sequence for transformers as a restart does
+        "positions that jump": {"input_ids": ids, "position_ids": torch.tensor([
+            [0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+            [0, 1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22]])},
     }
 
 
@@ -59,6 +63,7 @@ def test_the_facts_are_the_batches_forms():
     assert mask_facts(b["all ones"]) == MaskFacts(padded=False, packed=False)
     assert mask_facts(b["packed"]) == MaskFacts(padded=False, packed=True)
     assert mask_facts(b["positions from 0"]) == MaskFacts(padded=False, packed=False)
+    assert mask_facts(b["positions that jump"]) == MaskFacts(padded=False, packed=True)
     # transformers packs by position ids only where no attention mask is given: so do the facts
     assert not mask_facts({**b["packed"], "attention_mask": torch.ones(B, T)}).packed
 
