@@ -183,7 +183,7 @@ def test_visit_counts_are_the_visits_the_batches_make():
         assert np.array_equal(data.visit_counts(dataset, 2, 3, 5, 2, total), seen), total
 
 
-def _plan(tmp_path, counts, memory_gb, disk_gb, sides=1, row=1000):
+def _plan(tmp_path, counts, memory_gb, disk_gb, sides=1, row=1000, buffer_dir=None, saved=None):
     from dataclasses import replace
 
     from aqpipe import buffer_plan
@@ -191,8 +191,25 @@ def _plan(tmp_path, counts, memory_gb, disk_gb, sides=1, row=1000):
     from aqpipe.world import World
 
     cfg = RunConfig(task="causal_lm", checkpointing=CheckpointingSettings(output_dir=str(tmp_path / "out")))
-    cfg = replace(cfg, compression=replace(cfg.compression, buffer_memory_gb=memory_gb, buffer_disk_gb=disk_gb))
-    return buffer_plan.plan(cfg, World(0, 1, 0, torch.device("cpu")), np.array(counts), sides, row, "float16")
+    cfg = replace(cfg, compression=replace(cfg.compression, buffer_memory_gb=memory_gb, buffer_disk_gb=disk_gb,
+                                           buffer_dir=buffer_dir))
+    return buffer_plan.plan(cfg, World(0, 1, 0, torch.device("cpu")), np.array(counts), sides, row, "float16",
+                            saved)
+
+
+def test_rows_go_to_an_asked_for_directory_even_where_memory_holds_them_and_a_resume_keeps_its_count(tmp_path):
+    counts = [2, 2, 1, 2, 2, 2, 2, 2, 2]
+    asked = _plan(tmp_path, counts, 1.0, 1.0, buffer_dir=str(tmp_path / "rows"))
+    assert asked.keep.sum() == 8 and asked.directory == str(tmp_path / "rows")
+    assert asked.line.endswith(f"rank 0 8 kB on disk under {tmp_path / 'rows'}")
+    fresh = _plan(tmp_path, counts, 4e-6, 0.0)  # room for 4 samples' rows in memory
+    digest = fresh.note["visits"]
+    resumed = _plan(tmp_path, counts, 4e-6, 0.0, saved={"rows": 3, "visits": digest})  # its run kept 3
+    assert fresh.keep.sum() == 4 and resumed.keep.nonzero().flatten().tolist() == [0, 1, 3]
+    assert resumed.line.endswith("rank 0 3 kB in memory; as the resumed checkpoint's run kept, the other 5 samples "
+                                 "sent whole at every visit")
+    other = _plan(tmp_path, counts[:-1] + [3], 4e-6, 0.0, saved={"rows": 3, "visits": digest})  # other visits
+    assert other.keep.sum() == 4
 
 
 def test_the_plan_keeps_rows_for_the_samples_read_back_where_they_fit_and_says_so(tmp_path):

@@ -1,5 +1,7 @@
 """Every codec of a rank comes from one factory, and every stream of dither it draws is its own: no two wires,
 boundaries, replicas or tied-weight links round alike, up to 16 replicas."""
+import dataclasses
+
 import torch
 
 from aqpipe.compression import AQSGDCodec, BackwardCodec, ForwardCodec
@@ -49,6 +51,13 @@ def test_the_factory_builds_each_kind_from_the_settings():
     assert (forward.bits, forward.group_size, backward.bits, backward.group_size) == (2, 64, 4, None)  # auto groups
     assert (forward.whole.first.mode, forward.whole.transient.mode, forward.whole.transient.bits) == (
         "none", "hadamard", 3)
+    assert forward.whole.base is not None  # first_visit_base="position": a running base under the first visits
+    keep = torch.tensor([True, False] * 4)  # the buffer plan's: which samples keep a row
+    narrow = dataclasses.replace(AUTO, first_visit_bits=2, scale_dtype="bfloat16")
+    forward, backward = CodecFactory(narrow, 1, 0).boundary(2, (4, 128), {"forward": 2, "backward": 4}, 8, keep=keep)
+    assert torch.equal(forward.buffer.keeps(torch.arange(8)), keep)
+    assert (forward.whole.transient.bits, forward.whole.transient.group_size) == (2, 64)  # auto groups at 2 bits
+    assert forward.delta.scale_dtype == forward.whole.transient.scale_dtype == backward.scale_dtype == torch.bfloat16
     dense = CompressionConfig(forward="hadamard", forward_bits=4, backward="none", tie="none")
     forward, backward = CodecFactory(dense, 1, 0).boundary(0, (4, 64), {"forward": 4, "backward": None}, 8)
     assert type(forward) is ForwardCodec and forward.mode == "hadamard" and backward.mode == "none"

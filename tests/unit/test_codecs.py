@@ -116,11 +116,13 @@ def test_direct_mode_round_trip_matches_the_senders_copy():
 def test_refresh_resends_whole_rows_on_both_sides():
     sender, receiver = pair()
     ids = torch.tensor([1, 2])
-    for _ in range(2):
-        x = activation(ids, 0, 0.0)
+    for epoch in range(2):  # the second refresh of rows both sides already hold: each side's row is reset to it
+        x = activation(ids, epoch, 0.5)
         msg = sender.encode(x, ids, refresh=True)
         assert msg.nbytes == 2 * math.prod(SHAPE) * 4
         assert torch.equal(receiver.decode(wire(msg), ids, refresh=True), msg.decoded)
+        for side in (sender, receiver):
+            assert torch.equal(side.buffer.rows(ids), x.to(side.buffer.rows(ids).dtype))
     with pytest.raises(ValueError, match="buffers disagree"):
         receiver.decode(wire(sender.encode(x, ids, refresh=True)), ids)  # refresh on one side only
 
@@ -275,6 +277,7 @@ def test_codec_state_restores_the_dither_stream():
     x = torch.randn(3, 40)
     state = s.state_dict()
     a = s.encode(x)
+    assert not torch.equal(s.encode(x).payload, a.payload)  # it dithers: the stream moved on, other bits
     s.load_state_dict(state)
     assert torch.equal(s.encode(x).payload, a.payload)
 
@@ -476,6 +479,7 @@ def test_hadamard_keeps_no_state_between_steps_but_its_dither():
     x = outlier_activation()
     state = copy.deepcopy(s.state_dict())
     first = s.encode(x)
+    assert not torch.equal(s.encode(x).payload, first.payload)  # it dithers: the stream moved on
     again = forward_codec("hadamard", 4, seed=1, rotation_seed=2)
     again.load_state_dict(state)
     assert torch.equal(again.encode(x).payload, first.payload)  # only the dither stream is state

@@ -56,7 +56,8 @@ def test_a_row_written_twice_before_the_step_ends_keeps_the_later_write():
 
     write([1, 2], 1.0)
     write([2, 3], 2.0)  # a tied row read again in a later micro-batch of the same step
-    assert torch.equal(buf.rows(torch.tensor([3]))[0], torch.full((3,), 2.0))  # a read lands what it needs...
+    assert torch.equal(buf.rows(torch.tensor([2]))[0], torch.full((3,), 2.0))  # a read lands what it needs: the
+    assert torch.equal(buf.rows(torch.tensor([3]))[0], torch.full((3,), 2.0))  # later write of a row written twice...
     assert buf.land_writes() is None
     assert buf.rows(torch.tensor([1, 2, 3]))[:, 0].tolist() == [1.0, 2.0, 2.0]  # ...and everything before it, in
     assert buf.seen.tolist() == [False, True, True, True]  # order

@@ -36,16 +36,18 @@ def sends(monkeypatch):
     return link
 
 
-def _broken(_: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("the second message cannot be coded")
+def _broken(which: str):
+    def encode(_: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"the {which} message cannot be coded")
+    return encode
 
 
 def test_drain_waits_for_every_send_then_raises_the_first_error(sends):
     out = departures.Departures()
-    for i, encode in enumerate((None, _broken, None, _broken)):
+    for i, encode in enumerate((None, _broken("second"), None, _broken("fourth"))):
         out.post(torch.full((4,), i, dtype=torch.uint8), None, 1, tag=0, group=None, encode=encode,
                  counter="fwd_bytes")
-    with pytest.raises(RuntimeError, match="second message"):
+    with pytest.raises(RuntimeError, match="^the second message"):  # the first error, not the last
         out.drain()
     assert sends.sent == sends.waited == [0, 2]  # the sends after the failure went and were waited for
     out.post(torch.full((3,), 5, dtype=torch.uint8), None, 1, tag=0, group=None, encode=None, counter="bwd_bytes")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aqpipe.compression import forward_codec, Message, QuantizedTensor
+from aqpipe.compression.running_base import RunningBase
 from tests.unit.test_codecs import N, SHAPE, activation, run_epochs, wire
 
 FIRST = [("direct", 4), ("hadamard", 4), ("hadamard", 3)]
@@ -189,6 +190,17 @@ def test_a_running_base_keeps_both_sides_bit_identical_and_sends_the_same_bytes(
     assert [s for s, _ in stats] == [s for s, _ in run_epochs(*pair("hadamard", 3, buffer_bits), epochs=2, batch=5)]
 
 
+def test_a_running_base_is_the_mean_of_its_first_window_then_follows_with_weight_one_over_window():
+    base = RunningBase((1,), window=4)
+    for value in (1.0, 2.0, 3.0, 4.0):
+        base.update(torch.tensor([[value]]))
+    assert base.mean.item() == 2.5  # the cumulative mean of the first 4 samples
+    base.update(torch.tensor([[10.0]]))
+    assert base.mean.item() == 2.5 + (10.0 - 2.5) / 4  # then a quarter a sample, not a fifth
+    base.update(torch.tensor([[0.0], [2.0]]))
+    assert base.mean.item() == pytest.approx(4.375 + (1.0 - 4.375) * 2 / 4)  # a message of 2: their mean, by 2/4
+
+
 def test_a_running_base_errs_less_where_samples_share_a_part():
     errors = {}
     for name, codecs in (("plain", pair("hadamard", 3)), ("base", based_pair())):
@@ -224,9 +236,12 @@ def test_an_undone_step_leaves_no_trace_in_the_base_or_the_first_visit_dither():
     sender.encode(with_offset(ids), ids)  # the base has seen 4 samples
     later = torch.arange(4, 8)
     restore = sender.undo_point(later)
+    streams = [c.generator.get_state() for c in sender.whole.codecs()]
     first = sender.encode(with_offset(later), later)
     mean, count = sender.whole.base.mean.clone(), sender.whole.base.count
+    assert any(not torch.equal(c.generator.get_state(), s) for c, s in zip(sender.whole.codecs(), streams))  # dithered
     restore()
+    assert all(torch.equal(c.generator.get_state(), s) for c, s in zip(sender.whole.codecs(), streams))
     assert sender.whole.base.count == 4 and not torch.equal(sender.whole.base.mean, mean)
     again = sender.encode(with_offset(later), later)
     assert torch.equal(again.payload, first.payload) and torch.equal(sender.whole.base.mean, mean) and count == 8

@@ -78,6 +78,21 @@ def test_below_one_value_per_element_and_near_exact_on_a_low_rank_stream():
     assert plain.nbytes * 8 / x.numel() < 16 / 20  # bits an element: 20x below a bf16 wire
 
 
+def test_a_refresh_takes_the_top_directions_of_every_row_sent_and_each_ones_root_mean_square():
+    """The basis comes from the second moment summed over every message since the start, not the last one's; each
+    direction's scale is its root mean square over all those rows (what whitening divides by)."""
+    sub = Subspace(3)
+    e = torch.eye(WIDTH)
+    sign = torch.tensor([1.0, -1.0]).repeat(10).unsqueeze(1)  # 20 rows of +-1
+    sub.observe(torch.cat([5 * sign * e[0], 3 * sign * e[1]]))  # a message in directions 0 and 1 (40 rows)
+    sub.observe(torch.cat([2 * sign * e[2], 2 * sign[:4] * e[2]]))  # then one in direction 2 alone (24 rows)
+    sub.refresh()
+    for i in range(3):  # each direction lies in the basis (to bf16's rounding)
+        assert float((e[i] @ sub.basis).norm()) == pytest.approx(1.0, abs=1e-2), i
+    want = torch.tensor([20 * 25, 20 * 9, 24 * 4]).div(64).sqrt()  # over all 64 rows, the largest first
+    torch.testing.assert_close(sub.scales, want, rtol=1e-6, atol=0)
+
+
 def test_the_backward_is_the_gradient_of_the_projected_forward():
     fwd, bwd = subspace_codecs(RANK, 8, 8, stochastic=False)
     fwd.encode(activations(0, 0))
