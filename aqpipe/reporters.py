@@ -4,7 +4,7 @@ the bytes of every wire, bubble, bits, token accuracy) and each evaluation's, un
 "train/" and "eval/". Only the rank that writes metrics.jsonl reports (metrics.py).
 
 W&B and Trackio take their own variables as a user sets them for HF: WANDB_PROJECT, WANDB_MODE=offline (the run
-under <output_dir>/wandb), TRACKIO_PROJECT, TRACKIO_DIR; the project is "aqpipe" where none is set."""
+under <output_dir>/wandb, or WANDB_DIR's), TRACKIO_PROJECT, TRACKIO_DIR; the project is "aqpipe" where none is set."""
 from __future__ import annotations
 
 import importlib.util
@@ -68,13 +68,14 @@ class TensorBoard:
 
 
 class WandB:
-    """A W&B run (project from WANDB_PROJECT, else "aqpipe"), its files under <output_dir>/wandb; with
-    WANDB_MODE=offline it is written there alone, for `wandb sync`."""
+    """A W&B run (project from WANDB_PROJECT, else "aqpipe"), its files under $WANDB_DIR/wandb where the user set
+    it (as HF's callback leaves it to W&B), else under <output_dir>/wandb; with WANDB_MODE=offline it is written
+    there alone, for `wandb sync`."""
 
     def __init__(self, output_dir: str, purge_step: int | None = None) -> None:
         import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "aqpipe"), dir=output_dir,
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "aqpipe"), dir=os.environ.get("WANDB_DIR") or output_dir,
                               name=os.environ.get("WANDB_NAME") or Path(output_dir).resolve().name)
 
     def log(self, record: dict[str, Any]) -> None:

@@ -15,3 +15,24 @@ def test_a_reporter_unknown_or_not_installed_is_one_line(monkeypatch):
                                          r"'aqpipe\[tensorboard\]'"):
         reporters.check("tensorboard")
     reporters.check("none")
+
+
+@pytest.mark.parametrize("wandb_dir", [True, False])
+def test_wandb_writes_under_wandb_dir_where_set_else_under_the_output_dir(tmp_path, monkeypatch, wandb_dir):
+    """As HF's callback leaves WANDB_DIR to W&B: a run goes under $WANDB_DIR/wandb when the user set it, and under
+    <output_dir>/wandb otherwise (offline, so that nothing leaves the machine)."""
+    out, chosen = tmp_path / "out", tmp_path / "chosen"
+    out.mkdir()
+    chosen.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    if wandb_dir:
+        monkeypatch.setenv("WANDB_DIR", str(chosen))
+    else:
+        monkeypatch.delenv("WANDB_DIR", raising=False)
+    run = reporters.WandB(str(out))
+    run.log({"step": 1, "loss": 2.5})
+    run.close()
+    expected, other = (chosen, out) if wandb_dir else (out, chosen)
+    assert list((expected / "wandb").glob("offline-run-*")), sorted(p.name for p in expected.rglob("*"))[:10]
+    assert not (other / "wandb").exists()
