@@ -75,7 +75,8 @@ class WandB:
     def __init__(self, output_dir: str, purge_step: int | None = None) -> None:
         import wandb
 
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "aqpipe"), dir=os.environ.get("WANDB_DIR") or output_dir,
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "aqpipe"),
+                              dir=os.environ.get("WANDB_DIR") or output_dir,
                               name=os.environ.get("WANDB_NAME") or Path(output_dir).resolve().name)
 
     def log(self, record: dict[str, Any]) -> None:
