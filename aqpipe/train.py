@@ -44,8 +44,7 @@ from .storage import detect as detect_storage
 from .models import ModelSpec, model_positions, resolve_model, set_dropout
 from .tasks import Task
 from .trainer_flags import HF_SCHEDULES, warmup_steps
-from .watchdog import Watchdog
-from .world import World, barrier, describer, init_world, stop_after_failure
+from .world import World, barrier, init_world, stop_after_failure, watched
 
 
 def build_datasets(cfg: RunConfig, task: Task, world: World, data: Any = None) -> tuple[Any, Any, Any]:
@@ -204,10 +203,8 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
     watchdog = None
     with interrupts.caught():  # Ctrl-C and a launcher's SIGTERM: one line a rank, status 130
         try:
-            if world.distributed:
-                watchdog = Watchdog(world.rank, world.size, describer(cfg), prog,
-                                    peer_timeout=cfg.distributed.peer_timeout, prefix=world.round_prefix).start()
-                world = dataclasses.replace(world, watchdog=watchdog)
+            world = watched(world, cfg, prog)
+            watchdog = world.watchdog
             summary = train(task, cfg, world, data)
             barrier(world)  # rank 0 may still be writing the merged model
         except (Exception, KeyboardInterrupt) as exc:

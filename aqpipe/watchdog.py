@@ -36,14 +36,16 @@ _BAD_INPUT = "bad input: "  # a report of bad input: the rank that found it said
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, describe: Callable[[int], str], prog: str, *,
-                 peer_timeout: float, interval: float = 1.0, host: str | None = None, port: int | None = None,
-                 prefix: str | None = None) -> None:
+                 prefix: str, peer_timeout: float, interval: float = 1.0, host: str | None = None,
+                 port: int | None = None) -> None:
+        """`prefix`: the keys of this launch's round (launch_round.py), which every rank agreed on: never derived
+        here from TORCHELASTIC_RESTART_COUNT, which counts each machine's own restarts, so two machines of one
+        round could watch under different keys, or read an earlier round's beats and failures."""
         self.rank, self.world_size, self.describe, self.prog = rank, world_size, describe, prog
         self.peer_timeout, self.interval = peer_timeout, interval
         self.host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.port = int(port or os.environ.get("MASTER_PORT", "29500"))
-        # torchrun keeps its store across restarts: keys of an earlier round must not count (world.join_group)
-        self.prefix = prefix or f"aqpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.prefix = prefix
         self.store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(2.0, 2 * interval)))
         self.lock = threading.Lock()

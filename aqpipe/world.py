@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
@@ -60,6 +60,15 @@ def init_world(cfg: RunConfig) -> World:
         prefix = join_group(placed.backend, rank, size, timedelta(seconds=cfg.distributed.dist_timeout))
     return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s(),
                  link_mbit=link_mbit(), round_prefix=prefix)
+
+
+def watched(world: World, cfg: RunConfig, prog: str) -> World:
+    """`world` with its watchdog started under the round's keys (launch_round.py), where it has peers."""
+    if not world.distributed:
+        return world
+    watchdog = Watchdog(world.rank, world.size, describer(cfg), prog, prefix=world.round_prefix,
+                        peer_timeout=cfg.distributed.peer_timeout).start()
+    return replace(world, watchdog=watchdog)
 
 
 def barrier(world: World) -> None:

@@ -24,7 +24,7 @@ def _rank(rank: int, port: int, dies: bool, queue) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
     world = World(rank, 2, rank, torch.device("cpu"))
-    world.watchdog = Watchdog(rank, 2, lambda r: f"stage {r}", "test", peer_timeout=PEER_TIMEOUT,
+    world.watchdog = Watchdog(rank, 2, lambda r: f"stage {r}", "test", prefix="aqpipe/test/", peer_timeout=PEER_TIMEOUT,
                               interval=0.2).start()
     if rank == 0:
         time.sleep(SLOW)
