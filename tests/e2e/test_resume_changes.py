@@ -45,8 +45,11 @@ def test_a_longer_resume_continues_the_rate_and_loses_no_row(crashed):
     assert train[4]["lr"] == planned[5]  # step 5 at the rate the 8-step plan gave it: continuous
     lrs = [r["lr"] for r in train[4:]]
     assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < planned[5] / 8  # stretched to 16, to ~0
+    # TRL's num_tokens carries on from the checkpoint: 2 x 2 samples of 16 tokens a step, counted since step 1
+    assert [r["num_tokens"] for r in train] == [64 * s for s in range(1, 17)]
     evals = [r["step"] for r in after if "eval_loss" in r]
     assert evals == [2, 4, 6, 8, 10, 12, 14, 16]  # the evaluation at 6 once: the crashed run's was past step 4
+    assert [r["eval_num_tokens"] for r in after if "eval_loss" in r] == [64 * s for s in evals]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(out / "tensorboard"))

@@ -76,7 +76,8 @@ def train(rank, world, family, compression, epochs, steps=None, hidden=64, zipf=
         for mbs in batches(epoch, family == "deberta", zipf):
             if steps is not None and len(log) == steps:
                 break
-            log.append(engine.train_batch(mbs, epoch).record())
+            m = engine.train_batch(mbs, epoch)
+            log.append({**m.record(), "input_tokens": m.input_tokens})  # the trainer's num_tokens adds these up
     weights = {k: v.detach().clone() for k, v in engine.hf_state_dict().items()}  # before eval moves tied rows
     evaluation = engine.eval_batch(next(batches(0, family == "deberta")))  # the follower reads current rows
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}
@@ -160,3 +161,46 @@ def test_gpt2_aqsgd_2_4_sends_a_tenth_after_the_first_epoch_and_learns():
     losses = [s["loss"] for s in log]
     # medians: the last step's batch spikes the gradient norm 10-30x, and its loss with the dither's draws
     assert statistics.median(losses[-4:]) < statistics.median(losses[:4]) * 0.9, losses
+
+
+def token_metrics_by_hand(weights: dict[str, torch.Tensor], micro_batches: list[dict]) -> dict[str, float]:
+    """TRL's evaluation metrics of the unpartitioned model, written out: over every target token (label other than
+    -100 after the first position) of every micro-batch, the share its argmax predicts and the mean entropy of the
+    predicted distribution; padding (attention mask 0, label -100) is no target."""
+    model = gpt2(dropout=0.0)
+    model.load_state_dict(weights, strict=False)  # the tied head is the embedding
+    model.eval()
+    correct = total = 0
+    entropy = 0.0
+    with torch.no_grad():
+        for mb in micro_batches:
+            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].double()
+            labels = mb["labels"][:, 1:]
+            for b in range(labels.shape[0]):
+                for t in range(labels.shape[1]):
+                    if labels[b, t] == -100:
+                        continue
+                    p = torch.softmax(logits[b, t], -1)
+                    entropy -= float((p * torch.log(p)).sum())
+                    correct += int(logits[b, t].argmax() == labels[b, t])
+                    total += 1
+    return {"entropy": entropy / total, "mean_token_accuracy": correct / total, "target_tokens": total}
+
+
+def test_trls_token_metrics_count_the_attention_masks_tokens_and_the_targets_alone(pipelines, references):
+    """num_tokens adds up the attention mask's tokens (padded rows: 12 of 16 in every third sample), not the padded
+    width; eval_entropy and eval_mean_token_accuracy are means over the loss's target tokens, pinned against the
+    reference model's own logits (its weights agree with the pipeline's to 1e-5)."""
+    runs = [r[("gpt2", "1f1b")] for r in pipelines[2]]
+    evaluated = next(batches(0, False))
+    for run in runs:
+        steps = [mbs for mbs in batches(0, False)][:STEPS]
+        assert [s["input_tokens"] for s in run["log"]] == [sum(int(mb["attention_mask"].sum()) for mb in mbs)
+                                                           for mbs in steps]
+        assert sum(s["input_tokens"] for s in run["log"]) == SAMPLES * SEQ - 4 * len(range(0, SAMPLES, 3))
+    want = token_metrics_by_hand(references["gpt2"]["weights"], evaluated)
+    got = runs[-1]["eval"]
+    assert got["target_tokens"] == want["target_tokens"] == sum(int((mb["labels"][:, 1:] != -100).sum())
+                                                                for mb in evaluated)
+    assert got["entropy"] == pytest.approx(want["entropy"], rel=1e-4)
+    assert got["mean_token_accuracy"] == pytest.approx(want["mean_token_accuracy"], abs=1e-9)

@@ -30,3 +30,12 @@ def test_a_batch_without_targets_weighs_nothing_in_the_evaluation():
 def test_an_evaluation_with_no_targets_at_all_says_so():
     out = _evaluate(_Engine([row(0.0, 0)]), [[]], SimpleNamespace(kind="causal_lm"), SimpleNamespace(num_tokens=7))
     assert math.isnan(out["eval_loss"]) and "eval_mean_token_accuracy" not in out
+
+
+def test_the_token_metrics_are_means_over_every_target_token_of_the_evaluation():
+    """TRL's eval_entropy and eval_mean_token_accuracy: each batch's per-token mean weighs its target tokens, so a
+    batch of 10 targets counts a quarter of one of 30 (not a half, as a mean of batch means would)."""
+    rows = [{"loss": 3.0, "target_tokens": 10, "mean_token_accuracy": 0.2, "entropy": 1.0},
+            {"loss": 5.0, "target_tokens": 30, "mean_token_accuracy": 0.6, "entropy": 3.0}]
+    out = _evaluate(_Engine(rows), [[]] * 2, SimpleNamespace(kind="causal_lm"), SimpleNamespace(num_tokens=7))
+    assert out["eval_entropy"] == 2.5 and out["eval_mean_token_accuracy"] == 0.5 and out["eval_num_tokens"] == 7
