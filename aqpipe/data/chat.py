@@ -17,6 +17,7 @@ with no target is dropped.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -222,14 +223,10 @@ def rendered_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
     falls (whole rows: any
     seq_len reads the same entry); built once per machine (three files written whole, the offsets last),
     memory-mapped after; a tokenizer that cannot be fingerprinted is not cached."""
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    if fingerprint is None:
+    key = rendering_key(rows, tokenizer, loss)
+    if key is None:
         yield from (tokenize_instruction(row, tokenizer, name(i), loss) for i, row in enumerate(rows))
         return
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
-        tokenizer.chat_template, sort_keys=True)
-    key = sha256_hex(b"chat", fingerprint.encode(), (template or "").encode(), repr(loss).encode(),
-                     json.dumps(rows, sort_keys=True, default=str).encode())[:32]
     base = cache_root() / "chat" / key
     offsets_path = base.with_suffix(".offsets.npy")
     if not offsets_path.is_file():
@@ -249,6 +246,20 @@ def rendered_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
     ids, labels = (np.memmap(base.with_suffix(s), dtype=np.int32, mode="r") for s in (".ids.bin", ".labels.bin"))
     for a, b in zip(offsets[:-1], offsets[1:]):
         yield ids[a:b].tolist(), labels[a:b].tolist()
+
+
+def rendering_key(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, loss: LossOn) -> str | None:
+    """The cache key of `rows` rendered: a digest of everything `tokenize_instruction` reads besides a row's name,
+    each whole (the tokenizer's definition and chat template, every field of `loss`, the rows), so that no setting
+    feeding the rendering can be left out of it; None for a tokenizer that cannot be fingerprinted. seq_len and
+    packing apply to the whole rows after: any of them reads the same entry."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:
+        return None
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    parts = {"tokenizer": fingerprint, "chat_template": template, "loss": dataclasses.asdict(loss), "rows": rows}
+    return sha256_hex(b"chat", json.dumps(parts, sort_keys=True, default=str).encode())[:32]
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
