@@ -25,7 +25,7 @@ from aqpipe.pipeline import Grid, PipelineEngine, EngineSettings, StepMetrics, b
 from aqpipe.pipeline.lora import add_lora, lora_config
 from aqpipe.pipeline.quantized_base import FourBit
 
-from aqpipe.compression import row_nbytes
+from aqpipe.compression import derive_seed, row_nbytes
 
 from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
@@ -302,7 +302,9 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
     if grid.replicas > 1:
         comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage), world.transport)
-        algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, cfg.seed, total_steps)
+        # each stage's algorithm draws its own streams (flat.worker_seed adds the replica to this one)
+        seed = derive_seed(cfg.seed, "data_parallel", "stage", groups.stage)
+        algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, seed, total_steps)
         if world.rank == 0 and (plan := cfg.data_parallel.plan(total_steps)):
             print(plan, file=sys.stderr)
         optimizer = algorithm.wrap_optimizer(optimizer)  # QAdam steps with its own

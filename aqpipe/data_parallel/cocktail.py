@@ -75,7 +75,7 @@ class CocktailSGD(Algorithm):
             raise ValueError(f"cocktail_sgd: topk_ratio={topk_ratio!r}: expected at most random_ratio="
                              f"{random_ratio!r} (the top entries are chosen from the random ones)")
         self.bits = check_int(f"{self.name}: bits", bits, 1, 8)
-        self.seed = check_int(f"{self.name}: seed", seed, 0, 2**32 - 1)
+        self.seed = check_int(f"{self.name}: seed", seed, 0, 2**63 - 1)
         self.group_size = check_int(f"{self.name}: group_size", group_size, 1)
         self.numel = sum(p.numel() for p in self.params)
         self.bounds = comm.shards(self.numel) if comm.size > 1 else [(0, self.numel)]
@@ -190,9 +190,10 @@ class CocktailSGD(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = {"random_ratio": self.random_ratio, "topk_ratio": self.topk_ratio, "bits": self.bits,
-                "seed": self.seed, "size": self.comm.size}
+                "size": self.comm.size}  # not the seed: state, taken as saved (the cycles continue its draws)
         later = {"group_size": self.group_size, "rank": self.comm.rank}  # saved since; older checkpoints lack them
-        missing = [key for key in (*mine, "anchor", "owner_error", "generator", "step_count") if key not in state]
+        missing = [key for key in (*mine, "seed", "anchor", "owner_error", "generator", "step_count")
+                   if key not in state]
         if missing:
             raise ValueError(f"{self.name}: checkpoint lacks {', '.join(missing)}: it was not saved by {self.name}")
         for key, value in {**mine, **later}.items():
@@ -208,3 +209,4 @@ class CocktailSGD(Algorithm):
         self.anchor = None if state["anchor"] is None else state["anchor"].to(self.device).clone()
         self.owner_error = state["owner_error"].to(self.device).clone()
         self.generator.set_state(state["generator"])
+        self.seed = int(state["seed"])

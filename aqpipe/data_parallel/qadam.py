@@ -85,7 +85,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
             raise ValueError(f"qadam: weight_decay={weight_decay!r}: expected a number >= 0")
         self.warmup_steps = check_int("qadam: warmup_steps", warmup_steps, 0)
         self.bits = check_int("qadam: bits", bits, 1, 8)
-        self.seed = check_int("qadam: seed", seed, 0, 2**32 - 1)
+        self.seed = check_int("qadam: seed", seed, 0, 2**63 - 1)
         self.group_size = check_int("qadam: group_size", group_size, 1)
         if self.warmup_steps == 0:
             warnings.warn("qadam: warmup_steps=0 freezes the variance at zero, so every update is lr times "
@@ -257,7 +257,7 @@ class QAdam(Algorithm):
         super().__init__(params, comm, **options)
         self.warmup_steps = check_int("qadam: warmup_steps", warmup_steps, 0)
         self.bits = check_int("qadam: bits", bits, 1, 8)
-        self.seed = check_int("qadam: seed", seed, 0, 2**32 - 1)
+        self.seed = check_int("qadam: seed", seed, 0, 2**63 - 1)
         self.group_size = check_int("qadam: group_size", group_size, 1)
         self.optimizer: QAdamOptimizer | None = None
 

@@ -75,7 +75,7 @@ class QsparseLocalSGD(Algorithm):
             raise ValueError(f"{self.name}: sparsifier={sparsifier!r}: expected one of {', '.join(SPARSIFIERS)}")
         if bits is not None:
             check_int(f"{self.name}: bits", bits, 1, 8, what="an integer from 1 to 8, or None (no quantization)")
-        check_int(f"{self.name}: seed", seed, 0, 2**32 - 1, what="an integer from 0 to 2**32 - 1")
+        check_int(f"{self.name}: seed", seed, 0, 2**63 - 1, what="an integer from 0 to 2**63 - 1")
         self.local_steps, self.topk_ratio, self.sparsifier, self.bits, self.seed = (
             local_steps, float(topk_ratio), sparsifier, bits, seed)
         self.numel = sum(p.numel() for p in self.params)

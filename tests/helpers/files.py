@@ -35,16 +35,16 @@ def tiny_gpt2_config(tmp_path: Path) -> str:
     return str(path)
 
 
-def tiny_llama_dir(path: Path) -> Path:
+def tiny_llama_dir(path: Path, blocks: int = 2) -> Path:
     """A tiny tied Llama as one is downloaded: bf16 safetensors in several shards, with the built-in tokenizer
-    (width 64, 2 blocks, grouped-query attention), seeded random weights."""
+    (width 64, `blocks` blocks, grouped-query attention), seeded random weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from aqpipe import data
 
     tokenizer = data.load_tokenizer(None)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=blocks,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)

@@ -93,6 +93,37 @@ def test_a_refresh_takes_the_top_directions_of_every_row_sent_and_each_ones_root
     torch.testing.assert_close(sub.scales, want, rtol=1e-6, atol=0)
 
 
+def test_every_refresh_takes_the_top_singular_directions_of_all_rows_sent_so_far():
+    """Over 9 steps of 3 messages whose main directions turn from step to step, each refresh (the first message of
+    steps 0, 1, 2, 4, 8) adopts the top right singular vectors of every row sent until then, that message's
+    included, with each one's root mean square: against numpy's SVD of the stacked rows in float64. Between
+    refreshes the basis stays as it was."""
+    import numpy as np
+
+    fwd, _ = subspace_codecs(RANK, 8)
+    sent, last = [], None
+    for step in range(9):
+        g = torch.Generator().manual_seed(step)
+        turn = torch.linalg.qr(torch.randn(WIDTH, WIDTH, generator=g))[0]  # this step's directions
+        for mb in range(3):
+            x = (torch.randn(*SHAPE, generator=g) * torch.logspace(1, -2, WIDTH)) @ turn.T
+            fwd.encode(x)
+            sent.append(x.reshape(-1, WIDTH).double().numpy())
+            basis, scales = fwd.subspace.basis, fwd.subspace.scales
+            if mb > 0 or step not in (0, 1, 2, 4, 8):  # the documented clock, written out
+                assert torch.equal(basis, last[0]) and torch.equal(scales, last[1]), (step, mb)
+                continue
+            rows = np.concatenate(sent)
+            _, singular, vt = np.linalg.svd(rows, full_matrices=False)
+            want = torch.from_numpy(vt[:RANK].T).float()  # width x rank, up to each column's sign
+            overlap = (basis.T @ want).abs()
+            torch.testing.assert_close(overlap, torch.eye(RANK), atol=2e-2, rtol=0)  # bf16 basis
+            torch.testing.assert_close(scales.double(), torch.from_numpy(singular[:RANK] / np.sqrt(len(rows))),
+                                       rtol=1e-5, atol=0)
+            last = (basis.clone(), scales.clone())
+        fwd.end_step()
+
+
 def test_the_backward_is_the_gradient_of_the_projected_forward():
     fwd, bwd = subspace_codecs(RANK, 8, 8, stochastic=False)
     fwd.encode(activations(0, 0))
