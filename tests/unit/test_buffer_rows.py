@@ -167,20 +167,39 @@ def test_a_store_prefix_saves_exactly_its_rows():
     assert store.capacity == 2000 and torch.equal(store.values[:3], torch.arange(12.0).view(3, 4))
 
 
-def test_visit_counts_are_the_visits_the_batches_make():
+@pytest.mark.parametrize("last", ["drop", "keep"])
+def test_visit_counts_are_the_visits_the_batches_make(last):
+    """The plan's counts against the visits the trainer's batches make, in every replica, for runs that end within
+    an epoch, at its end, within a kept partial step, and two and a half epochs in (the trainer keeps the partial
+    step: last="keep")."""
     from aqpipe import data
     from tests.helpers.toy import toy_dataset
 
-    dataset = toy_dataset(50, 4)
-    per_epoch = data.steps_per_epoch(dataset, 2, 3, 2)  # 25 a shard, 6 a step: 4 steps, one sample dropped
-    for total in (3, 4, 9):
-        seen = np.zeros(25, dtype=np.int64)
-        for epoch in range(3):
-            steps = list(data.micro_batches(dataset, 2, 3, epoch, seed=5, shard=(1, 2)))
-            for mbs in steps[:max(0, total - epoch * per_epoch)]:
-                for mb in mbs:
-                    seen[mb["sample_id"].numpy()] += 1
-        assert np.array_equal(data.visit_counts(dataset, 2, 3, 5, 2, total), seen), total
+    dataset = toy_dataset(51, 4)  # 25 a shard of 2 replicas (one sample left out), 6 a step
+    per_epoch = data.steps_per_epoch(dataset, 2, 3, 2, last=last)
+    assert per_epoch == (5 if last == "keep" else 4)  # keep: a fifth step of one sample
+    for total in (3, per_epoch - 1, per_epoch, per_epoch + 1, 2 * per_epoch + 3):
+        for replica in (0, 1):
+            seen = np.zeros(25, dtype=np.int64)
+            for epoch in range(3):
+                steps = list(data.micro_batches(dataset, 2, 3, epoch, seed=5, shard=(replica, 2), last=last))
+                for mbs in steps[:max(0, total - epoch * per_epoch)]:
+                    for mb in mbs:
+                        seen[mb["sample_id"].numpy()] += 1
+            assert np.array_equal(data.visit_counts(dataset, 2, 3, 5, 2, total, last=last), seen), (total, replica)
+
+
+def test_the_kept_samples_break_ties_by_position_on_every_machine():
+    """Two ranks on different machines must keep the same rows: among samples visited equally often, the lowest
+    shard positions, whatever the sort implementation. 20,000 samples in three counts, so that an unstable sort
+    (numpy's quicksort) orders the ties otherwise; against Python's sort by (visits descending, position)."""
+    from aqpipe.buffer_plan import kept_samples
+
+    counts = np.random.default_rng(3).integers(1, 4, 20_000)
+    for rows in (1, 7_001, 13_333, 20_000):
+        want = sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:rows]
+        want = sorted(i for i in want if counts[i] >= 2)
+        assert kept_samples(counts, rows).nonzero().flatten().tolist() == want, rows
 
 
 def _plan(tmp_path, counts, memory_gb, disk_gb, sides=1, row=1000, buffer_dir=None, saved=None):
