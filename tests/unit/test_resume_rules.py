@@ -1,0 +1,118 @@
+"""What a resume may change, setting by setting, against a table written here rather than read from the fields: a
+setting that changes what is trained (the data, its targets, the model, the optimizer, the codecs) must stay as the
+checkpoint has it, and a resume that gives it another value is refused in one line naming its flag; a setting of the
+run's length, its evaluation, saving, logging or processes is free. A field marked FREE that changes what is trained
+(the loss switches would be such fields) fails here, and so does a setting added without a rule in this table."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from aqpipe import checkpoint
+from aqpipe.compression.fields import FREE, KEPT, SAME
+from aqpipe.config import SECTIONS, RunConfig, destinations
+from aqpipe.flags import value_at
+
+# every setting: its rule, and another value a user might give it on resume
+RULES = {
+    "model": (SAME, "other/model"), "dropout": (SAME, 0.2), "seed": (SAME, 7), "micro_batch_size": (SAME, 2),
+    "num_micro_batches": (SAME, 2), "epochs": (FREE, 5), "max_steps": (FREE, 10), "eval_every": (FREE, 5),
+    "report_to": (FREE, "tensorboard"), "activation_checkpointing": (FREE, True), "compile": (FREE, True),
+    "use_liger_kernel": (FREE, True), "bf16": (SAME, True), "compression_preset": (FREE, "wan"),
+    "skip_nonfinite": (FREE, True),
+    "data.dataset": (SAME, "other.jsonl"), "data.dataset_config": (SAME, "x"),
+    "data.eval_dataset": (SAME, "held_out.jsonl"), "data.text_column": (SAME, "body"),
+    "data.text_pair_column": (SAME, "body2"), "data.label_column": (SAME, "y"), "data.seq_len": (SAME, 64),
+    "data.packing": (SAME, True), "data.packing_overflow": (SAME, "error"),
+    "data.assistant_only_loss": (SAME, False), "data.completion_only_loss": (SAME, False),
+    "data.chat_template": (SAME, "chatml"), "data.max_train_samples": (SAME, 100),
+    "data.max_eval_samples": (FREE, 10), "data.eval_fraction": (SAME, 0.1),
+    "optimization.lr": (SAME, 2e-3), "optimization.optimizer": (SAME, {"type": "Adam", "params": {}}),
+    "optimization.scheduler": (SAME, None), "optimization.loss_average": (SAME, "micro_batches"),
+    "optimization.gradient_clipping": (SAME, 0.5), "optimization.param_dtype": (SAME, "bfloat16"),
+    "checkpointing.output_dir": (FREE, "elsewhere"), "checkpointing.save_every": (FREE, 10),
+    "checkpointing.save_total_limit": (FREE, 5), "checkpointing.copy_checkpoints": (FREE, False),
+    "checkpointing.overwrite_output_dir": (FREE, True), "checkpointing.resume": (FREE, "latest"),
+    "distributed.pipeline_stages": (SAME, 2), "distributed.schedule": (SAME, "gpipe"),
+    "distributed.partition": (SAME, "uniform"), "distributed.backend": (FREE, "gloo"),
+    "distributed.dist_timeout": (FREE, 60.0), "distributed.peer_timeout": (FREE, 10.0),
+    "compression.forward": (SAME, "direct"), "compression.forward_bits": (SAME, 4),
+    "compression.backward": (SAME, "none"), "compression.backward_bits": (SAME, 8),
+    "compression.subspace_rank": (SAME, 16), "compression.first_visit": (KEPT, "hadamard"),
+    "compression.first_visit_bits": (SAME, 4), "compression.first_visit_base": (SAME, "none"),
+    "compression.warmup_epochs": (SAME, 1), "compression.buffer_dtype": (SAME, torch.float32),
+    "compression.buffer_bits": (SAME, 8), "compression.buffer_dir": (FREE, "buffers_elsewhere"),
+    "compression.buffer_memory_gb": (FREE, 1.0), "compression.buffer_disk_gb": (FREE, 1.0),
+    "compression.forward_group_size": (SAME, 32), "compression.backward_group_size": (SAME, 32),
+    "compression.stochastic": (SAME, False), "compression.scale_dtype": (SAME, "bfloat16"),
+    "compression.entropy_coding": (FREE, False), "compression.tie": (SAME, "none"),
+    "compression.tie_bits": (SAME, 4), "compression.tie_rank": (SAME, 4), "compression.auto_bits_min": (SAME, 3),
+    "compression.auto_bits_max": (SAME, 6), "compression.auto_bits_every": (SAME, 10),
+    "compression.auto_bits_slack": (SAME, 0.05), "compression.link_mbit": (SAME, [100.0]),
+    "data_parallel.replicas": (SAME, 2), "data_parallel.algorithm": (SAME, "qadam"), "data_parallel.bits": (SAME, 4),
+    "data_parallel.warmup_steps": (KEPT, 5), "data_parallel.local_steps": (SAME, 2),
+    "data_parallel.topk_ratio": (SAME, 0.05), "data_parallel.random_ratio": (SAME, 0.2),
+    "data_parallel.topology": (SAME, "ring"), "data_parallel.peer_selection": (SAME, "all"),
+    "data_parallel.interval": (SAME, 2),
+    "lora.rank": (SAME, 8), "lora.alpha": (SAME, 32), "lora.dropout": (SAME, 0.1),
+    "lora.target_modules": (SAME, ["q_proj"]), "lora.load_in_4bit": (SAME, True),
+    "lora.bnb_4bit_quant_type": (SAME, "fp4"), "lora.merge": (FREE, True), "lora.use_bnb_nested_quant": (SAME, True),
+}
+NEEDS = {dest: {"lora.rank": 8} for dest in ("lora.alpha", "lora.dropout", "lora.target_modules", "lora.load_in_4bit",
+                                          "lora.use_bnb_nested_quant")}  # valid only beside another value
+NEEDS["lora.use_bnb_nested_quant"]["lora.load_in_4bit"] = True
+
+
+def flag(dest: str) -> str:
+    return dict(destinations())[dest].metadata.get("flag", dest.rpartition(".")[2])
+
+
+def with_values(cfg: RunConfig, values: dict) -> RunConfig:
+    for dest, value in values.items():
+        section, _, name = dest.rpartition(".")
+        cfg = replace(cfg, **({section: replace(getattr(cfg, section), **{name: value})} if section
+                              else {name: value}))
+    return cfg
+
+
+def saved(tmp_path, cfg: RunConfig):
+    """A checkpoint directory whose manifest records `cfg` (what check_compatible reads of it)."""
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"format": checkpoint.FORMAT,
+                                                            "fingerprint": checkpoint.fingerprint(cfg)}))
+    return tmp_path
+
+
+def test_every_setting_has_its_rule_here_and_its_field_declares_it():
+    declared = {dest: f.metadata.get("resume", SAME) for dest, f in destinations()}
+    assert set(declared) == set(RULES), (sorted(set(declared) - set(RULES)), sorted(set(RULES) - set(declared)))
+    wrong = {dest: (declared[dest], rule) for dest, (rule, _) in RULES.items() if declared[dest] != rule}
+    assert not wrong, f"declared vs this table: {wrong}"
+    assert set(SECTIONS) == {dest.split(".")[0] for dest in RULES if "." in dest}
+
+
+@pytest.mark.parametrize("dest", [d for d, (rule, _) in RULES.items() if rule in (SAME, KEPT)])
+def test_a_setting_that_must_stay_is_refused_in_one_line_naming_its_flag(tmp_path, dest):
+    base = with_values(RunConfig(task="causal_lm"), NEEDS.get(dest, {}))
+    other = with_values(base, {dest: RULES[dest][1]})
+    assert value_at(other, dest) != value_at(base, dest)
+    with pytest.raises(ValueError) as refused:
+        checkpoint.check_compatible(saved(tmp_path, base), other)
+    line = str(refused.value)
+    assert "\n" not in line and f"{flag(dest)}=" in line and "written by a different run" in line, line
+    assert checkpoint.check_compatible(saved(tmp_path, other), other) == other  # its own value resumes
+
+
+@pytest.mark.parametrize("dest", [d for d, (rule, _) in RULES.items() if rule == FREE])
+def test_a_free_setting_takes_the_resumed_runs_value(tmp_path, dest):
+    base = with_values(RunConfig(task="causal_lm"), NEEDS.get(dest, {}))
+    other = with_values(base, {dest: RULES[dest][1]})
+    assert value_at(other, dest) != value_at(base, dest)
+    assert checkpoint.check_compatible(saved(tmp_path, base), other) == other
+
+
+@pytest.mark.parametrize("dest", [d for d, (rule, _) in RULES.items() if rule == KEPT])
+def test_auto_takes_what_the_checkpoints_run_resolved_a_kept_setting_to(tmp_path, dest):
+    resolved = with_values(RunConfig(task="causal_lm"), {dest: RULES[dest][1]})
+    auto = with_values(resolved, {dest: "auto"})
+    assert value_at(checkpoint.check_compatible(saved(tmp_path, resolved), auto), dest) == RULES[dest][1]
