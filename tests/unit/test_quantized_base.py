@@ -159,3 +159,40 @@ def test_a_packed_sample_through_4_bit_stages_gives_each_conversation_its_own_lo
         (alone.loss * sum(v != IGNORE for v in labels[1:])).backward()
     for p, packed_grad in zip(adapters, packed_grads):  # bf16 compute: 0.2-0.5% apart; attending across: more
         assert float((packed_grad - p.grad).norm() / p.grad.norm()) < 0.01
+
+
+def test_the_nested_flag_reaches_every_4_bit_layer_as_the_trainer_builds_it_and_both_train(llama):
+    """--use_bnb_nested_quant, through the trainer's build (settings -> build_engine): on, each scale of 64 weights is
+    itself a byte (with a float32 scale per 256 of those); off, a float32 scale per 64 weights. The packed weights
+    are the same either way, the statistics differ, and both bases train their adapters."""
+    from aqpipe.models import resolve_model
+    from aqpipe.data import load_tokenizer
+    from aqpipe.pipeline import CompressionConfig
+    from aqpipe.settings import build
+    from aqpipe.train import build_engine
+    from aqpipe.world import World
+    from tests.helpers.reference import random_batches
+
+    path, config, _ = llama
+    built = {}
+    for nested in (False, True):
+        cfg = build("causal_lm", {"model": str(path), "seq_len": 12, "pipeline_stages": 1, "scheduler": None,
+                                  "compression": CompressionConfig(), "micro_batch_size": 2, "num_micro_batches": 1,
+                                  "lr": 1e-2, "lora": LoraSettings(rank=4, load_in_4bit=True,
+                                                                   use_bnb_nested_quant=nested)})
+        spec = resolve_model(str(path), "llama", "causal_lm", load_tokenizer(str(path)), 12, None, frozen=True)
+        adapters = lora_config(spec.model_class, spec.config, cfg.lora, False, 1, cfg.distributed.partition)
+        engine = build_engine(cfg, spec, World(0, 1, 0, torch.device("cpu")), 8, 4, adapters)
+        four = {p: m.weight for p, m in engine.stage.named_modules() if isinstance(m, Linear4bit)}
+        assert four and all(w.quant_state.nested == nested for w in four.values())
+        losses = [engine.train_batch(step).loss for step in random_batches(4, 1, 2, 12, config.vocab_size)]
+        b = [p for n, p in engine.stage.named_parameters() if "lora_B" in n]
+        assert all(torch.isfinite(torch.tensor(losses))) and b and all(float(p.abs().max()) > 0 for p in b), losses
+        built[nested] = four
+    plain, nested = built[False], built[True]
+    assert set(plain) == set(nested)
+    for path_ in plain:
+        a, b = plain[path_].quant_state, nested[path_].quant_state
+        assert torch.equal(plain[path_].data, nested[path_].data)  # the same 4-bit codes
+        assert a.absmax.dtype == torch.float32 and b.absmax.dtype == torch.uint8 and b.state2 is not None
+        assert a.absmax.numel() == b.absmax.numel() == plain[path_].numel() * 2 // 64
