@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .config import RunConfig
 from .environment import launch, link_latency_s, link_mbit, show_tracebacks
 from . import interrupts
-from .host_memory import keep_freed_memory
+from .host_memory import keep_freed_memory, map_large_blocks
 from .launch_round import join_group
 from .placement import place_here
 from .watchdog import Watchdog
@@ -51,8 +51,10 @@ def init_world(cfg: RunConfig) -> World:
     placed = place_here(cfg.distributed.backend)  # preflight checked it can run here
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores among this machine's stages, not oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here.local_world_size))
-    if not cfg.lora.load_in_4bit:  # a step's large tensors are reused, not page-faulted in anew each micro-batch;
-        keep_freed_memory()  # but a 4-bit base's dequantized weights, one size per layer, would pile up (+0.4 GB)
+    if cfg.lora.load_in_4bit:  # its dequantized weights, one size per layer, would pile up in a heap that kept them
+        map_large_blocks()  # (+0.4 GB), or fragment glibc's default one (+0.1-0.15 GB): each mapped and unmapped
+    else:  # a step's large tensors are reused, not page-faulted in anew each micro-batch
+        keep_freed_memory()
     if placed.device.type == "cuda":
         torch.cuda.set_device(placed.device)
     prefix = "aqpipe/0/"
