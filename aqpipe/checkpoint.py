@@ -223,7 +223,8 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     manifest = None
     if notes is not None and sorted(n["rank"] for n in notes) == list(range(world.size)):
         manifest = {"format": FORMAT, "step": step, "world_size": world.size, "fingerprint": fingerprint(cfg),
-                    "files": sorted(notes, key=lambda n: n["rank"]), "buffer_plan": buffer_plan}
+                    "files": sorted(notes, key=lambda n: n["rank"]), "buffer_plan": buffer_plan,
+                    "placement": engine.groups.grid.placement}  # who held which (stage, replica): a resume may differ
     manifest = broadcast(manifest, world)
     if manifest is None:
         raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")
@@ -255,17 +256,20 @@ def agree(found: Path | None, root: Path, world: "World", storage: "Storage | No
     if everyone is not None:
         names = {e["name"] for e in everyone}
         holders: dict[int, dict[int, int]] = {}  # step -> rank -> the lowest rank holding its files
+        files: dict[int, dict[int, str]] = {}  # step -> rank -> its state file
         for holder, e in enumerate(everyone):
             for step, ranks in e["held"].items():
-                for r in ranks:
+                for r, name in ranks.items():
                     holders.setdefault(int(step), {}).setdefault(r, holder)
+                    files.setdefault(int(step), {})[r] = name
         whole = [step for step, by in holders.items() if len(by) == world.size]
         if len(names) == 1:
             verdict = names.pop() or ""
         elif whole:
             step = max(whole)
             verdict = step_dir(Path(), step).name
-            wants = {r: holders[step][r] for r in range(world.size) if step not in everyone[r]["steps"]}
+            wants = {r: (holders[step][r], files[step][r]) for r in range(world.size)
+                     if step not in everyone[r]["steps"]}
         else:
             verdict = f"resume: no checkpoint whose every rank's files some machine holds (steps by rank: " \
                       f"{[e['steps'] for e in everyone]}); a machine that lost its files has no copy elsewhere " \

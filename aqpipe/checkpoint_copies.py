@@ -86,28 +86,57 @@ def copy_to_keepers(directory: Path, mine: list[str], world: World, groups: list
     return sent
 
 
-def held(root: Path) -> dict[int, list[int]]:
-    """The finalized checkpoints under `root`: step -> the ranks whose files are all here (their own or a copy)."""
-    out: dict[int, list[int]] = {}
+def held(root: Path) -> dict[int, dict[int, str]]:
+    """The finalized checkpoints under `root`: step -> the ranks whose files are all here (their own or a copy),
+    each with its state file's name."""
+    out: dict[int, dict[int, str]] = {}
     for directory in sorted(root.glob("step_*")):
         try:
             manifest = json.loads((directory / MANIFEST).read_text())
         except (OSError, ValueError):
             continue  # unfinished
-        out[int(manifest["step"])] = [entry["rank"] for entry in manifest.get("files", [])
-                                      if all((directory / name).is_file() for name in rank_files(entry))]
+        out[int(manifest["step"])] = {entry["rank"]: entry["file"] for entry in manifest.get("files", [])
+                                      if all((directory / name).is_file() for name in rank_files(entry))}
     return out
 
 
-def bring_back(root: Path, step_name: str, wants: dict[int, int], world: World, storage: Storage) -> None:
-    """The checkpoint `step_name` given to each rank that lacks its files (`wants`: rank -> the rank that holds
-    them) by their holder, with the manifest; each storage that received files finalizes the directory after."""
+def slot_files(directory: Path) -> list[str]:
+    """The state files (one per (stage, replica)) of a checkpoint whose files are all in `directory` here."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    return [entry["file"] for entry in manifest.get("files", [])
+            if all((directory / name).is_file() for name in rank_files(entry))]
+
+
+def fetch_slots(directory: Path, mine: str, world: World, storage: Storage) -> None:
+    """Each rank's (stage, replica) files of checkpoint `directory` (`mine`: this rank's state file) on its own
+    storage, fetched from a rank whose storage holds them where it has none: a resume under another placement than
+    the checkpoint's run had, with no shared filesystem. Every rank calls it; nothing moves where each has its own."""
+    everyone = gather({"want": mine, "have": slot_files(directory)}, world)
+    wants: dict[int, tuple[int, str]] = {}
+    if everyone is not None:
+        for rank, e in enumerate(everyone):
+            if e["want"] not in e["have"]:
+                holder = next((r for r, other in enumerate(everyone) if e["want"] in other["have"]), None)
+                if holder is not None:  # none: checkpoint.load says which file is missing
+                    wants[rank] = (holder, e["want"])
+    wants = broadcast(wants, world)
+    if wants:
+        bring_back(directory.parent, directory.name, wants, world, storage)
+
+
+def bring_back(root: Path, step_name: str, wants: dict[int, tuple[int, str]], world: World, storage: Storage) -> None:
+    """The checkpoint `step_name` given to each rank that lacks its files (`wants`: rank -> (the rank that holds
+    them, their state file's name)) by their holder, with the manifest; each storage that received files finalizes
+    the directory after."""
     directory = root / step_name
     received = False
-    for rank, holder in sorted(wants.items()):
+    for rank, (holder, name) in sorted(wants.items()):
         if world.rank == holder:
             manifest = json.loads((directory / MANIFEST).read_text())
-            entry = next(f for f in manifest["files"] if f["rank"] == rank)
+            entry = next(f for f in manifest["files"] if f["file"] == name)
             files = _as_tensors(directory, rank_files(entry))
             files[MANIFEST] = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8)
             send_tensors(files, rank, world.transport)
@@ -117,8 +146,8 @@ def bring_back(root: Path, step_name: str, wants: dict[int, int], world: World, 
             nbytes = _write(directory, tensors)
             (directory / f".{MANIFEST}.received{world.rank}").write_bytes(manifest.numpy().tobytes())
             received = True
-            print(f"checkpoint: {step_name}'s files of rank {rank} ({nbytes / 1e6:.1f} MB) received from rank "
-                  f"{holder}: this machine held none", file=sys.stderr, flush=True)
+            print(f"checkpoint: {step_name}'s {name} and its files ({nbytes / 1e6:.1f} MB) received by rank {rank} "
+                  f"from rank {holder}: this machine held none", file=sys.stderr, flush=True)
     any_here = gather(received, world)
     any_here = broadcast(any_here, world)
     if storage.finalizer and any(any_here[r] for r in storage.peers):

@@ -1,4 +1,5 @@
-"""The command line: `aqpipe {causal-lm,classify,gpt2,deberta} [flags]` (or `python -m aqpipe ...`), any launcher.
+"""The command line: `aqpipe {causal-lm,classify,gpt2,deberta} [flags]` (or `python -m aqpipe ...`), any launcher,
+and `aqpipe plan [TASK] --cluster cluster.yaml [flags]` (aqpipe/plan/command.py).
 
     deepspeed --num_gpus 2 --module aqpipe gpt2 [flags]
     torchrun --nproc_per_node 2 -m aqpipe deberta [flags]
@@ -19,7 +20,8 @@ from .speech import let_rank_0_speak, speaks
 from .environment import show_tracebacks
 from .tasks import TASKS, Task
 
-USAGE = f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)"
+USAGE = (f"usage: aqpipe {{{','.join(TASKS)}}} [flags]   (aqpipe TASK --help lists the flags)\n"
+         "       aqpipe plan [TASK] --cluster cluster.yaml [flags]   (a placement before the run: aqpipe/plan)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         if speaks():
             print(USAGE + "\n\n" + "\n".join(f"  {t.name:9} {t.summary}" for t in TASKS.values()))
         return 0 if words else 2
+    if words[0] == "plan":  # a placement for the machines a cluster file describes, before anything runs
+        from .plan.command import main as plan  # deferred: `aqpipe --help` answers before torch loads
+
+        return plan(words[1:])
     if words[0] not in TASKS:
         let_rank_0_speak()
         print(f"aqpipe: error: task {words[0]!r}: expected one of {', '.join(TASKS)} ({USAGE})", file=sys.stderr)

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterator
 
-from aqpipe.compression.fields import FREE, THIS_RUN, check_choices, check_int, is_int, setting
+from aqpipe.compression.fields import FREE, KEPT, THIS_RUN, check_choices, check_int, is_int, setting
 from aqpipe.data_parallel import DataParallelConfig
 from aqpipe.pipeline import LOSS_AVERAGES, CompressionConfig
 from aqpipe.pipeline.adapters import LoraSettings
@@ -194,8 +194,17 @@ class DistributedSettings:
     pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
                                                "stages x replicas)", ds="pipeline.stages")
     schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule", choices=SCHEDULES)
-    partition: list[int] | str = setting("parameters", "parameters, uniform, or comma-separated block counts per "
-                                                      "stage", ds="pipeline.partition")
+    partition: list[int] | str = setting("auto", "blocks per stage: auto (the plan's, in proportion to each stage's "
+                                                "speed, under --placement auto or a plan file; else parameters), "
+                                                "parameters (balanced by parameter count), uniform, or "
+                                                "comma-separated block counts", ds="pipeline.partition",
+                                         resume=KEPT)
+    placement: str = setting("rank", "which rank holds which stage of which replica: rank (stage s of replica r on "
+                                     "rank r x stages + s, the launcher's numbering), auto (measure every machine's "
+                                     "speed and link, or read --cluster, and place by the predicted step), or a plan "
+                                     "file `aqpipe plan` wrote", resume=FREE)
+    cluster: str | None = setting(None, "--placement auto: the machines' speeds and links from this file (YAML or "
+                                        "JSON: aqpipe/plan/cluster.py) instead of measuring them", resume=FREE)
     backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
                                  "shared by several stages with tensors staged through host memory; TCP, the robust "
                                  "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)",
@@ -211,9 +220,15 @@ class DistributedSettings:
         if self.pipeline_stages != "auto":
             check_int("pipeline_stages", self.pipeline_stages, 1)
         check_choices(self)
-        if self.partition not in ("parameters", "uniform") and not (
+        if self.partition not in ("auto", "parameters", "uniform") and not (
                 isinstance(self.partition, list) and all(is_int(v) and v > 0 for v in self.partition)):
-            raise ValueError(f"partition={self.partition!r}: expected parameters, uniform, or block counts like 2,2")
+            raise ValueError(f"partition={self.partition!r}: expected auto, parameters, uniform, or block counts like "
+                             "2,2")
+        if not isinstance(self.placement, str) or not self.placement:
+            raise ValueError(f"placement={self.placement!r}: expected rank, auto or a plan file")
+        if self.cluster is not None and self.placement != "auto":
+            raise ValueError(f"cluster={self.cluster!r} with placement={self.placement!r}: expected --placement auto "
+                             "(the cluster file is what it plans from)")
         for name in ("dist_timeout", "peer_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: expected a positive number of seconds")

@@ -1,5 +1,5 @@
 """What the trainer reads from the environment, each in one place: the launcher's variables (rank, world size,
-processes on this machine), the quantizer's kernels and an emulated link delay (for the benchmarks)."""
+processes on this machine), the quantizer's kernels, and emulated links and devices (for the benchmarks)."""
 from __future__ import annotations
 
 import os
@@ -79,6 +79,25 @@ def link_mbit(environ: dict[str, str] | None = None) -> float | None:
     if not 0 < rate < float("inf"):
         raise ValueError(f"AQPIPE_LINK_MBIT={raw!r}: expected a rate in Mbit/s > 0")
     return rate
+
+
+def link_matrix(environ: dict[str, str] | None = None) -> str | None:
+    """AQPIPE_LINK_MATRIX: a cluster file whose links the transport emulates between every pair of ranks (None:
+    unset)."""
+    return (os.environ if environ is None else environ).get("AQPIPE_LINK_MATRIX") or None
+
+
+def compute_slowdown(rank: int, world_size: int, environ: dict[str, str] | None = None) -> float:
+    """AQPIPE_COMPUTE_SLOWDOWN: rank `rank`'s factor in a comma-separated list of one per rank (an emulated slower
+    device: its compute stretched by waiting); 1 where unset."""
+    raw = (os.environ if environ is None else environ).get("AQPIPE_COMPUTE_SLOWDOWN", "")
+    if not raw:
+        return 1.0
+    factors = [_number(part) for part in raw.split(",")]
+    if len(factors) != world_size or not all(1.0 <= f < float("inf") for f in factors):
+        raise ValueError(f"AQPIPE_COMPUTE_SLOWDOWN={raw!r}: expected {world_size} factors >= 1, one per rank, "
+                         "comma-separated")
+    return factors[rank]
 
 
 def show_tracebacks(environ: dict[str, str] | None = None) -> bool:

@@ -55,6 +55,13 @@ def read_config(model: str | None) -> PretrainedConfig | None:
     return AutoConfig.from_pretrained(model)
 
 
+def planned_model(model: str | None, shape: str, kind: str, seq_len: int, vocab: int = 4096) -> tuple[type, Any]:
+    """The class and config a plan made before the run prices (`aqpipe plan`): `model`'s own, or the built-in shape
+    at `vocab` tokens (its tokenizer is trained on the corpus at the run's start)."""
+    config = read_config(model) if model is not None else _tiny_config(shape, vocab, seq_len, None, 0)
+    return model_class(kind, config), config
+
+
 def model_positions(model: str | None) -> int | None:
     """How many positions the model embeds (None: the built-in shape grows to fit, or rotary: no table)."""
     config = read_config(model)

@@ -132,8 +132,9 @@ def _check_model_shape(cfg: "RunConfig") -> None:
         if cfg.lora.enabled:  # targets resolved on the model's own modules (no weight read)
             from aqpipe.pipeline.lora import lora_config  # deferred: imports transformers, as above
 
+            partition = cfg.distributed.partition  # auto: a plan's, made at start; by parameters until then
             lora_config(cls, config, cfg.lora, cfg.task == "classification", cfg.distributed.pipeline_stages,
-                        cfg.distributed.partition)
+                        "parameters" if partition == "auto" else partition)
         blocks = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
         positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         name = repr(cfg.model)

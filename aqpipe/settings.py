@@ -125,11 +125,12 @@ def _switch(name: str, value: Any) -> bool:
         raise ValueError(f"{name}={value!r}: {exc}") from None
 
 
-def finalize(task: str, layers: list[dict[str, Any]]) -> RunConfig:
-    """Settings layered (later wins; text parsed as its flag parses it), validated for the launcher's world, then
-    the checks that read files (preflight); frozen from here on. Raises ValueError naming the first bad value."""
+def finalize(task: str, layers: list[dict[str, Any]], world_size: int | None = None) -> RunConfig:
+    """Settings layered (later wins; text parsed as its flag parses it), validated for the launcher's world (or
+    `world_size` ranks: a plan made before the run), then the checks that read files (preflight); frozen from here
+    on. Raises ValueError naming the first bad value."""
     values, batch = _layered(layers)
-    world = launch().world_size
+    world = launch().world_size if world_size is None else world_size
     cfg = validate(build(task, values), world)
     if world % cfg.distributed.pipeline_stages:
         raise ValueError(f"pipeline_stages={cfg.distributed.pipeline_stages} does not divide the launcher's {world} "
@@ -144,7 +145,7 @@ def finalize(task: str, layers: list[dict[str, Any]]) -> RunConfig:
 
 
 def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[str, Any] | None = None,
-            prog: str | None = None) -> RunConfig:
+            prog: str | None = None, world_size: int | None = None) -> RunConfig:
     """The command line: defaults < a --deepspeed_config file < flags, finalized.
 
     Exits with status 2 and one line on bad input; `--print_config` prints the settings as a file and exits 0."""
@@ -155,11 +156,11 @@ def resolve(task: str, argv: list[str] | None, description: str, defaults: dict[
                   given(args)]
         if "print_config" in args:  # as given: `auto` stages stay auto
             cfg = build(task, _layered(layers)[0])
-            validate(cfg, launch().world_size)
+            validate(cfg, launch().world_size if world_size is None else world_size)
             if speaks():
                 print(json.dumps(config_file.write(cfg), indent=2))
             parser.exit(0)
-        return finalize(task, layers)
+        return finalize(task, layers, world_size)
     except ValueError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     raise AssertionError("unreachable: parser.exit ends the process")

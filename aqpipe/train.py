@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe import data_parallel
-from aqpipe.pipeline import Grid, PipelineEngine, EngineSettings, StepMetrics, build_groups, owned_parameters
+from aqpipe.pipeline import PipelineEngine, EngineSettings, StepMetrics, build_groups, owned_parameters
 from aqpipe.pipeline.lora import add_lora, lora_config
 from aqpipe.pipeline.quantized_base import FourBit
 
@@ -36,8 +36,9 @@ from .export import save_adapter, save_model
 from .lr_plan import PlannedLR
 from .metrics import MetricsWriter
 from .optim import LowPrecisionAdamW
+from .plan.seat import rank_order, seat
 from .progress import Progress
-from .checkpoint_copies import storage_groups
+from .checkpoint_copies import fetch_slots, storage_groups
 from .host_memory import release_freed_memory
 from .storage import Storage
 from .storage import detect as detect_storage
@@ -250,7 +251,7 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
                  spec: ModelSpec) -> buffer_plan.BufferPlan | None:
     """Which samples keep AQ-SGD rows, and where this rank's live (buffer_plan.py), as the resumed checkpoint's run
     planned where it can; None without AQ-SGD boundaries. Rank 0 says it in one line."""
-    c, grid = cfg.compression, Grid.for_world(world.size, cfg.distributed.pipeline_stages)
+    c, grid = cfg.compression, world.grid
     if c.forward != "aqsgd" or grid.stages == 1:
         return None
     stage = grid.coords(world.rank)[0]
@@ -272,8 +273,12 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     `adapters` (a PEFT LoraConfig: aqpipe/pipeline/lora.py) over a base frozen in its checkpoint's dtype; its optimizer
     and LR schedule, its replicas' algorithm, and the engine that trains it, its AQ-SGD buffers as `buffers` plans
     (None: a row for every sample, where the settings put them)."""
-    grid = Grid.for_world(world.size, cfg.distributed.pipeline_stages)
+    if world.grid is None:  # a caller that did not seat the run (tests): rank order
+        world.grid, cfg = rank_order(cfg, world.size)
+    grid = world.grid
     groups = build_groups(grid, world.rank, world.transport)
+    pace = world.link_matrix.pace if world.link_matrix is not None else None
+    groups.pace = pace
     trained = getattr(torch, cfg.optimization.param_dtype)
     # the frozen base in its checkpoint's dtype, but float16's (which computes only with a loss scaler) in float32
     frozen = torch.float32 if spec.dtype == torch.float16 else spec.dtype
@@ -301,7 +306,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
     # a tied weight is stepped by its owner alone; the other copies take its rows each step (aqpipe/pipeline/ties.py)
     optimizer, algorithm = build_optimizer(cfg, owned_parameters(stage, ties)), None
     if grid.replicas > 1:
-        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage), world.transport)
+        comm = data_parallel.Comm(groups.data_parallel, grid.data_parallel_ranks(groups.stage), world.transport, pace)
         # each stage's algorithm draws its own streams (flat.worker_seed adds the replica to this one)
         seed = derive_seed(cfg.seed, "data_parallel", "stage", groups.stage)
         algorithm = cfg.data_parallel.create(owned_parameters(stage, ties), comm, seed, total_steps)
@@ -317,7 +322,8 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
                                          schedule=cfg.distributed.schedule,
                                          device=world.device, bf16=cfg.bf16, seed=cfg.seed,
                                          skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
-                                         link_mbit=world.link_mbit,
+                                         link_mbit=world.link_mbit, link_matrix=world.link_matrix,
+                                         compute_slowdown=world.compute_slowdown,
                                          loss_average=cfg.optimization.loss_average,
                                          buffer_keep=None if buffers is None else buffers.keep),
                           compression=cfg.compression if buffers is None else
@@ -368,8 +374,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     keepers = storage_groups(storage, world) if cfg.checkpointing.copy_checkpoints else None
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
-    stages = cfg.distributed.pipeline_stages
-    replicas = Grid.for_world(world.size, stages).replicas  # the engine's grid, as build_engine makes it
+    cfg = place_ranks(cfg, world, spec, resumed, storage)
+    stages, replicas = world.grid.stages, world.grid.replicas
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
                                         last="keep")  # an epoch's last, partial batch is kept, as HF keeps it
     total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
@@ -432,6 +438,16 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
         save_adapter(engine, adapters, cfg, world)
     return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,
                      (len(train_set), len(eval_set)))
+
+
+def place_ranks(cfg: RunConfig, world: World, spec: ModelSpec, resumed: Path | None, storage: Storage) -> RunConfig:
+    """Who holds which (stage, replica), set as `world.grid`, and the settings with the blocks each stage takes
+    (aqpipe/plan/seat.py); resuming under another placement than the checkpoint's run had, each rank's place's files
+    brought to its machine."""
+    world.grid, cfg, _ = seat(cfg, world, spec.model_class, spec.config)
+    if resumed is not None:
+        fetch_slots(resumed, checkpoint.rank_file(*world.grid.coords(world.rank)), world, storage)
+    return cfg
 
 
 def drop_buffer_files(engine: PipelineEngine, made: Path | None) -> None:

@@ -17,12 +17,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from aqpipe.pipeline import Grid
+from aqpipe.pipeline.emulated_link import LinkMatrix
+
 from .config import RunConfig
-from .environment import launch, link_latency_s, link_mbit, show_tracebacks
+from .environment import compute_slowdown, launch, link_latency_s, link_matrix, link_mbit, show_tracebacks
 from . import interrupts
 from .host_memory import keep_freed_memory, map_large_blocks
 from .launch_round import join_group
 from .placement import place_here
+from .plan.cluster import read as read_cluster
 from .watchdog import Watchdog
 
 
@@ -37,6 +41,9 @@ class World:
     round_prefix: str = "aqpipe/0/"  # this launch's keys in the launcher's store (a restart gets new ones)
     link_latency_s: float = 0.0  # an emulated one-way link delay (AQPIPE_LINK_LATENCY_MS), for the benchmarks
     link_mbit: float | None = None  # an emulated link rate (AQPIPE_LINK_MBIT; None: the link as it is)
+    link_matrix: LinkMatrix | None = None  # or every pair's emulated link (AQPIPE_LINK_MATRIX)
+    compute_slowdown: float = 1.0  # an emulated slower device (AQPIPE_COMPUTE_SLOWDOWN)
+    grid: Grid | None = None  # who holds which (stage, replica), once the run has placed its ranks
 
     @property
     def distributed(self) -> bool:
@@ -60,17 +67,24 @@ def init_world(cfg: RunConfig) -> World:
     prefix = "aqpipe/0/"
     if size > 1:
         prefix = join_group(placed.backend, rank, size, timedelta(seconds=cfg.distributed.dist_timeout))
+    matrix = link_matrix()
+    links = None
+    if matrix is not None:
+        table = read_cluster(matrix, size)
+        links = LinkMatrix(rank, table.latency, table.rate)
     return World(rank, size, local_rank, placed.device, placed.transport, link_latency_s=link_latency_s(),
-                 link_mbit=link_mbit(), round_prefix=prefix)
+                 link_mbit=link_mbit(), round_prefix=prefix, link_matrix=links,
+                 compute_slowdown=compute_slowdown(rank, size))
 
 
 def watched(world: World, cfg: RunConfig, prog: str) -> World:
     """`world` with its watchdog started under the round's keys (launch_round.py), where it has peers."""
     if not world.distributed:
         return world
-    watchdog = Watchdog(world.rank, world.size, describer(cfg), prog, prefix=world.round_prefix,
-                        peer_timeout=cfg.distributed.peer_timeout).start()
-    return replace(world, watchdog=watchdog)
+    watched = replace(world)
+    watched.watchdog = Watchdog(world.rank, world.size, describer(watched, cfg), prog, prefix=world.round_prefix,
+                                peer_timeout=cfg.distributed.peer_timeout).start()
+    return watched
 
 
 def barrier(world: World) -> None:
@@ -84,9 +98,13 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def describer(cfg: RunConfig) -> Callable[[int], str]:
-    stages = int(cfg.distributed.pipeline_stages)
-    return lambda rank: f"stage {rank % stages}, replica {rank // stages}"
+def describer(world: World, cfg: RunConfig) -> Callable[[int], str]:
+    """Where a rank sits, as failure lines name it: by the run's placement once it has one (`world.grid`), by rank
+    order before."""
+    def describe(rank: int) -> str:
+        grid = world.grid or Grid.for_world(world.size, int(cfg.distributed.pipeline_stages))
+        return grid.describe(rank)
+    return describe
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -103,7 +121,7 @@ def stop_after_failure(exc: BaseException, world: World, cfg: RunConfig, watchdo
                         prog: str) -> None:
     """Tell the other ranks, say what failed where in one line, and end this process (status 2 for bad input
     found late, 1 otherwise) without waiting on peers that may never answer."""
-    me = f"rank {world.rank} ({describer(cfg)(world.rank)})"
+    me = f"rank {world.rank} ({describer(world, cfg)(world.rank)})"
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     signal_name = interrupts.received()  # a peer interrupted first may have broken this rank's collective
     culprit = watchdog.peer_failure() if signal_name == "SIGTERM" and watchdog is not None else None

@@ -11,6 +11,7 @@ allgather of whole quantized tensors sends R-1 copies.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -22,11 +23,13 @@ from aqpipe.compression.staging import HostStaging
 
 class Comm:
     def __init__(self, group: object | None = None, ranks: list[int] | None = None,
-                 transport: torch.device | str | None = None) -> None:
+                 transport: torch.device | str | None = None,
+                 pace: Callable[[float, list[int], float, str], None] | None = None) -> None:
         """`group` and its global `ranks` in order; both None for a single replica (no process group). `transport`:
         the device the backend moves tensors from (cpu for gloo), where tensors computed elsewhere are staged; None:
-        the backend takes them where they are."""
-        self.group = group
+        the backend takes them where they are. `pace`: emulated links' (a trainer's LinkMatrix.pace), which holds
+        each exchange until (started, global ranks, bytes a member, "ring", "gather" or "peers") would have ended."""
+        self.group, self.pace = group, pace
         self.staging = HostStaging(transport) if transport is not None else None
         self.ranks = ranks or [dist.get_rank() if dist.is_initialized() else 0]
         here = dist.get_rank() if dist.is_initialized() else self.ranks[0]
@@ -50,7 +53,7 @@ class Comm:
         Every send is posted before any receive is waited on, so any pattern that pairs each send
         with the peer's receive completes (a ring, a shift, all to all).
         """
-        ops = []
+        ops, started = [], time.monotonic()
         for p, tensor in sends.items():
             tensor = self._out(tensor.contiguous())
             ops.append(dist.P2POp(dist.isend, tensor, self.ranks[p], group=self.group))
@@ -63,6 +66,10 @@ class Comm:
         for q, buf in landed.items():
             if buf is not receives[q]:
                 receives[q].copy_(buf)
+        if self.pace is not None and (sends or receives):
+            peers = sorted({self.ranks[p] for p in (*sends, *receives)})
+            largest = max([self._nbytes(t) for t in (*sends.values(), *receives.values())])
+            self.pace(started, [self.ranks[self.rank], *peers], largest, "peers")
         return receives
 
     def _out(self, t: torch.Tensor) -> torch.Tensor:
@@ -165,10 +172,13 @@ class Comm:
         """In-place mean over the group (float); counted as a ring allreduce."""
         if self.size == 1:
             return tensor
+        started = time.monotonic()
         if self.staging is not None:
             self.staging.all_reduce_(tensor, self.group)
         else:
             dist.all_reduce(tensor, group=self.group)
+        if self.pace is not None:
+            self.pace(started, sorted(self.ranks), self._nbytes(tensor), "ring")  # gloo's ring: by global rank
         tensor.div_(self.size)
         self.sent_bytes += 2 * (self.size - 1) * self._nbytes(tensor) // self.size
         return tensor
@@ -179,6 +189,9 @@ class Comm:
             return [tensor]
         moved = self._out(tensor.contiguous())
         out = [torch.empty_like(moved) for _ in range(self.size)]
+        started = time.monotonic()
         dist.all_gather(out, moved, group=self.group)
+        if self.pace is not None:
+            self.pace(started, sorted(self.ranks), self._nbytes(tensor), "gather")
         self.sent_bytes += (self.size - 1) * self._nbytes(tensor)
         return [t.to(tensor.device) for t in out]

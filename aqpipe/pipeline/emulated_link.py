@@ -1,15 +1,16 @@
 """A slow link emulated in user space, where network namespaces cannot shape one (a GPU host; the trainer's
-`AQPIPE_LINK_MBIT` and `AQPIPE_LINK_LATENCY_MS`).
+`AQPIPE_LINK_MBIT` and `AQPIPE_LINK_LATENCY_MS`, or `AQPIPE_LINK_MATRIX` for a link of its own between every pair).
 
 The receiving side holds each message back until a link of `mbit` would have delivered it: a message from a peer
 starts crossing when its bytes landed here (the real transfer, on one machine, takes next to nothing) or when the
 previous message from that peer finished crossing, whichever is later, takes its size over the rate, then the
 one-way latency. Its receiver's compute goes on meanwhile: a message waited for after it was due costs nothing
 more. When a message landed is taken by a thread of its own that waits on the receive from the moment it is posted
-(gloo reports a receive complete only to a wait; NCCL's is polled, its wait does not block the host). The size is the
-bytes on the link: an entropy-coded message's coded length. Data-parallel collectives are not delayed. Without a
-rate, the latency alone is added to every receive, as before this module: an upper bound on a real link's cost (a
-message already buffered when its receive was posted pays it too).
+(gloo reports a receive complete only to a wait; NCCL's is polled, its wait does not block the host). The size is
+the bytes on the link: an entropy-coded message's coded length. Without a rate, the latency alone is added to every
+receive, as before this module: an upper bound on a real link's cost (a message already buffered when its receive
+was posted pays it too). Under a matrix (`LinkMatrix`) each pair of ranks has its own rate and latency, and the
+collectives (the data-parallel algorithms', the step's tables) are paced too; under one rate they are not delayed.
 """
 from __future__ import annotations
 
@@ -53,27 +54,64 @@ class Landing:
         return self.at
 
 
-class EmulatedLink:
-    """Per peer: when its link is next free."""
+class LinkMatrix:
+    """Every pair of ranks' emulated link (AQPIPE_LINK_MATRIX: a cluster file's links, aqpipe/plan/cluster.py), as
+    rank `me` sees them: `latency[i][j]` seconds and `rate[i][j]` bytes a second from rank i to rank j. Besides
+    each boundary's messages (`EmulatedLink`), it paces the collectives (`pace`): the data-parallel algorithms' and
+    the step's job-wide tables, which a uniform rate left undelayed."""
 
-    def __init__(self, latency_s: float = 0.0, mbit: float | None = None) -> None:
+    def __init__(self, me: int, latency: list[list[float]] | tuple, rate: list[list[float]] | tuple) -> None:
+        self.me, self.latency, self.rate = me, latency, rate
+
+    def toward_me(self, src: int) -> tuple[float, float]:
+        """(latency s, rate Mbit/s) of the link from `src` to this rank."""
+        return self.latency[src][self.me], self.rate[src][self.me] * 8 / 1e6
+
+    def seconds(self, src: int, dst: int, nbytes: float) -> float:
+        return nbytes / self.rate[src][dst] + self.latency[src][dst] if src != dst else 0.0
+
+    def collective_seconds(self, ranks: list[int], nbytes: float, kind: str) -> float:
+        """What a collective of `nbytes` a member over `ranks` (global, in group order) takes on these links:
+        "ring" (an allreduce: 2 (k-1) hops of nbytes / k), "gather" (an allgather: k-1 hops of nbytes), each hop as
+        long as the ring's slowest; "peers" (this rank's exchange with each of `ranks`: the slowest way)."""
+        k = len(ranks)
+        if k < 2:
+            return 0.0
+        if kind == "peers":
+            return max(max(self.seconds(self.me, p, nbytes), self.seconds(p, self.me, nbytes)) for p in ranks
+                       if p != self.me)
+        share, hops = (nbytes / k, 2 * (k - 1)) if kind == "ring" else (nbytes, k - 1)
+        return hops * max(self.seconds(ranks[i], ranks[(i + 1) % k], share) for i in range(k))
+
+    def pace(self, started: float, ranks: list[int], nbytes: float, kind: str) -> None:
+        """Wait until a collective begun at `started` (time.monotonic) has taken what these links would take."""
+        hold = started + self.collective_seconds(ranks, nbytes, kind) - time.monotonic()
+        if hold > 0:
+            time.sleep(hold)
+
+
+class EmulatedLink:
+    """Per peer: when its link is next free. One rate and latency for every peer, or each its own (`matrix`)."""
+
+    def __init__(self, latency_s: float = 0.0, mbit: float | None = None, matrix: LinkMatrix | None = None) -> None:
         if not latency_s >= 0:
             raise ValueError(f"link latency {latency_s!r} s: expected >= 0")
         if mbit is not None and not mbit > 0:
             raise ValueError(f"link rate {mbit!r} Mbit/s: expected > 0")
-        self.latency_s, self.mbit = latency_s, mbit
+        self.latency_s, self.mbit, self.matrix = latency_s, mbit, matrix
         self._free_at: dict[int, float] = {}  # peer -> when its link has carried every message so far
 
     def watch(self, work: Any, blocking: bool) -> Landing | None:
         """A posted receive's landing to be taken (None without a rate: only the latency is added). `blocking`: the
         receive completes only by being waited on (gloo's)."""
-        return Landing(work, blocking) if self.mbit is not None else None
+        return Landing(work, blocking) if self.mbit is not None or self.matrix is not None else None
 
     def hold(self, peer: int, nbytes: int, landed_at: float | None, now: float) -> float:
         """Seconds to hold back a message of `nbytes` from `peer` whose bytes landed at `landed_at` (None: unknown,
         taken as `now`), found landed at `now` (before it is decoded: decoding counts after the delivery)."""
-        if self.mbit is None:
-            return self.latency_s
+        latency_s, mbit = self.matrix.toward_me(peer) if self.matrix is not None else (self.latency_s, self.mbit)
+        if mbit is None:
+            return latency_s
         start = max(now if landed_at is None else landed_at, self._free_at.get(peer, 0.0))
-        self._free_at[peer] = start + nbytes * 8 / (self.mbit * 1e6)
-        return self._free_at[peer] + self.latency_s - now
+        self._free_at[peer] = start + nbytes * 8 / (mbit * 1e6)
+        return self._free_at[peer] + latency_s - now

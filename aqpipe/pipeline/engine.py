@@ -151,7 +151,9 @@ class PipelineEngine:
         self.wire_dtype = torch.bfloat16 if self.bf16 or dtypes == {torch.bfloat16} else torch.float32
         self.ties = {k: v for k, v in sorted((ties or {}).items()) if groups.stage in v.holders}
         self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport,
-                         entropy=self.compression.entropy_coding, mbit=settings.link_mbit, device=self.device)
+                         entropy=self.compression.entropy_coding, mbit=settings.link_mbit, device=self.device,
+                         matrix=settings.link_matrix)
+        self.compute_slowdown = settings.compute_slowdown
         c = self.compression
         self.factory = CodecFactory(c, self.seed, groups.replica)  # every codec of this rank, and its seeds
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
@@ -195,7 +197,7 @@ class PipelineEngine:
                             wire_dtype=self.wire_dtype, device=self.device, autocast=self.autocast, seed=self.seed,
                             replica=self.groups.replica, step=self.global_step, num_samples=self.num_samples,
                             buffered=buffered, timed=self.device.type == "cuda" and self.auto_bits is not None,
-                            per_token=self.per_token)
+                            per_token=self.per_token, slowdown=self.compute_slowdown)
 
     def codecs(self) -> dict[str, Any]:
         """This rank's stateful codecs by name (the full-precision fallbacks keep no state)."""

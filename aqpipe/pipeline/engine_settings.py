@@ -1,10 +1,11 @@
 """What an engine does with its parts, apart from the parts themselves: the sizes of the data its AQ-SGD buffers
 index (and which samples keep rows), the schedule, clipping, where and in what precision it computes, its seed, what
-it does with a non-finite step, an emulated link delay, and how a causal LM's step averages its loss. Checked as it
+it does with a non-finite step, emulated links and devices, and how a causal LM's step averages its loss. Checked as it
 is made."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ class EngineSettings:
     skip_nonfinite: bool = False  # skip a step that found NaN/inf on any rank, instead of raising
     link_latency_s: float = 0.0  # a one-way delay added to every receive (a distant link emulated; checked there)
     link_mbit: float | None = None  # an emulated link rate on every receive (None: the link as it is)
+    link_matrix: Any = None  # or each pair of ranks' emulated link, collectives paced too (emulated_link.LinkMatrix)
+    compute_slowdown: float = 1.0  # an emulated slower device: each compute action stretched by waiting, by this
     loss_average: str = field(default="tokens", metadata={"choices": LOSS_AVERAGES})  # a causal LM's step loss:
     # per target token, or the micro-batches' mean
     buffer_keep: torch.Tensor | None = None  # which samples' AQ-SGD rows are kept (a bool each; None: all): the
@@ -36,6 +39,8 @@ class EngineSettings:
         check_int("seq_len", self.seq_len, 1)
         check_choices(self)
         object.__setattr__(self, "device", torch.device(self.device))
+        if not (isinstance(self.compute_slowdown, (int, float)) and 1.0 <= self.compute_slowdown < float("inf")):
+            raise ValueError(f"compute_slowdown={self.compute_slowdown!r}: expected a factor >= 1")
         keep = self.buffer_keep
         if keep is not None and (keep.dtype != torch.bool or tuple(keep.shape) != (self.num_samples,)):
             raise ValueError(f"buffer_keep: expected a bool per sample ({self.num_samples}), got {keep.dtype} "

@@ -25,7 +25,7 @@ from .stages.base import present
 from .ties import Tie
 from aqpipe.compression.fields import check_int, is_int
 
-METHODS = ("parameters", "uniform")
+METHODS = ("parameters", "uniform", "auto")
 
 
 def model_family(model: PreTrainedModel) -> Family:
@@ -66,7 +66,7 @@ def stage_block_counts(model: PreTrainedModel, num_stages: int,
         if method == "uniform":
             base, extra = divmod(n, num_stages)
             return [base + (1 if s < extra else 0) for s in range(num_stages)]
-        if method == "parameters":
+        if method in ("parameters", "auto"):  # auto: a planner's blocks, where one planned (aqpipe/plan); else these
             sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
             first = numel(*(present(model, p) for p in family.first))
             last = numel(*(present(model, p) for p in family.last))

@@ -129,16 +129,21 @@ def bubble(schedules: list[list[Action]], costs: dict[str, float] | None = None,
     return 1.0 - sum(busy) / (stages * max(clock))
 
 
+Transfer = float | tuple[float, float]  # a message's seconds on its link, or (seconds on it, latency after)
+
+
 def makespan(schedules: list[list[Action]], costs: list[dict[str, float]],
-             transfer: dict[tuple[int, int], float]) -> float:
+             transfer: dict[tuple[int, int], Transfer]) -> float:
     """Seconds one step takes when stage s's compute actions take `costs[s][op]` and a message from stage a to
     stage b takes `transfer[(a, b)]` (absent: no time), each direction of a link carrying one message at a time
-    (a message sent while the link is busy waits behind the one on it). Used to price bits per link."""
+    (a message sent while the link is busy waits behind the one on it). A transfer given as (seconds, latency)
+    holds the link for its seconds and arrives a latency later: messages in flight overlap their latencies. Used
+    to price bits per link, and placements (aqpipe/plan)."""
     return max(_play(schedules, costs, transfer)[1])
 
 
 def _play(schedules: list[list[Action]], costs: list[dict[str, float]],
-          transfer: dict[tuple[int, int], float]) -> tuple[list[tuple[int, Action]], list[float], list[float]]:
+          transfer: dict[tuple[int, int], Transfer]) -> tuple[list[tuple[int, Action]], list[float], list[float]]:
     """The global order of the actions, each stage's clock at its end and its time computing."""
     stages = len(schedules)
     queues = {(src, dst): deque() for src in range(stages) for dst in (src - 1, src + 1) if 0 <= dst < stages}
@@ -162,9 +167,10 @@ def _play(schedules: list[list[Action]], costs: list[dict[str, float]],
                     clock[s] = max(clock[s], arrives)
                 elif action.op in (SEND_ACT, SEND_GRAD):
                     link = (s, s + 1) if action.op == SEND_ACT else (s, s - 1)
-                    free[link] = max(clock[s], free[link]) + transfer.get(link, 0.0)
+                    held, latency = _split(transfer.get(link, 0.0))
+                    free[link] = max(clock[s], free[link]) + held
                     kind = RECV_ACT if action.op == SEND_ACT else RECV_GRAD
-                    queues[link].append((kind, action.micro_batch, free[link]))
+                    queues[link].append((kind, action.micro_batch, free[link] + latency))
                 else:
                     clock[s] += costs[s][action.op]
                     busy[s] += costs[s][action.op]
@@ -175,6 +181,10 @@ def _play(schedules: list[list[Action]], costs: list[dict[str, float]],
     if stuck:
         raise RuntimeError(f"deadlock: stages {stuck} wait at {[schedules[s][pos[s]] for s in stuck]}")
     return order, clock, busy
+
+
+def _split(transfer: Transfer) -> tuple[float, float]:
+    return (transfer, 0.0) if isinstance(transfer, (int, float)) else transfer
 
 
 def simulate_streams(schedules: list[list[Action]], *, shared: bool, posted_ahead: bool) -> None:

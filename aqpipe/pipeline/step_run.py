@@ -53,6 +53,7 @@ class StageRuntime:
     buffered: bool  # whether AQ-SGD buffers read the sample ids (training phases, a compressed boundary here)
     timed: bool  # whether compute timers wait for the GPU (auto bits prices compute from them)
     per_token: bool = False  # a causal LM's loss per target token over the step (else the micro-batches' mean)
+    slowdown: float = 1.0  # an emulated slower device: each compute action waits (slowdown - 1) x its own time more
 
     def participants(self) -> list[StepParticipant]:
         """Everything beside the stage that keeps state across a step, in the order it begins and finishes."""
@@ -134,6 +135,8 @@ class StepRun:
                 getattr(self, op)(mb)
                 if e.timed:
                     torch.cuda.synchronize(e.device)
+                if e.slowdown > 1:  # the emulator: a device this many times slower, by waiting
+                    time.sleep((e.slowdown - 1) * (time.perf_counter() - t))
                 self.compute_seconds += time.perf_counter() - t
             else:
                 getattr(self, op)(mb)

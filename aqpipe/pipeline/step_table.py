@@ -173,8 +173,9 @@ class StepTable:
         return cls(sum_over_job(groups, table), groups)
 
     def totals(self) -> StepTotals:
-        """The step's totals over the whole job."""
-        sums = self.rows[:, FIRST_TOTAL:].sum(dim=0).tolist()
+        """The step's totals over the whole job, summed in (replica, stage) order: the same bits whoever holds
+        which place."""
+        sums = self.rows[self.groups.grid.placement, FIRST_TOTAL:].sum(dim=0).tolist()
         return StepTotals(**{n: (float(v) if n in _FLOATS else int(v)) for n, v in zip(TOTALS, sums)})
 
     def column(self, name: str) -> torch.Tensor:
@@ -183,14 +184,12 @@ class StepTable:
 
     def replica_sum(self, name: str, replica: int) -> float:
         """A totals column summed over `replica`'s ranks."""
-        grid = self.groups.grid
-        return float(sum(v for rank, v in enumerate(self.column(name).tolist()) if grid.coords(rank)[1] == replica))
+        column = self.column(name).tolist()
+        return float(sum(column[rank] for rank in self.groups.grid.pipeline_ranks(replica)))
 
     def pipeline_norm(self, replica: int) -> float:
         """The global gradient norm of `replica`'s pipeline."""
-        grid = self.groups.grid
-        mine = [rank for rank in range(grid.world_size) if grid.coords(rank)[1] == replica]
-        return float(self.rows[mine, SQUARES].sum().sqrt())
+        return float(self.rows[self.groups.grid.pipeline_ranks(replica), SQUARES].sum().sqrt())
 
     def verdict(self, step: int, buffer_dtype: torch.dtype) -> Verdict | None:
         """What every rank found non-finite in step `step`, or an activation the AQ-SGD buffers could not hold;

@@ -1,12 +1,16 @@
-"""The process grid: world = stages x replicas, and the groups each rank talks in.
+"""The process grid: world = stages x replicas, who holds each (stage, replica), and the groups each rank talks in.
 
-Rank r sits at stage r % stages of replica r // stages, so one pipeline's stages
-are consecutive ranks (one launcher node per stage, or all on one machine) and a
-stage's replicas are `stages` apart.
+Without a placement, rank r sits at stage r % stages of replica r // stages, so one pipeline's stages are
+consecutive ranks (one launcher node per stage, or all on one machine) and a stage's replicas are `stages` apart.
+A placement (a planner's: aqpipe/plan) puts any rank at any (stage, replica); everything that talks or keeps state
+asks this object, never the arithmetic, so a placement changes who computes what, not what is computed.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,37 +23,64 @@ BOUNDARY, TIE = "boundary", "tie"  # the kinds of channel between two stages of 
 
 @dataclass(frozen=True)
 class Grid:
+    """`stages` x `replicas`, and `ranks`: the rank that holds each (stage, replica), at index replica x stages +
+    stage (None: rank order, that index itself)."""
+
     stages: int
     replicas: int
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "replicas"):
             value = getattr(self, name)
             check_int(name, value, 1, what="a positive integer")
+        if self.ranks is not None:
+            ranks = tuple(self.ranks)
+            if sorted(ranks) != list(range(self.world_size)) or not all(type(r) is int for r in ranks):
+                raise ValueError(f"placement {list(ranks)}: expected each rank of 0..{self.world_size - 1} once, "
+                                 f"one per (stage, replica) of {self.stages} x {self.replicas}")
+            object.__setattr__(self, "ranks", None if ranks == tuple(range(self.world_size)) else ranks)
 
     @classmethod
-    def for_world(cls, world_size: int, stages: int) -> "Grid":
-        """The grid for `world_size` processes in pipelines of `stages` stages."""
+    def for_world(cls, world_size: int, stages: int, ranks: list[int] | tuple[int, ...] | None = None) -> "Grid":
+        """The grid for `world_size` processes in pipelines of `stages` stages, placed by `ranks` (None: rank
+        order)."""
         check_int("pipeline_stages", stages, 1, what="a positive integer")
         if world_size % stages:
             raise ValueError(
                 f"pipeline_stages={stages} does not divide the world size {world_size}: "
                 f"expected world_size = pipeline_stages x replicas"
             )
-        return cls(stages, world_size // stages)
+        return cls(stages, world_size // stages, None if ranks is None else tuple(ranks))
 
     @property
     def world_size(self) -> int:
         return self.stages * self.replicas
 
+    @property
+    def placement(self) -> list[int]:
+        """The rank of each (stage, replica), at index replica x stages + stage."""
+        return list(self.ranks) if self.ranks is not None else list(range(self.world_size))
+
+    @cached_property
+    def _slots(self) -> dict[int, int]:
+        return {rank: slot for slot, rank in enumerate(self.placement)}
+
     def coords(self, rank: int) -> tuple[int, int]:
         """(stage, replica) of a rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
-        return rank % self.stages, rank // self.stages
+        slot = self._slots[rank]
+        return slot % self.stages, slot // self.stages
 
     def rank(self, stage: int, replica: int) -> int:
-        return replica * self.stages + stage
+        return self.placement[replica * self.stages + stage] if self.ranks is not None else \
+            replica * self.stages + stage
+
+    def describe(self, rank: int) -> str:
+        """Where a rank sits, as failure lines name it."""
+        stage, replica = self.coords(rank)
+        return f"stage {stage}, replica {replica}"
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         return [self.rank(s, replica) for s in range(self.stages)]
@@ -74,9 +105,17 @@ class Groups:
     # the rank's GPU for NCCL
     transport: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
+    pace: Callable[[float, list[int], float, str], None] | None = None  # emulated links' (LinkMatrix.pace)
+
     def collective(self, t: torch.Tensor, group: object) -> None:
-        """All-reduce (sum) `t` in place over `group`, staged through the transport's device."""
+        """All-reduce (sum) `t` in place over `group`, staged through the transport's device (and paced as emulated
+        links would carry it)."""
+        started = time.monotonic()
         HostStaging(self.transport).all_reduce_(t, group)
+        if self.pace is not None:
+            members = self.grid.pipeline_ranks(self.replica) if group is self.pipeline else \
+                self.grid.data_parallel_ranks(self.stage)
+            self.pace(started, sorted(members), t.numel() * t.element_size(), "ring")
 
     def pipeline_rank_of(self, stage: int) -> int:
         return self.grid.rank(stage, self.replica)

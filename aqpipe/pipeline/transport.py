@@ -34,7 +34,7 @@ from aqpipe.compression.buffers import to_device
 from aqpipe.compression.staging import HostStaging
 
 from .departures import Departures, copied_out
-from .emulated_link import EmulatedLink
+from .emulated_link import EmulatedLink, LinkMatrix
 from .participants import StepPart, StepStart
 
 PROBE_REPEATS = 2  # round trips per size in a link probe; the faster counts
@@ -71,9 +71,9 @@ class Incoming:
 
 class Wire:
     """Non-blocking sends and receives. `latency_s`, `mbit`: an emulated link's one-way delay and rate (None:
-    unlimited) on the receiving side (emulated_link.py; the benchmarks' --latency_ms). `transport`: the device the
-    process group moves tensors from (cpu for gloo, the GPU for NCCL); payloads computed elsewhere are staged through
-    it (compression.staging).
+    unlimited) on the receiving side (emulated_link.py; the benchmarks' --latency_ms), or `matrix`: each peer's.
+    `transport`: the device the process group moves tensors from (cpu for gloo, the GPU for NCCL); payloads computed
+    elsewhere are staged through it (compression.staging).
     `entropy`: messages sent and posted with `code=True` travel entropy-coded (compression.entropy), which needs a
     transport that takes a message shorter than its receive (gloo; NCCL does not): elsewhere it is ignored.
     `device`: where the stage computes. A GPU's payloads over a host transport (gloo) leave through `Departures`
@@ -82,9 +82,10 @@ class Wire:
     `take_sent` once `flush` has sent everything."""
 
     def __init__(self, latency_s: float = 0.0, transport: torch.device | str = "cpu", entropy: bool = False,
-                 mbit: float | None = None, device: torch.device | str = "cpu", defer: bool | None = None) -> None:
+                 mbit: float | None = None, device: torch.device | str = "cpu", defer: bool | None = None,
+                 matrix: LinkMatrix | None = None) -> None:
         self._pending: list[tuple[object, torch.Tensor]] = []
-        self.link = EmulatedLink(latency_s, mbit)
+        self.link = EmulatedLink(latency_s, mbit, matrix)
         self.staging = HostStaging(transport)
         self.entropy = bool(entropy) and self.staging.transport.type == "cpu"
         if defer is None:

@@ -66,7 +66,7 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     (["--backend", "nccl"], "backend=nccl: no CUDA GPU on this machine; expected gloo (or auto) on CPUs"),
     (["--pipeline_stages", "two"], "pipeline_stages='two': expected a positive integer or auto"),
     (["--partition", "2,x"], "argument --partition: '2,x': expected a word such as parameters, or block counts"),
-    (["--partition", "2,0"], "partition=[2, 0]: expected parameters, uniform, or block counts like 2,2"),
+    (["--partition", "2,0"], "partition=[2, 0]: expected auto, parameters, uniform, or block counts like 2,2"),
     (["--lr", "0"], "lr=0.0: expected a positive learning rate"),
     (["--dropout", "1"], "dropout=1.0: expected a probability in [0, 1)"),
     (["--lora_rank", "-1"], "lora_rank=-1: expected an integer >= 0"),

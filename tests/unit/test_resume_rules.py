@@ -35,7 +35,8 @@ RULES = {
     "checkpointing.save_total_limit": (FREE, 5), "checkpointing.copy_checkpoints": (FREE, False),
     "checkpointing.overwrite_output_dir": (FREE, True), "checkpointing.resume": (FREE, "latest"),
     "distributed.pipeline_stages": (SAME, 2), "distributed.schedule": (SAME, "gpipe"),
-    "distributed.partition": (SAME, "uniform"), "distributed.backend": (FREE, "gloo"),
+    "distributed.partition": (KEPT, "uniform"), "distributed.placement": (FREE, "auto"),
+    "distributed.cluster": (FREE, "cluster.yaml"), "distributed.backend": (FREE, "gloo"),
     "distributed.dist_timeout": (FREE, 60.0), "distributed.peer_timeout": (FREE, 10.0),
     "compression.forward": (SAME, "direct"), "compression.forward_bits": (SAME, 4),
     "compression.backward": (SAME, "none"), "compression.backward_bits": (SAME, 8),
@@ -62,6 +63,7 @@ RULES = {
 NEEDS = {dest: {"lora.rank": 8} for dest in ("lora.alpha", "lora.dropout", "lora.target_modules", "lora.load_in_4bit",
                                           "lora.use_bnb_nested_quant")}  # valid only beside another value
 NEEDS["lora.use_bnb_nested_quant"]["lora.load_in_4bit"] = True
+NEEDS["distributed.cluster"] = {"distributed.placement": "auto"}
 
 
 def flag(dest: str) -> str:

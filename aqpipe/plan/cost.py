@@ -1,0 +1,159 @@
+"""The predicted step of a placement: who holds which (stage, replica), and the blocks of each stage.
+
+    step = max over replicas (the schedule's makespan + the tied weights' rows)
+           + the step's job-wide tables (a ring over each pipeline, then over each stage's replicas)
+           + max over stages (the replicas' sync)
+
+The makespan plays the run's own schedule (pipeline.schedule.makespan) with each stage's compute (its blocks and
+extras at its machine's speed; a backward twice a forward) and each boundary's messages on the link between the two
+machines that hold its sides (their time on the link, then its latency). The replicas' sync is the algorithm's bytes
+over the links of the stage's group: a ring's 2 (R-1) hops of 1/R of them, each at the ring's slowest link, or an
+exchange with peers. A placement whose stage does not fit its machine's memory costs infinity.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from aqpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, makespan, train_schedule
+
+from .cluster import Cluster
+from .workload import Workload
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A placement's predicted step and its parts, in seconds."""
+
+    step: float
+    pipeline: float  # the slowest replica's schedule (compute and boundaries) and tied rows
+    compute: float  # of it, the slowest stage's compute alone
+    boundaries: dict[int, float] = field(default_factory=dict)  # per boundary, its slowest replica's messages a step
+    tables: float = 0.0  # the job-wide tables
+    data_parallel: float = 0.0  # the slowest stage's replicas' sync
+    fits: bool = True
+
+    def parts(self) -> str:
+        links = ", ".join(f"boundary {b} {t:.3g} s" for b, t in self.boundaries.items())
+        return (f"compute {self.compute:.3g} s, {links or 'no boundary'}, tables {self.tables:.3g} s, "
+                f"data-parallel {self.data_parallel:.3g} s")
+
+
+def ring_seconds(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
+    """A ring allreduce of `nbytes` over `ranks` (in that order): 2 (k-1) hops of nbytes / k, each as long as the
+    ring's slowest link takes."""
+    k = len(ranks)
+    if k < 2:
+        return 0.0
+    hop = max(cluster.seconds(ranks[i], ranks[(i + 1) % k], nbytes / k) for i in range(k))
+    return 2 * (k - 1) * hop
+
+
+def peers_seconds(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
+    """Each member sends `nbytes` to its ring neighbours: as long as the slowest of those links."""
+    k = len(ranks)
+    if k < 2:
+        return 0.0
+    return max(cluster.seconds(ranks[i], ranks[(i + d) % k], nbytes) for i in range(k) for d in (1, -1))
+
+
+SYNCS = {"ring": ring_seconds, "peers": peers_seconds}
+
+
+def stage_memory(work: Workload, stage: int, stages: int, blocks: int) -> float:
+    """Bytes stage `stage` holds: its blocks' weights and state, the extras, and 1F1B's activations in flight."""
+    in_flight = min(stages - stage, work.micro_batches) if work.schedule != "gpipe" else work.micro_batches
+    return blocks * (work.block_memory + in_flight * work.activation_memory) + \
+        (work.first_memory if stage == 0 else 0.0) + (work.last_memory if stage == stages - 1 else 0.0)
+
+
+class CostModel:
+    """Prices placements of one workload on one cluster; remembers each replica's pipeline it priced (the search
+    asks about the same ones many times)."""
+
+    def __init__(self, cluster: Cluster, work: Workload, stages: int, replicas: int) -> None:
+        self.cluster, self.work, self.stages, self.replicas = cluster, work, stages, replicas
+        self.schedules = [train_schedule(work.schedule, s, stages, work.micro_batches) for s in range(stages)]
+        self.block_s = [cluster.block_seconds(r, work.block_flops) for r in range(len(cluster))]
+        self._pipes: dict[tuple, tuple[float, dict[int, float]]] = {}
+
+    # ------------------------------------------------------------------ parts
+    def stage_seconds(self, rank: int, stage: int, blocks: int) -> float:
+        """Rank `rank`'s compute for one micro-batch's forward and backward of stage `stage` with `blocks`."""
+        return (blocks + self.work.stage_extra(stage, self.stages)) * self.block_s[rank]
+
+    def pipeline(self, ranks: tuple[int, ...], partition: tuple[int, ...]) -> tuple[float, dict[int, float]]:
+        """One replica's makespan on `ranks` (stage order) with its tied rows, and each boundary's message time."""
+        key = (ranks, partition)
+        if key not in self._pipes:
+            w, c = self.work, self.cluster
+            costs = []
+            for s, rank in enumerate(ranks):
+                f = self.stage_seconds(rank, s, partition[s]) / 3
+                costs.append({FORWARD: f, BACKWARD: 2 * f, BACKWARD_INPUT: f, BACKWARD_WEIGHT: f})
+            transfer, links = {}, {}
+            for b in range(self.stages - 1):
+                a, z = ranks[b], ranks[b + 1]
+                transfer[(b, b + 1)] = (w.forward_bytes / c.rate[a][z], c.latency[a][z])
+                transfer[(b + 1, b)] = (w.backward_bytes / c.rate[z][a], c.latency[z][a])
+                links[b] = w.micro_batches * (c.seconds(a, z, w.forward_bytes) + c.seconds(z, a, w.backward_bytes))
+            span = makespan(self.schedules, costs, transfer)
+            if w.tie_bytes and self.stages > 1:
+                span += c.seconds(ranks[0], ranks[-1], w.tie_bytes / 2) + c.seconds(ranks[-1], ranks[0],
+                                                                                     w.tie_bytes / 2)
+            self._pipes[key] = (span, links)
+        return self._pipes[key]
+
+    def fits(self, placement: list[int], partition: tuple[int, ...]) -> bool:
+        for slot, rank in enumerate(placement):
+            stage = slot % self.stages
+            memory = self.cluster.machines[rank].memory_bytes
+            if memory is not None and stage_memory(self.work, stage, self.stages, partition[stage]) > memory:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ the whole step
+    def predict(self, placement: list[int], partition: tuple[int, ...]) -> Prediction:
+        """`placement[replica x stages + stage]`: the rank holding it; `partition`: blocks per stage."""
+        S, R, w, c = self.stages, self.replicas, self.work, self.cluster
+        if not self.fits(placement, partition):
+            return Prediction(math.inf, math.inf, math.inf, fits=False)
+        pipes = [tuple(placement[r * S:(r + 1) * S]) for r in range(R)]
+        priced = [self.pipeline(p, partition) for p in pipes]
+        pipeline = max(span for span, _ in priced)
+        boundaries = {b: max(links[b] for _, links in priced) for b in range(S - 1)}
+        groups = [[placement[r * S + s] for r in range(R)] for s in range(S)]
+        syncs = 2 if R > 1 else 1  # the step's table, and with replicas their sync's byte count
+        tables = syncs * (max(ring_seconds(c, list(p), w.table_bytes) for p in pipes) +
+                          max(ring_seconds(c, g, w.table_bytes) for g in groups))
+        data_parallel = 0.0
+        if R > 1:
+            sync = SYNCS[w.dp_kind]
+            data_parallel = max(sync(c, groups[s], w.dp_bytes_per_parameter * w.stage_trained(s, S, partition[s]))
+                                for s in range(S))
+        compute = max(w.micro_batches * self.stage_seconds(placement[r * S + s], s, partition[s])
+                      for r in range(R) for s in range(S))
+        return Prediction(pipeline + tables + data_parallel, pipeline, compute, boundaries, tables, data_parallel)
+
+    def balance(self, placement: list[int]) -> tuple[int, ...]:
+        """Blocks per stage for `placement`, contiguous, in proportion to speed: each stage's pace is its slowest
+        replica's machine, and blocks go one at a time to the stage that stays fastest with one more (which
+        minimizes the slowest stage's compute), within its machines' memory."""
+        S, R, w = self.stages, self.replicas, self.work
+        pace = [max(self.block_s[placement[r * S + s]] for r in range(R)) for s in range(S)]
+        room = [min((self.cluster.machines[placement[r * S + s]].memory_bytes or math.inf) for r in range(R))
+                for s in range(S)]
+        counts = [1] * S
+        for _ in range(w.blocks - S):
+            best = None
+            for s in range(S):
+                if stage_memory(w, s, S, counts[s] + 1) > room[s]:
+                    continue
+                t = (counts[s] + 1 + w.stage_extra(s, S)) * pace[s]
+                if best is None or t < best[0]:
+                    best = (t, s)
+            if best is None:  # no stage can take another block: the memory check in `predict` refuses it
+                counts[max(range(S), key=lambda s: room[s])] += 1
+                continue
+            counts[best[1]] += 1
+        return tuple(counts)

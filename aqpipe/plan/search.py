@@ -1,0 +1,300 @@
+"""The placement a run takes: who holds which (stage, replica), and the blocks of each stage, from the cost model.
+
+Small worlds (up to `EXACT_UP_TO` ranks) are searched whole: every assignment of ranks to the grid's places, less
+those that only renumber the replicas (which compute and send alike). Larger ones follow Yuan et al. (NeurIPS 2022,
+"Decentralized Training of Foundation Models in Heterogeneous Environments"): the ranks are split into one group per
+stage whose members are well linked (the replicas' sync runs inside a group), the groups are ordered into the path
+the activations take that costs least (an open-loop path over the groups), the replicas are threaded through
+consecutive groups by their best links, and a local search then swaps ranks while the predicted step falls. Both
+keep the best placement the model predicts; blocks per stage follow each placement's speeds (CostModel.balance)
+unless the run fixes them.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cluster import Cluster
+from .cost import CostModel, Prediction, ring_seconds, stage_memory
+from .workload import Workload
+
+EXACT_UP_TO = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement and its blocks, with what the model predicts of it and of rank order."""
+
+    stages: int
+    replicas: int
+    placement: list[int]  # the rank of each (stage, replica), at index replica x stages + stage
+    partition: list[int]
+    predicted: Prediction
+    rank_order: Prediction  # the launcher's numbering, with the same kind of split
+    method: str  # "exact" or "search"
+    evaluated: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": self.stages, "replicas": self.replicas, "placement": self.placement,
+                "partition": self.partition, "method": self.method, "evaluated": self.evaluated,
+                "predicted_step_s": self.predicted.step, "rank_order_step_s": self.rank_order.step,
+                "parts": {"pipeline": self.predicted.pipeline, "compute": self.predicted.compute,
+                          "boundaries": {str(b): t for b, t in self.predicted.boundaries.items()},
+                          "tables": self.predicted.tables, "data_parallel": self.predicted.data_parallel}}
+
+
+class _Search:
+    def __init__(self, model: CostModel, partition: tuple[int, ...] | None) -> None:
+        self.model, self.fixed = model, partition
+        self.evaluated = 0
+        self._splits: dict[tuple, tuple[int, ...]] = {}
+
+    def split(self, placement: list[int]) -> tuple[int, ...]:
+        if self.fixed is not None:
+            return self.fixed
+        m = self.model
+        key = tuple(tuple(placement[r * m.stages + s] for r in range(m.replicas)) for s in range(m.stages))
+        speeds = tuple(tuple(sorted(m.block_s[x] for x in group)) for group in key)
+        if speeds not in self._splits:
+            self._splits[speeds] = m.balance(placement)
+        return self._splits[speeds]
+
+    def price(self, placement: list[int]) -> tuple[Prediction, tuple[int, ...]]:
+        self.evaluated += 1
+        partition = self.split(placement)
+        return self.model.predict(placement, partition), partition
+
+
+def plan(cluster: Cluster, work: Workload, stages: int, replicas: int, *, partition: list[int] | None = None,
+         budget_s: float = 30.0, seed: int = 0, exact_up_to: int = EXACT_UP_TO) -> Plan:
+    """The placement the model predicts fastest for `stages` x `replicas` on `cluster`'s ranks; `partition`: blocks
+    per stage the run fixes (None: chosen with each placement). ValueError in one line when no placement fits."""
+    started = time.perf_counter()
+    n = stages * replicas
+    if len(cluster) != n:
+        raise ValueError(f"a cluster of {len(cluster)} machines for {stages} stages x {replicas} replicas; expected "
+                         f"{n}")
+    model = CostModel(cluster, work, stages, replicas)
+    search = _Search(model, None if partition is None else tuple(partition))
+    order = list(range(n))
+    rank_order = search.price(order)[0]
+    if n <= exact_up_to:
+        best, method = _exact(search, stages, replicas), "exact"
+    else:
+        best, method = _heuristic(search, cluster, work, stages, replicas, budget_s, seed), "search"
+    (predicted, split), placement = best
+    if not predicted.fits:
+        short = _shortfall(model, search.split(order))
+        raise ValueError(f"no placement of {stages} stages x {replicas} replicas fits the machines' memory: {short}")
+    return Plan(stages, replicas, placement, list(split), predicted, rank_order, method, search.evaluated,
+                time.perf_counter() - started)
+
+
+def _shortfall(model: CostModel, partition: tuple[int, ...]) -> str:
+    S, w = model.stages, model.work
+    need = max(stage_memory(w, s, S, partition[s]) for s in range(S))
+    most = max(m.memory_bytes or math.inf for m in model.cluster.machines)
+    return f"its largest stage needs {need / 1e9:.2f} GB, the largest machine has {most / 1e9:.2f} GB"
+
+
+def _better(a: tuple[tuple[Prediction, tuple[int, ...]], list[int]] | None, b: tuple) -> bool:
+    return a is None or b[0][0].step < a[0][0].step
+
+
+def _exact(search: _Search, stages: int, replicas: int) -> tuple[tuple[Prediction, tuple[int, ...]], list[int]]:
+    """Every placement up to renumbering the replicas (the rank holding stage 0 grows with the replica)."""
+    n = stages * replicas
+    best = None
+    for perm in itertools.permutations(range(n)):
+        firsts = [perm[r * stages] for r in range(replicas)]
+        if any(a > b for a, b in zip(firsts, firsts[1:])):
+            continue
+        placement = list(perm)
+        candidate = (search.price(placement), placement)
+        if _better(best, candidate):
+            best = candidate
+    return best
+
+
+def _heuristic(search: _Search, cluster: Cluster, work: Workload, stages: int, replicas: int, budget_s: float,
+               seed: int) -> tuple[tuple[Prediction, tuple[int, ...]], list[int]]:
+    """From rank order and two constructions (stage groups by links, as Yuan et al.; pipelines by links, where the
+    boundaries outweigh the sync), annealed by swapping ranks, then swapped while the step falls."""
+    deadline = time.perf_counter() + budget_s
+    rng = random.Random(seed)
+    n = stages * replicas
+    dp_bytes = work.dp_bytes_per_parameter * work.block_trained * max(1, work.blocks // stages) or work.table_bytes
+    message = work.micro_batches * (work.forward_bytes + work.backward_bytes)
+    starts = [list(range(n)), _by_stage_groups(cluster, stages, replicas, dp_bytes, message),
+              _by_pipelines(cluster, stages, replicas, message)]
+    priced = [(search.price(p), p) for p in starts]
+    best = min(priced, key=lambda c: c[0][0].step)
+    share = (deadline - time.perf_counter()) / (2 * len(priced))
+    for candidate in priced:  # each start annealed for a share of the budget, the rest left for the polish
+        found = _anneal(search, candidate, rng, time.perf_counter() + share)
+        if _better(best, found):
+            best = found
+    return _polish(search, best, deadline)
+
+
+def _anneal(search: _Search, start: tuple, rng: random.Random, until: float) -> tuple:
+    """Simulated annealing over swaps of two ranks: a worse step is taken with probability exp(-rise / T), T cooling
+    from a twentieth of the start's step; the best placement met is returned."""
+    current = best = start
+    n = len(start[1])
+    if n < 2:
+        return best
+    t0 = 0.05 * start[0][0].step if math.isfinite(start[0][0].step) else 1.0
+    steps, began = 0, time.perf_counter()
+    while time.perf_counter() < until:
+        fraction = (time.perf_counter() - began) / max(until - began, 1e-9)
+        temperature = t0 * (1e-3 ** fraction)
+        i, j = rng.sample(range(n), 2)
+        placement = list(current[1])
+        placement[i], placement[j] = placement[j], placement[i]
+        candidate = (search.price(placement), placement)
+        rise = candidate[0][0].step - current[0][0].step
+        if rise <= 0 or (math.isfinite(rise) and rng.random() < math.exp(-rise / max(temperature, 1e-12))):
+            current = candidate
+            if _better(best, current):
+                best = current
+        steps += 1
+    return best
+
+
+def _polish(search: _Search, start: tuple, deadline: float) -> tuple:
+    """Every swap of two ranks, taken while it shortens the step, until none does or the budget ends."""
+    current = start
+    n = len(start[1])
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for i, j in itertools.combinations(range(n), 2):
+            if time.perf_counter() >= deadline:
+                break
+            placement = list(current[1])
+            placement[i], placement[j] = placement[j], placement[i]
+            candidate = (search.price(placement), placement)
+            if candidate[0][0].step < current[0][0].step * (1 - 1e-9):
+                current, improved = candidate, True
+    return current
+
+
+def _by_stage_groups(cluster: Cluster, stages: int, replicas: int, dp_bytes: float, message: float) -> list[int]:
+    """Yuan et al.'s construction: stage groups by links, their cheapest path, replicas threaded by best links."""
+    groups = _groups(cluster, stages, replicas, dp_bytes)
+
+    def between(a: list[int], b: list[int]) -> float:  # the groups' best pairing's slowest pair, by greedy matching
+        return max(t for t, _, _ in _matching(cluster, a, b, message))
+
+    order = _path([list(g) for g in groups], between)
+    chains = [[r] for r in order[0]]
+    for s in range(1, stages):
+        pairs = _matching(cluster, [c[-1] for c in chains], order[s], message)
+        for _, i, j in pairs:
+            chains[i].append(order[s][j])
+    return _placement(chains, stages)
+
+
+def _by_pipelines(cluster: Cluster, stages: int, replicas: int, message: float) -> list[int]:
+    """Each replica's pipeline on ranks well linked among themselves, its stages in the cheapest path over them."""
+    chains = []
+    for group in _groups(cluster, replicas, stages, message):
+        order = _path([[r] for r in group], lambda a, b: cluster.seconds(a[0], b[0], message))
+        chains.append([g[0] for g in order])
+    return _placement(chains, stages)
+
+
+def _placement(chains: list[list[int]], stages: int) -> list[int]:
+    """Replica r's chain of ranks (stage order) laid out as a placement."""
+    placement = [0] * (len(chains) * stages)
+    for r, chain in enumerate(chains):
+        for s, rank in enumerate(chain):
+            placement[r * stages + s] = rank
+    return placement
+
+
+def _groups(cluster: Cluster, stages: int, replicas: int, nbytes: float) -> list[list[int]]:
+    """`stages` groups of `replicas` ranks each, well linked inside: seeded by the least linked rank left, grown by
+    the rank nearest the group, then improved by swapping members between groups while the slowest ring falls."""
+    n = stages * replicas
+    if replicas == 1 or stages == 1:
+        return [[r] for r in range(n)] if replicas == 1 else [list(range(n))]
+
+    def link(i: int, j: int) -> float:
+        return max(cluster.seconds(i, j, nbytes), cluster.seconds(j, i, nbytes))
+
+    left = set(range(n))
+    groups: list[list[int]] = []
+    while left:
+        seed = max(sorted(left), key=lambda i: sum(link(i, j) for j in left if j != i))
+        group = [seed]
+        left.discard(seed)
+        while len(group) < replicas:
+            nearest = min(sorted(left), key=lambda j: max(link(i, j) for i in group))
+            group.append(nearest)
+            left.discard(nearest)
+        groups.append(group)
+
+    def ring(g: list[int]) -> float:
+        return ring_seconds(cluster, g, nbytes)
+
+    improved = True
+    while improved:
+        improved = False
+        for a, b in itertools.combinations(range(len(groups)), 2):
+            for i, j in itertools.product(range(replicas), range(replicas)):
+                ga, gb = list(groups[a]), list(groups[b])
+                ga[i], gb[j] = gb[j], ga[i]
+                if max(ring(ga), ring(gb)) < max(ring(groups[a]), ring(groups[b])) * (1 - 1e-9):
+                    groups[a], groups[b], improved = ga, gb, True
+    return groups
+
+
+def _matching(cluster: Cluster, a: list[int], b: list[int], nbytes: float) -> list[tuple[float, int, int]]:
+    """Pairs (time, index in a, index in b) joining each of `a` to one of `b`, fastest links first (greedy)."""
+    options = sorted((cluster.seconds(x, y, nbytes), i, j) for i, x in enumerate(a) for j, y in enumerate(b))
+    used_a, used_b, out = set(), set(), []
+    for t, i, j in options:
+        if i not in used_a and j not in used_b:
+            used_a.add(i)
+            used_b.add(j)
+            out.append((t, i, j))
+    return out
+
+
+def _path(groups: list[list[int]], between: Any) -> list[list[int]]:
+    """The order of the groups whose consecutive links cost least in sum: every order where there are few,
+    else nearest neighbours from each start, then 2-opt."""
+    k = len(groups)
+    cost = [[between(groups[i], groups[j]) if i != j else 0.0 for j in range(k)] for i in range(k)]
+
+    def length(order: list[int]) -> float:
+        return sum(cost[order[i]][order[i + 1]] for i in range(k - 1))
+
+    if k <= 7:
+        best = min(itertools.permutations(range(k)), key=lambda o: length(list(o)))
+        return [groups[i] for i in best]
+    candidates = []
+    for start in range(k):
+        order, left = [start], set(range(k)) - {start}
+        while left:
+            nxt = min(sorted(left), key=lambda j: cost[order[-1]][j])
+            order.append(nxt)
+            left.discard(nxt)
+        improved = True
+        while improved:
+            improved = False
+            for i in range(1, k - 1):
+                for j in range(i + 1, k):
+                    trial = order[:i] + order[i:j + 1][::-1] + order[j + 1:]
+                    if length(trial) < length(order) - 1e-12:
+                        order, improved = trial, True
+        candidates.append(order)
+    return [groups[i] for i in min(candidates, key=length)]

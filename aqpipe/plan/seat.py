@@ -1,0 +1,125 @@
+"""A run's ranks put in their places at start, as `--placement` says, with one line from rank 0:
+
+- `rank`: stage s of replica r on rank r x stages + s (the launcher's numbering); blocks as `--partition` says
+  (auto: by parameter count);
+- `auto`: the machines measured (profile.py) or read from `--cluster`, and the placement the cost model predicts
+  fastest (search.py), blocks in proportion to speed unless `--partition` fixes them (a resumed run keeps its
+  checkpoint's);
+- a plan file `aqpipe plan` wrote: its placement and blocks.
+
+Rank 0 plans and every rank takes its plan (the search keeps to a time budget, so two ranks could reach two
+answers). Returns the grid and the settings with `partition` resolved to the blocks the run takes.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from aqpipe.pipeline import Grid
+from aqpipe.pipeline.loading import meta_model
+from aqpipe.pipeline.partitioning import stage_block_counts
+from aqpipe.storage import broadcast
+
+from . import profile, workload
+from .cluster import Cluster, read
+from .search import Plan, plan
+
+PLACEMENTS = ("rank", "auto")  # or a plan file's path
+
+
+def first_share(cfg: Any) -> float:
+    """Of a run's forward messages, the share that carry first visits (AQ-SGD's buffers hold none before)."""
+    return 1.0 / max(1, cfg.epochs)
+
+
+def fixed_blocks(cfg: Any, model_class: type, config: Any, stages: int) -> list[int] | None:
+    """The blocks per stage the settings fix (a list, parameters, uniform), or None where the plan chooses."""
+    method = cfg.distributed.partition
+    if method == "auto":
+        return None
+    if isinstance(method, list):
+        return list(method)
+    return stage_block_counts(meta_model(model_class, config), stages, method)
+
+
+def read_plan(path: str | Path, world_size: int, stages: int) -> dict[str, Any]:
+    """A plan file's placement and blocks, checked against this run; ValueError in one line naming what differs."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"placement={str(path)!r}: expected rank, auto or a plan file ({exc.strerror or exc})") \
+            from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"placement={str(path)!r}: not a plan file (JSON: {exc.msg})") from None
+    need = {"stages", "replicas", "placement", "partition"}
+    if not isinstance(data, dict) or not need <= set(data):
+        raise ValueError(f"placement={str(path)!r}: expected a plan file with {', '.join(sorted(need))}")
+    if data["stages"] * data["replicas"] != world_size or data["stages"] != stages:
+        raise ValueError(f"placement={str(path)!r}: planned for {data['stages']} stages x {data['replicas']} "
+                         f"replicas; this run has {stages} stages on {world_size} ranks")
+    Grid.for_world(world_size, stages, data["placement"])  # each rank once, or a one-line refusal
+    return data
+
+
+def describe(chosen: Plan, source: str, took: float | None) -> str:
+    """The start line of a planned run."""
+    where = f"measured in {took:.1f} s" if took is not None else f"from {source}"
+    speedup = chosen.rank_order.step / chosen.predicted.step if chosen.predicted.step else 1.0
+    return (f"placement auto ({where}): ranks by (stage, replica) {chosen.placement}, blocks per stage "
+            f"{chosen.partition}; predicted step {chosen.predicted.step:.3g} s ({chosen.predicted.parts()}), rank "
+            f"order's {chosen.rank_order.step:.3g} s ({speedup:.2f}x); {chosen.method} search over "
+            f"{chosen.evaluated} placements in {chosen.seconds:.1f} s")
+
+
+def rank_order(cfg: Any, world_size: int) -> tuple[Grid, Any]:
+    """The launcher's numbering, and the settings' blocks (auto: by parameter count)."""
+    blocks = cfg.distributed.partition
+    return Grid.for_world(world_size, cfg.distributed.pipeline_stages), \
+        _with_blocks(cfg, "parameters" if blocks == "auto" else blocks)
+
+
+def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, Any, Plan | None]:
+    """(the grid, the settings with their blocks resolved, the plan where one was made) of this run."""
+    stages, how = cfg.distributed.pipeline_stages, cfg.distributed.placement
+    if how == "rank" or world.size == 1:
+        return (*rank_order(cfg, world.size), None)
+    if how != "auto":
+        data = read_plan(how, world.size, stages)
+        if world.rank == 0:
+            print(f"placement {how}: ranks by (stage, replica) {data['placement']}, blocks per stage "
+                  f"{data['partition']}", file=sys.stderr)
+        return Grid.for_world(world.size, stages, data["placement"]), _with_blocks(cfg, list(data["partition"])), None
+    work = workload.build(cfg, model_class, config, first_share(cfg))
+    took = None
+    if cfg.distributed.cluster:
+        cluster = read(cfg.distributed.cluster, world.size)
+    else:
+        cluster, took = profile.measure(cfg, world, model_class, config, work.forward_bytes)
+    chosen: Any = None
+    if world.rank == 0:
+        try:
+            chosen = plan(cluster, work, stages, cfg.replicas,
+                          partition=fixed_blocks(cfg, model_class, config, stages), seed=cfg.seed)
+            print(describe(chosen, cfg.distributed.cluster or "", took), file=sys.stderr)
+            if took is not None:
+                _write_table(cluster, cfg)
+        except ValueError as exc:  # said on every rank, not left for the others to wait out
+            chosen = str(exc)
+    chosen = broadcast(chosen, world)
+    if isinstance(chosen, str):
+        raise ValueError(chosen)
+    return Grid.for_world(world.size, stages, chosen.placement), _with_blocks(cfg, chosen.partition), chosen
+
+
+def _with_blocks(cfg: Any, blocks: Any) -> Any:
+    return replace(cfg, distributed=replace(cfg.distributed, partition=blocks))
+
+
+def _write_table(cluster: Cluster, cfg: Any) -> None:
+    """The measured table beside the run's results, for --cluster and `aqpipe plan`."""
+    out = Path(cfg.checkpointing.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cluster.write(out / "cluster.yaml")
