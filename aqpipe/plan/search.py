@@ -23,6 +23,7 @@ from .cost import CostModel, Prediction, ring_seconds, stage_memory
 from .workload import Workload
 
 EXACT_UP_TO = 8
+RANDOM_STARTS = 3  # besides rank order and the two constructions
 
 
 @dataclass(frozen=True)
@@ -133,38 +134,51 @@ def _heuristic(search: _Search, cluster: Cluster, work: Workload, stages: int, r
     message = work.micro_batches * (work.forward_bytes + work.backward_bytes)
     starts = [list(range(n)), _by_stage_groups(cluster, stages, replicas, dp_bytes, message),
               _by_pipelines(cluster, stages, replicas, message)]
+    starts += [rng.sample(range(n), n) for _ in range(RANDOM_STARTS)]
     priced = [(search.price(p), p) for p in starts]
     best = min(priced, key=lambda c: c[0][0].step)
     share = (deadline - time.perf_counter()) / (2 * len(priced))
     for candidate in priced:  # each start annealed for a share of the budget, the rest left for the polish
-        found = _anneal(search, candidate, rng, time.perf_counter() + share)
+        found = _polish(search, _anneal(search, candidate, rng, time.perf_counter() + share, stages),
+                        time.perf_counter() + share)
         if _better(best, found):
             best = found
     return _polish(search, best, deadline)
 
 
-def _anneal(search: _Search, start: tuple, rng: random.Random, until: float) -> tuple:
-    """Simulated annealing over swaps of two ranks: a worse step is taken with probability exp(-rise / T), T cooling
+def _move(placement: list[int], stages: int, rng: random.Random) -> list[int]:
+    """A neighbouring placement: two ranks swapped, or (a third of the time) two stages' whole columns, every
+    replica's rank of one stage for the other's."""
+    out, n = list(placement), len(placement)
+    if stages > 1 and rng.random() < 1 / 3:
+        a, b = rng.sample(range(stages), 2)
+        for r in range(n // stages):
+            out[r * stages + a], out[r * stages + b] = out[r * stages + b], out[r * stages + a]
+        return out
+    i, j = rng.sample(range(n), 2)
+    out[i], out[j] = out[j], out[i]
+    return out
+
+
+def _anneal(search: _Search, start: tuple, rng: random.Random, until: float, stages: int) -> tuple:
+    """Simulated annealing over moves (`_move`): a worse step is taken with probability exp(-rise / T), T cooling
     from a twentieth of the start's step; the best placement met is returned."""
     current = best = start
     n = len(start[1])
     if n < 2:
         return best
     t0 = 0.05 * start[0][0].step if math.isfinite(start[0][0].step) else 1.0
-    steps, began = 0, time.perf_counter()
+    began = time.perf_counter()
     while time.perf_counter() < until:
         fraction = (time.perf_counter() - began) / max(until - began, 1e-9)
         temperature = t0 * (1e-3 ** fraction)
-        i, j = rng.sample(range(n), 2)
-        placement = list(current[1])
-        placement[i], placement[j] = placement[j], placement[i]
+        placement = _move(current[1], stages, rng)
         candidate = (search.price(placement), placement)
         rise = candidate[0][0].step - current[0][0].step
         if rise <= 0 or (math.isfinite(rise) and rng.random() < math.exp(-rise / max(temperature, 1e-12))):
             current = candidate
             if _better(best, current):
                 best = current
-        steps += 1
     return best
 
 

@@ -1,0 +1,203 @@
+"""The plan: cluster tables read and refused in one line, the cost model's parts, the exact search against a brute
+force that knows no symmetry, the heuristic within 5% of the exact optimum, blocks in proportion to speed, and the
+memory a stage needs."""
+import itertools
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from aqpipe.pipeline import Grid
+from aqpipe.plan import CostModel, Workload, parse, plan, read
+from aqpipe.plan.cost import ring_seconds
+from aqpipe.plan.profile import rounds
+from aqpipe.plan.seat import read_plan
+
+WORK = Workload(blocks=8, block_flops=1e9, first_extra=0.0, last_extra=0.5, micro_batches=4, schedule="1f1b",
+                forward_bytes=2e5, backward_bytes=2e5, tie_bytes=0, block_trained=100_000, first_trained=0,
+                last_trained=0, dp_bytes_per_parameter=4.0, dp_kind="ring", block_memory=1e6,
+                activation_memory=1e5, first_memory=0, last_memory=0)
+TWO_REGIONS = {"a": {"a": {"mbit": 1000, "latency_ms": 0.1}, "b": {"mbit": 20, "latency_ms": 20}},
+               "b": {"b": {"mbit": 1000, "latency_ms": 0.1}}}
+
+
+def random_cluster(rng: random.Random, n: int):
+    return parse({"machines": [{"region": rng.choice("abc"), "block_ms": rng.choice([10, 10, 25])}
+                               for _ in range(n)],
+                  "regions": {a: {b: {"mbit": 1000 if a == b else rng.choice([10, 50, 200]),
+                                      "latency_ms": 0.1 if a == b else rng.choice([5, 40, 100])}
+                                  for b in "abc" if b >= a} for a in "abc"}})
+
+
+def test_a_cluster_file_gives_each_pair_its_link_the_specific_one_first(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("""
+machines:
+  - {name: a0, region: a, block_ms: 10, memory_gb: 2}
+  - {name: b0, region: b, tflops: 50}
+  - {name: c0, block_ms: 20}
+regions: {a: {a: {mbit: 1000, latency_ms: 0.1}, b: {mbit: 20, latency_ms: 30}}}
+links: [{from: a0, to: c0, mbit: 8, latency_ms: 5}]
+default_link: {mbit: 100, latency_ms: 1}
+""")
+    c = read(path, ranks=3)
+    assert c.rate[0][1] == c.rate[1][0] == 20e6 / 8 and c.latency[1][0] == 0.03  # a region pair, both ways
+    assert c.rate[0][2] == 1e6 and c.latency[2][0] == 0.005  # the pair's own link, both ways
+    assert c.rate[1][2] == 100e6 / 8  # neither: the default
+    assert c.seconds(0, 1, 2.5e6) == pytest.approx(1.0 + 0.03)
+    assert c.block_seconds(1, 1e12) == pytest.approx(1 / 50) and c.block_seconds(0, 1e12) == 0.01
+    assert c.machines[0].memory_bytes == 2e9
+    again = tmp_path / "again.json"
+    c.write(again)  # what a profile writes reads back as the same table
+    back = read(again)
+    assert back.rate == c.rate and back.latency == c.latency
+    assert [m.block_s for m in back.machines] == [m.block_s for m in c.machines]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("machines: []", "expected a mapping with a list of machines"),
+    ("machines: [{block_ms: 10}, {region: a}]", r"machines\[1\]: no speed; expected block_ms .* or tflops"),
+    ("machines: [{block_ms: -1}]", r"machines\[0\]\.block_ms=-1: expected a number > 0"),
+    ("machines: [{block_ms: 1, speed: 2}]", r"machines\[0\]: unknown key\(s\) speed"),
+    ("machines: [{block_ms: 1}, {block_ms: 1}]", "no link from rank0 to rank1"),
+    ("machines: [{block_ms: 1}, {block_ms: 1}]\nlinks: [{from: 0, to: 7, mbit: 1}]",
+     r"links\[0\]\.to=7: expected a machine's name or rank \(0\.\.1\)"),
+    ("machines: [{block_ms: 1}, {block_ms: 1}]\ndefault_link: {mbit: 0}", r"default_link\.mbit=0: expected a number"),
+    ("machines: [{block_ms: 1}]\nextra: 1", r"unknown key\(s\) extra"),
+    ("machines: [{block_ms: 1}, {block_ms: 1}]\ndefault_link: {mbit: 5}\n", "2 machines for a run of 4 ranks"),
+    ("{{{", "not YAML or JSON"),
+])
+def test_a_bad_cluster_file_is_refused_in_one_line_naming_the_field(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as refused:
+        read(path, ranks=4 if "run of 4" in message else None)
+    assert "\n" not in str(refused.value) and str(path) in str(refused.value)
+
+
+def test_the_step_is_the_schedule_the_tables_and_the_sync():
+    """Two stages on one fast pair and a slow one between them: the boundary's messages cross the slow link (its
+    rate and latency), the replicas' sync rings over the fast ones."""
+    cluster = parse({"machines": [{"region": r, "block_ms": 10} for r in "abab"], "regions": TWO_REGIONS})
+    model = CostModel(cluster, WORK, 2, 2)
+    crossing = model.predict([0, 1, 2, 3], (4, 4))
+    inside = model.predict([0, 2, 1, 3], (4, 4))  # each pipeline in a region, each stage's replicas across
+    assert crossing.boundaries[0] == pytest.approx(4 * 2 * (2e5 / 2.5e6 + 0.02))  # 4 micro-batches each way
+    assert inside.boundaries[0] == pytest.approx(4 * 2 * (2e5 / 125e6 + 0.0001))
+    assert inside.data_parallel == pytest.approx(ring_seconds(cluster, [0, 1], 4.0 * 4 * 100_000))
+    assert crossing.data_parallel == pytest.approx(ring_seconds(cluster, [0, 2], 4.0 * 4 * 100_000))
+    assert crossing.step == pytest.approx(crossing.pipeline + crossing.tables + crossing.data_parallel)
+    assert crossing.compute == pytest.approx(4 * (4 + 0.5) * 0.01)  # the last stage's head
+
+
+@pytest.mark.parametrize("speeds", [(10, 30), (30, 10), (10, 10, 25), (25, 10, 10, 10)])
+def test_blocks_go_to_the_faster_stages_as_the_slowest_stage_is_fastest(speeds):
+    """Against every split of the 8 blocks: the slowest stage's compute (its blocks and the last one's half block of
+    head, at its machine's pace) is the least any split gives, with more blocks on the faster machines."""
+    cluster = parse({"machines": [{"block_ms": ms} for ms in speeds], "default_link": {"mbit": 1000}})
+    S = len(speeds)
+    model = CostModel(cluster, WORK, S, 1)
+
+    def slowest(split):
+        return max((split[s] + (0.5 if s == S - 1 else 0)) * speeds[s] for s in range(S))
+
+    splits = [c for c in itertools.product(range(1, 9), repeat=S) if sum(c) == 8]
+    chosen = model.balance(list(range(S)))
+    assert sum(chosen) == 8 and slowest(chosen) == min(slowest(c) for c in splits)
+    fast, slow = speeds.index(min(speeds)), speeds.index(max(speeds))
+    assert chosen[fast] > chosen[slow]
+
+
+def brute_force(cluster, stages, replicas):
+    """Every assignment of ranks to places, no symmetry used, blocks balanced as the plan balances them."""
+    model = CostModel(cluster, WORK, stages, replicas)
+    return min(model.predict(list(p), model.balance(list(p))).step
+               for p in itertools.permutations(range(stages * replicas)))
+
+
+@pytest.mark.parametrize("stages,replicas", [(2, 2), (3, 2), (2, 3)])
+def test_the_exact_search_finds_brute_forces_optimum(stages, replicas):
+    rng = random.Random(stages * 10 + replicas)
+    for _ in range(3):
+        cluster = random_cluster(rng, stages * replicas)
+        chosen = plan(cluster, WORK, stages, replicas)
+        assert chosen.method == "exact"
+        assert chosen.predicted.step == pytest.approx(brute_force(cluster, stages, replicas), rel=1e-12)
+
+
+def test_the_heuristic_is_within_5_percent_of_the_exact_optimum_on_8_ranks():
+    rng = random.Random(7)
+    gaps = []
+    for _ in range(4):
+        cluster = random_cluster(rng, 8)
+        exact = plan(cluster, WORK, 4, 2)
+        searched = plan(cluster, WORK, 4, 2, exact_up_to=0, budget_s=3)
+        assert searched.method == "search"
+        gaps.append(searched.predicted.step / exact.predicted.step - 1)
+    assert max(gaps) <= 0.05, gaps
+
+
+def test_two_regions_interleaved_by_the_rendezvous_are_placed_one_pipeline_each():
+    """The launcher numbered the machines a, b, a, b: rank order puts each boundary across the slow link; the plan
+    keeps each pipeline in a region when the boundary outweighs the replicas' sync (adapters: a small sync)."""
+    cluster = parse({"machines": [{"region": r, "block_ms": 10} for r in "abab"], "regions": TWO_REGIONS})
+    chosen = plan(cluster, replace(WORK, block_trained=1000), 2, 2)
+    regions = [cluster.machines[r].region for r in chosen.placement]
+    assert regions[:2] in (["a", "a"], ["b", "b"]) and regions[2:] in (["a", "a"], ["b", "b"])
+    assert chosen.rank_order.step > 2 * chosen.predicted.step
+
+
+def test_a_stage_that_fits_no_machine_is_refused_naming_what_is_short():
+    cluster = parse({"machines": [{"block_ms": 10, "memory_gb": 0.001}] * 2, "default_link": {"mbit": 1000}})
+    with pytest.raises(ValueError, match=r"no placement of 2 stages x 1 replicas fits the machines' memory: its "
+                                         r"largest stage needs .* GB, the largest machine has 0.00 GB"):
+        plan(cluster, WORK, 2, 1)
+
+
+def test_every_pair_meets_once_in_n_minus_1_rounds_of_disjoint_pairs():
+    for n in (2, 5, 8, 16):
+        played = [pair for r in rounds(n) for pair in r]
+        assert len(rounds(n)) == (n - 1 if n % 2 == 0 else n)
+        assert sorted(tuple(sorted(p)) for p in played) == list(itertools.combinations(range(n), 2))
+        assert all(len({x for p in r for x in p}) == 2 * len(r) for r in rounds(n))
+
+
+def test_a_plan_file_is_checked_against_the_run(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"stages": 2, "replicas": 2, "placement": [1, 0, 3, 2], "partition": [2, 2]}))
+    assert read_plan(path, 4, 2)["placement"] == [1, 0, 3, 2]
+    with pytest.raises(ValueError, match="planned for 2 stages x 2 replicas; this run has 4 stages on 8 ranks"):
+        read_plan(path, 8, 4)
+    path.write_text(json.dumps({"stages": 2, "replicas": 2, "placement": [1, 1, 3, 2], "partition": [2, 2]}))
+    with pytest.raises(ValueError, match=r"placement \[1, 1, 3, 2\]: expected each rank of 0..3 once"):
+        read_plan(path, 4, 2)
+    with pytest.raises(ValueError, match="expected rank, auto or a plan file"):
+        read_plan(tmp_path / "missing.json", 4, 2)
+
+
+def test_a_grid_places_any_rank_anywhere_and_answers_both_ways():
+    grid = Grid.for_world(6, 3, [4, 0, 2, 1, 5, 3])
+    assert [grid.coords(r) for r in range(6)] == [(1, 0), (0, 1), (2, 0), (2, 1), (0, 0), (1, 1)]
+    assert all(grid.rank(*grid.coords(r)) == r for r in range(6))
+    assert grid.pipeline_ranks(1) == [1, 5, 3] and grid.data_parallel_ranks(0) == [4, 1]
+    assert Grid.for_world(6, 3, list(range(6))) == Grid.for_world(6, 3)  # rank order is no placement at all
+
+
+def test_a_ring_moves_2_k_minus_1_shares_at_its_slowest_links_pace():
+    """A ring allreduce of 3 MB over 3 ranks, one link of them slow: 4 hops of 1 MB, each as long as the slow
+    link takes (its rate and latency)."""
+    cluster = parse({"machines": [{"block_ms": 1}] * 3, "default_link": {"mbit": 800, "latency_ms": 1},
+                     "links": [{"from": 1, "to": 2, "mbit": 8, "latency_ms": 10}]})
+    assert ring_seconds(cluster, [0, 1, 2], 3e6) == pytest.approx(4 * (1e6 / 1e6 + 0.01))
+    assert ring_seconds(cluster, [0, 2], 3e6) == pytest.approx(2 * (1.5e6 / 100e6 + 0.001))
+    assert ring_seconds(cluster, [1], 3e6) == 0.0
+
+
+def test_a_stage_keeps_the_pace_of_its_slowest_replica():
+    """Stage 0's replicas: one fast machine, one three times slower; stage 1's both fast. The replicas sync each
+    step, so stage 0 runs at its slow replica's pace and gets the fewer blocks."""
+    cluster = parse({"machines": [{"block_ms": ms} for ms in (10, 10, 30, 10)], "default_link": {"mbit": 1000}})
+    model = CostModel(cluster, WORK, 2, 2)
+    assert model.balance([0, 1, 2, 3]) == (2, 6)  # 2 x 30 and 6.5 x 10: any other split has a slower stage
+    assert model.predict([0, 1, 2, 3], (2, 6)).compute == pytest.approx(4 * 6.5 * 0.01)
