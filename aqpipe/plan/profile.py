@@ -3,8 +3,8 @@ run's shape, the memory it has, and each of its links, with messages the size of
 
 - **The device**: a stage of one block (and the embeddings, which cost next to nothing) built from the model's
   config with random weights, its forward and backward on one micro-batch of the run's shape, the median of a few
-  after one warm-up, frozen where LoRA freezes the base. An emulated slower device (AQPIPE_COMPUTE_SLOWDOWN) is
-  stretched here as in the steps.
+  after one warm-up, frozen where LoRA freezes the base. A machine's ranks take turns (they share its host). An
+  emulated slower device (AQPIPE_COMPUTE_SLOWDOWN) is stretched here as in the steps.
 - **The links**: every pair at once in n - 1 rounds of disjoint pairs (a round-robin tournament). A pair's latency
   is half its fastest round trip of a byte; each direction's rate is a boundary message's one-way time (a round
   trip with a byte back, less that latency) over its bytes. Emulated links (AQPIPE_LINK_MATRIX) hold each message
@@ -147,8 +147,14 @@ def link_row(me: int, n: int, nbytes: int, matrix: Any = None) -> dict[int, tupl
 def measure(cfg: Any, world: Any, model_class: type, config: Any, message_bytes: float) -> tuple[Cluster, float]:
     """Every rank's table, the same on all (call on every rank at once); the seconds it took."""
     started = time.perf_counter()
-    block = block_seconds(cfg, model_class, config, world.device, world.compute_slowdown)
-    memory = free_memory(world.device, launch().local_world_size)
+    here = launch()
+    block = 0.0
+    for turn in range(here.local_world_size):  # a machine's ranks in turn: they share its host (one host, all)
+        if turn == here.local_rank:
+            block = block_seconds(cfg, model_class, config, world.device, world.compute_slowdown)
+        if world.size > 1:
+            dist.barrier()
+    memory = free_memory(world.device, here.local_world_size)
     nbytes = int(min(max(message_bytes, SMALLEST), LARGEST))
     links = link_row(world.rank, world.size, nbytes, world.link_matrix) if world.size > 1 else {}
     rows: list[Any] = [None] * world.size

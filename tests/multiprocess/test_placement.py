@@ -1,0 +1,145 @@
+"""A cluster on one host: each pair's emulated link (AQPIPE_LINK_MATRIX) delays its boundary messages at its own rate
+and latency, and paces the collectives (the replicas' sync and the step's tables) over the group's slowest link;
+AQPIPE_COMPUTE_SLOWDOWN stretches a rank's compute; and `--placement auto` on every rank measures one table and
+takes one plan."""
+import time
+
+import torch
+import torch.distributed as dist
+
+from aqpipe.data_parallel import Comm
+from aqpipe.pipeline import Grid, build_groups
+from aqpipe.pipeline.emulated_link import LinkMatrix
+from aqpipe.pipeline.transport import Wire
+from tests.helpers.processes import spawn
+
+MB = 1_000_000
+# rank 0 -> 1: 8 Mbit/s and 50 ms; 0 -> 2: 80 Mbit/s and 5 ms; 1 <-> 2: 16 Mbit/s and 20 ms (both ways alike)
+LATENCY = [[0.0, 0.05, 0.005], [0.05, 0.0, 0.02], [0.005, 0.02, 0.0]]
+RATE = [[0.0, 1e6, 1e7], [1e6, 0.0, 2e6], [1e7, 2e6, 0.0]]  # bytes a second
+
+
+def links(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    matrix = LinkMatrix(rank, LATENCY, RATE)
+    wire = Wire(matrix=matrix)
+    out = {}
+    payload = torch.zeros(MB // 4, dtype=torch.uint8)  # 250 kB
+    for src, dst in ((0, 1), (0, 2)):
+        dist.barrier()
+        started = time.monotonic()
+        if rank == src:
+            wire.send(payload, dst)
+            wire.flush()
+        elif rank == dst:
+            wire.post(payload.numel(), src, torch.device("cpu")).wait()
+            out[(src, dst)] = time.monotonic() - started
+    comm = Comm(dist.group.WORLD, [0, 1, 2], pace=matrix.pace)  # the replicas' sync over all three
+    dist.barrier()
+    started = time.monotonic()
+    comm.allreduce_mean_(torch.ones(3 * MB // 4))  # 3 MB of float32
+    out["allreduce"] = time.monotonic() - started
+    groups = build_groups(Grid.for_world(3, 3), rank)  # one pipeline of three: the step's table over it
+    groups.pace = matrix.pace
+    dist.barrier()
+    started = time.monotonic()
+    groups.collective(torch.ones(256, dtype=torch.float64), groups.pipeline)  # 2 kB
+    out["table"] = time.monotonic() - started
+    return out
+
+
+def test_each_pair_carries_its_messages_at_its_own_rate_and_the_collectives_at_the_slowest_links():
+    ranks = spawn(links, 3)
+    got = {**ranks[1], **ranks[2]}
+    slow, fast = 0.25 + 0.05, 0.025 + 0.005  # 250 kB at 1 MB/s and 10 MB/s, then the latency
+    assert slow <= got[(0, 1)] < slow + 0.15, got
+    assert fast <= got[(0, 2)] < fast + 0.15, got
+    ring = 4 * (1e6 / 1e6 + 0.05)  # 2 (3-1) hops of a third of 3 MB, at the ring's slowest link (0 <-> 1)
+    table = 4 * (2048 / 3 / 1e6 + 0.05)
+    for rank in ranks:
+        assert ring <= rank["allreduce"] < ring + 0.5, rank
+        assert table <= rank["table"] < table + 0.3, rank
+
+
+def slowed(rank: int, world: int) -> dict:
+    """One stage's toy steps, its compute stretched 1x then 3x (the same batches, the same work)."""
+    from aqpipe.pipeline import EngineSettings, PipelineEngine, owned_parameters
+    from tests.helpers.toy import toy_batches, toy_stages
+
+    torch.set_num_threads(1)
+    out = {}
+    for factor in (1.0, 3.0):
+        stage = toy_stages(1, num_blocks=8, hidden=256)[0]
+        engine = PipelineEngine(stage, build_groups(Grid.for_world(1, 1), 0),
+                                torch.optim.SGD(owned_parameters(stage, {}), lr=0.1),
+                                EngineSettings(num_samples=64, seq_len=64, compute_slowdown=factor))
+        times = []
+        for mbs in toy_batches(64, 64, 8, 2, epoch=0):
+            started = time.perf_counter()
+            engine.train_batch(mbs)
+            times.append(time.perf_counter() - started)
+        out[factor] = sorted(times)[len(times) // 2]
+    return out
+
+
+def test_a_slower_device_is_emulated_by_stretching_its_compute():
+    times = spawn(slowed, 1)[0]
+    assert times[3.0] > 2.2 * times[1.0], times
+
+
+# four machines in two regions the rendezvous interleaved (a, b, a, b), rank 3 five times slower
+REGIONS = [[0.0 if i == j else (0.001 if i % 2 == j % 2 else 0.03) for j in range(4)] for i in range(4)]
+REGION_RATES = [[0.0 if i == j else (1e8 if i % 2 == j % 2 else 1e6) for j in range(4)] for i in range(4)]
+SLOWDOWNS = [1.0, 1.0, 1.0, 5.0]
+
+
+def seated(rank: int, world: int, directory: str) -> dict:
+    from aqpipe.models import resolve_model
+    from aqpipe.data import load_tokenizer
+    from aqpipe.plan import profile
+    from aqpipe.plan.seat import seat
+    from aqpipe.pipeline import CompressionConfig
+    from aqpipe.pipeline.adapters import LoraSettings
+    from aqpipe.settings import build
+    from aqpipe.world import World
+
+    import os
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # one machine, as torchrun says it
+    torch.set_num_threads(1)
+    cfg = build("causal_lm", {"model": directory, "seq_len": 16, "pipeline_stages": 2, "replicas": 2,
+                              "micro_batch_size": 2, "num_micro_batches": 4, "placement": "auto",
+                              "compression": CompressionConfig(), "output_dir": f"{directory}/../out{rank}",
+                              "lora": LoraSettings(rank=4)})  # adapters: the replicas' sync is light
+    spec = resolve_model(directory, "llama", "causal_lm", load_tokenizer(directory), 16, None, frozen=True)
+    here = World(rank, world, rank, torch.device("cpu"), link_matrix=LinkMatrix(rank, REGIONS, REGION_RATES),
+                 compute_slowdown=SLOWDOWNS[rank])
+    table, _ = profile.measure(cfg, here, spec.model_class, spec.config, 64 << 10)
+    grid, resolved, chosen = seat(cfg, here, spec.model_class, spec.config)
+    return {"table": table.to_dict(), "placement": grid.placement, "blocks": resolved.distributed.partition,
+            "plan": chosen.to_dict()}
+
+
+def test_every_rank_measures_one_table_and_takes_one_plan(tmp_path):
+    from tests.helpers.files import tiny_llama_dir
+
+    directory = str(tiny_llama_dir(tmp_path / "llama", blocks=6))
+    ranks = spawn(seated, 4, directory)
+    first = ranks[0]
+    assert all(r["table"] == first["table"] and r["plan"] == first["plan"] for r in ranks)
+    assert all(r["placement"] == first["placement"] and r["blocks"] == first["blocks"] for r in ranks)
+    links = {(x["from"], x["to"]): x for x in first["table"]["links"]}
+    for (i, j), link in links.items():  # the emulated links, as measured through them (a fast one's rate at 64 kB
+        assert abs(link["latency_ms"] - REGIONS[i][j] * 1e3) < 5, link  # is the software's as much as the link's)
+        if i % 2 != j % 2:
+            assert 0.6 < link["mbit"] / (REGION_RATES[i][j] * 8e-6) < 1.5, link
+        else:
+            assert link["mbit"] > 5 * REGION_RATES[0][1] * 8e-6, link
+    blocks = [m["block_ms"] for m in first["table"]["machines"]]
+    assert blocks[3] > 2.5 * max(blocks[:3]), blocks  # the slowed machine, as measured
+    placement = first["placement"]  # each pipeline within a region (the sync is light, the boundaries' latency is not);
+    # the slow machine's stage has fewer blocks
+    assert {placement[0] % 2, placement[1] % 2} in ({0}, {1}) and \
+        {placement[2] % 2, placement[3] % 2} in ({0}, {1}), first["plan"]
+    slow_stage = placement.index(3) % 2
+    assert first["blocks"][slow_stage] < first["blocks"][1 - slow_stage], first
