@@ -86,12 +86,18 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     stages, how = cfg.distributed.pipeline_stages, cfg.distributed.placement
     if how == "rank" or world.size == 1:
         return (*rank_order(cfg, world.size), None)
+    fixed = fixed_blocks(cfg, model_class, config, stages)  # the settings' (or a resumed checkpoint's) blocks
     if how != "auto":
         data = read_plan(how, world.size, stages)
+        if fixed is not None and fixed != list(data["partition"]):
+            raise ValueError(f"placement={how!r}: its blocks per stage {data['partition']} are not this run's "
+                             f"partition={cfg.distributed.partition!r} ({fixed}); expected a plan made with that "
+                             "partition (a resumed run keeps its checkpoint's blocks)")
         if world.rank == 0:
             print(f"placement {how}: ranks by (stage, replica) {data['placement']}, blocks per stage "
                   f"{data['partition']}", file=sys.stderr)
-        return Grid.for_world(world.size, stages, data["placement"]), _with_blocks(cfg, list(data["partition"])), None
+        blocks = cfg if fixed is not None else _with_blocks(cfg, list(data["partition"]))
+        return Grid.for_world(world.size, stages, data["placement"]), blocks, None
     work = workload.build(cfg, model_class, config, first_share(cfg))
     took = None
     if cfg.distributed.cluster:
@@ -101,8 +107,7 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     chosen: Any = None
     if world.rank == 0:
         try:
-            chosen = plan(cluster, work, stages, cfg.replicas,
-                          partition=fixed_blocks(cfg, model_class, config, stages), seed=cfg.seed)
+            chosen = plan(cluster, work, stages, cfg.replicas, partition=fixed, seed=cfg.seed)
             print(describe(chosen, cfg.distributed.cluster or "", took), file=sys.stderr)
             if took is not None:
                 _write_table(cluster, cfg)
@@ -111,7 +116,8 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     chosen = broadcast(chosen, world)
     if isinstance(chosen, str):
         raise ValueError(chosen)
-    return Grid.for_world(world.size, stages, chosen.placement), _with_blocks(cfg, chosen.partition), chosen
+    blocks = cfg if fixed is not None else _with_blocks(cfg, chosen.partition)
+    return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
 
 
 def _with_blocks(cfg: Any, blocks: Any) -> Any:
