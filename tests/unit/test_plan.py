@@ -201,3 +201,31 @@ def test_a_stage_keeps_the_pace_of_its_slowest_replica():
     model = CostModel(cluster, WORK, 2, 2)
     assert model.balance([0, 1, 2, 3]) == (2, 6)  # 2 x 30 and 6.5 x 10: any other split has a slower stage
     assert model.predict([0, 1, 2, 3], (2, 6)).compute == pytest.approx(4 * 6.5 * 0.01)
+
+
+def test_aqpipe_plan_prints_who_holds_what_and_writes_the_plan_a_run_takes(tmp_path, capsys, monkeypatch):
+    from transformers import LlamaConfig
+
+    from aqpipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "model")
+    (tmp_path / "cluster.yaml").write_text("""
+machines: [{region: a, block_ms: 10}, {region: b, block_ms: 10}, {region: a, block_ms: 10}, {region: b, block_ms: 40}]
+regions: {a: {a: {mbit: 1000, latency_ms: 0.1}, b: {mbit: 20, latency_ms: 30}}, b: {b: {mbit: 1000, latency_ms: 0.1}}}
+""")
+    code = main(["plan", "--cluster", "cluster.yaml", "--model", str(tmp_path / "model" / "config.json"),
+                 "--pipeline_stages", "2", "--replicas", "2", "--lora_rank", "4", "--plan_file", "p.json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    written = json.loads((tmp_path / "p.json").read_text())
+    assert out.startswith("plan: 4 ranks as 2 stages x 2 replicas (exact search over 13 placements")
+    assert f"stage 0: {written['partition'][0]} blocks on rank(s) {written['placement'][0]} (replica 0)" in out
+    assert "rank order:" in out and "written p.json: run with --placement p.json" in out
+    assert sum(written["partition"]) == 6 and sorted(written["placement"]) == [0, 1, 2, 3]
+    regions = ["ab"[r % 2] for r in written["placement"]]  # light sync (LoRA): each pipeline in one region
+    assert regions[0] == regions[1] and regions[2] == regions[3]
+    slow = written["placement"].index(3) % 2
+    assert written["partition"][slow] < written["partition"][1 - slow]  # the slow machine's stage, fewer blocks
+    assert main(["plan", "--model", "x"]) == 2 and "--cluster is required" in capsys.readouterr().err

@@ -37,6 +37,8 @@ def world_and_flags(command: str) -> tuple[str, int, list[str]]:
     for flag in ("--num_gpus", "--nproc_per_node"):
         if flag in words:
             world = int(words[words.index(flag) + 1])
+    if "--nnodes" in words:  # torchrun: so many machines of --nproc_per_node each
+        world *= int(words[words.index("--nnodes") + 1].split(":")[-1])
     pattern = r"finetune_(\w+)\.py|^(" + TASK_NAMES + ")$"
     name = next(re.search(pattern, w) for w in words if re.search(pattern, w))
     task = name.group(1) or name.group(2)
