@@ -141,7 +141,8 @@ def test_a_machine_that_comes_back_empty_gets_its_checkpoint_from_the_peer_holdi
 
     (rc0, err0), (rc1, err1) = two_machines(nodes, network, "--buffer_dir", "buffers", "--resume", "auto")
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
-    assert "step_00000004's files of rank 1" in err1 and "received from rank 0" in err1, err1[-2000:]
+    assert "step_00000004's stage1_replica0.pt and its files" in err1 and "received by rank 1 from rank 0" in err1, \
+        err1[-2000:]
     want, got = records(reference_run), records(nodes[0] / "out")
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # resumed at step 4: nothing redone but step 5's start
     for a, b in zip(want, got):
