@@ -36,3 +36,27 @@ def test_wandb_writes_under_wandb_dir_where_set_else_under_the_output_dir(tmp_pa
     expected, other = (chosen, out) if wandb_dir else (out, chosen)
     assert list((expected / "wandb").glob("offline-run-*")), sorted(p.name for p in expected.rglob("*"))[:10]
     assert not (other / "wandb").exists()
+
+
+def test_the_reporters_take_their_project_and_run_names_as_hfs_callbacks_do(tmp_path, monkeypatch):
+    """WANDB_PROJECT and WANDB_NAME for W&B, TRACKIO_PROJECT for Trackio; the project is aqpipe without them and
+    the run is named by the output directory."""
+    import sys
+    from types import SimpleNamespace
+
+    calls = []
+    fake = SimpleNamespace(init=lambda **kw: calls.append(kw) or SimpleNamespace(log=None, finish=None),
+                           log=None, finish=None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    for name in ("WANDB_PROJECT", "WANDB_NAME", "TRACKIO_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    reporters.WandB(str(tmp_path / "run1"))
+    reporters.Trackio(str(tmp_path / "run1"))
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    monkeypatch.setenv("WANDB_NAME", "first try")
+    monkeypatch.setenv("TRACKIO_PROJECT", "theirs")
+    reporters.WandB(str(tmp_path / "run2"))
+    reporters.Trackio(str(tmp_path / "run2"))
+    assert [(c["project"], c["name"]) for c in calls] == [("aqpipe", "run1"), ("aqpipe", "run1"),
+                                                            ("mine", "first try"), ("theirs", "run2")]

@@ -306,3 +306,5 @@ def test_the_default_budgets_share_the_machine_and_leave_disk_for_the_checkpoint
     assert (budget.memory, budget.disk) == (4e9, 20e9)
     saving = replace(cfg, checkpointing=replace(cfg.checkpointing, save_every=10, save_total_limit=2))
     assert buffer_plan.rank_budget(saving, 1, 2, counts).disk == 5e9  # the rows and three checkpoint copies of them
+    every = replace(cfg, checkpointing=replace(cfg.checkpointing, save_every=10, save_total_limit=0))
+    assert buffer_plan.rank_budget(every, 1, 2, counts).disk == 5e9  # keep all: room for two and one being written

@@ -58,3 +58,44 @@ def test_the_renderer_reads_nothing_the_key_does_not_hold():
     """rendering_key digests the tokenizer, its template, every field of LossOn and the rows: a new argument of the
     renderer is a setting the key must take too (then this list changes with it)."""
     assert list(inspect.signature(tokenize_instruction).parameters) == ["row", "tokenizer", "where", "loss"]
+
+
+def test_a_cache_digest_counts_where_its_parts_end_and_the_root_expands_home(tmp_path, monkeypatch):
+    from aqpipe.data.cache import cache_root, sha256_hex
+
+    assert sha256_hex(b"ab", b"c") != sha256_hex(b"a", b"bc")  # a key's parts cannot slide into each other
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AQPIPE_CACHE", "~/caches")
+    assert cache_root() == tmp_path / "caches"
+
+
+def test_a_conversation_of_exactly_seq_len_tokens_fits_and_a_longer_one_is_cut_or_refused(tmp_path):
+    from aqpipe.data.chat import encode_rows, tokenize_instruction
+
+    tok = chat_tokenizer(CHATML)
+    row = {"messages": CONVERSATION[1:3]}
+    length = len(tokenize_instruction(row, tok, "row")[0])
+    fits = encode_rows([row], tok, length, "chat.jsonl", overflow="error")
+    assert fits.cut == 0 and len(fits.samples[0][0]) == length
+    assert encode_rows([row], tok, length - 1, "chat.jsonl").cut == 1
+    with pytest.raises(ValueError, match=f"chat.jsonl row 0: {length} tokens, longer than seq_len={length - 1}"):
+        encode_rows([row], tok, length - 1, "chat.jsonl", overflow="error")
+
+
+def test_a_bad_csv_row_is_named_by_its_line_in_the_file(tmp_path):
+    """Line 1 is the header: the table's third row is the file's line 4."""
+    from aqpipe.data.chat import row_namer
+
+    path = tmp_path / "chat.csv"
+    path.write_text("prompt,completion\na,b\nc,d\n,\n")
+    assert row_namer(str(path))(2) == f"{path} line 4"
+
+
+def test_the_built_in_chatml_asks_for_the_answer_on_a_line_of_its_own():
+    """ChatML's published form: the generation prompt is `<|im_start|>assistant` and a newline, so the answer's
+    first token is a target, not the newline."""
+    from aqpipe.data.chat_templates import BUILTIN
+
+    tok = chat_tokenizer(BUILTIN["chatml"])
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

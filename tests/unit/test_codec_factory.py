@@ -63,3 +63,14 @@ def test_the_factory_builds_each_kind_from_the_settings():
     assert type(forward) is ForwardCodec and forward.mode == "hadamard" and backward.mode == "none"
     rows, grads = CodecFactory(dense, 1, 0).tie("embed", 1, (32, 64), torch.float32)
     assert rows.mode == grads.mode == "none"
+
+
+def test_each_codec_takes_the_group_its_own_bits_and_direction_give():
+    """A 3-bit first visit at width 128 groups by row (auto's groups are 64 at 2 bits only); a subspace boundary's
+    gradients take --backward_group_size, its activations --forward_group_size."""
+    forward, _ = CodecFactory(AUTO, 1, 0).boundary(0, (4, 128), {"forward": 2, "backward": 4}, 8)
+    assert forward.group_size == 64 and forward.whole.transient.group_size is None
+    sub = CompressionConfig(forward="subspace", forward_bits=4, backward="subspace", backward_bits=4,
+                            subspace_rank=8, forward_group_size=4, backward_group_size=8)
+    forward, backward = CodecFactory(sub, 1, 0).boundary(0, (4, 64), {"forward": 4, "backward": 4}, 8)
+    assert (forward.group_size, backward.group_size) == (4, 8)

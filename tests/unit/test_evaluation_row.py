@@ -39,3 +39,20 @@ def test_the_token_metrics_are_means_over_every_target_token_of_the_evaluation()
             {"loss": 5.0, "target_tokens": 30, "mean_token_accuracy": 0.6, "entropy": 3.0}]
     out = _evaluate(_Engine(rows), [[]] * 2, SimpleNamespace(kind="causal_lm"), SimpleNamespace(num_tokens=7))
     assert out["eval_entropy"] == 2.5 and out["eval_mean_token_accuracy"] == 0.5 and out["eval_num_tokens"] == 7
+
+
+def test_a_steps_row_rates_its_target_tokens_and_a_skipped_step_is_no_loss():
+    from aqpipe.pipeline import StepMetrics
+    from aqpipe.progress import Progress
+    from aqpipe.train import step_record
+
+    m = StepMetrics(step=1, epoch=0, loss=2.0, lr=0.1, grad_norm=1.0, fwd_bytes=0, bwd_bytes=0, tie_bytes=0,
+                    dp_bytes=0, phase="train", seconds=2.0, target_tokens=30, input_tokens=100)
+    row = step_record(m, samples=8, num_tokens=100)
+    assert row["target_tokens_per_s"] == 15.0 and row["samples_per_s"] == 4.0 and row["num_tokens"] == 100
+    progress = Progress()
+    progress.add(m, 0, 1, 2.0, 8)
+    skipped = StepMetrics(step=2, epoch=0, loss=float("nan"), lr=0.1, grad_norm=float("nan"), fwd_bytes=0,
+                          bwd_bytes=0, tie_bytes=0, dp_bytes=0, phase="train", seconds=2.0, skipped="non-finite")
+    progress.add(skipped, 0, 2, 4.0, 8)
+    assert progress.losses == [2.0] and progress.step == 2  # a skipped step counts, its NaN loss does not

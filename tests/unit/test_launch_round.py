@@ -43,3 +43,28 @@ def test_a_rank_acknowledges_only_a_roster_holding_its_own_token():
     with pytest.raises(RuntimeError, match="did not all arrive within 0.3 s"):  # rank 0 never comes
         agree_round(store, 1, 2, timedelta(seconds=0.3), poll=0.005)
     assert not store.check([f"{ROOT}ack/1"])
+
+
+def test_a_stale_go_is_never_taken_for_this_rounds():
+    """An earlier round's go stays in the store; this round's roster (a new id, this rank's token) is acknowledged
+    but not yet confirmed: the rank waits for this round's go, however the threads are timed."""
+    store = dist.HashStore()
+    store.set(f"{ROOT}go", "stale.1")
+    seen = {}
+
+    def rank_1():
+        try:
+            seen["id"] = agree_round(store, 1, 2, timedelta(seconds=0.5), poll=0.005)
+        except RuntimeError as exc:
+            seen["error"] = str(exc)
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not store.check([f"{ROOT}hello/1"]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    token = store.get(f"{ROOT}hello/1").decode()
+    store.set(f"{ROOT}roster", json.dumps({"id": "new.1", "tokens": ["rank0", token]}))  # rank 0's, not confirmed
+    thread.join(10)
+    assert store.get(f"{ROOT}ack/1").decode() == "new.1"  # acknowledged this round's roster
+    assert "id" not in seen and "did not all arrive" in seen["error"]  # and waited for its go, never the stale one

@@ -196,3 +196,15 @@ def test_the_nested_flag_reaches_every_4_bit_layer_as_the_trainer_builds_it_and_
         assert torch.equal(plain[path_].data, nested[path_].data)  # the same 4-bit codes
         assert a.absmax.dtype == torch.float32 and b.absmax.dtype == torch.uint8 and b.state2 is not None
         assert a.absmax.numel() == b.absmax.numel() == plain[path_].numel() * 2 // 64
+
+
+def test_an_fp4_base_is_quantized_as_fp4(llama):
+    """--bnb_4bit_quant_type fp4 reaches every 4-bit layer: its codes and statistics bitsandbytes' fp4's."""
+    stage, _ = _stage(llama, 1, FourBit("fp4", nested=False, compute_dtype=torch.bfloat16))
+    origin, stored = stage.hf_parameter_names(), llama[2]
+    four = [(path, m) for path, m in stage.named_modules() if isinstance(m, Linear4bit)]
+    assert four
+    for path, module in four:
+        assert module.weight.quant_state.quant_type == "fp4" and not module.weight.quant_state.nested, path
+        want, _ = F.quantize_4bit(stored[origin[f"{path}.weight"]], quant_type="fp4")
+        assert torch.equal(module.weight.data, want), path

@@ -118,3 +118,11 @@ def test_auto_takes_what_the_checkpoints_run_resolved_a_kept_setting_to(tmp_path
     resolved = with_values(RunConfig(task="causal_lm"), {dest: RULES[dest][1]})
     auto = with_values(resolved, {dest: "auto"})
     assert value_at(checkpoint.check_compatible(saved(tmp_path, resolved), auto), dest) == RULES[dest][1]
+
+
+def test_all_the_training_samples_resume_as_all_of_them_however_said(tmp_path):
+    """--max_train_samples 0 and none both mean every sample: a checkpoint of one resumes with the other."""
+    zero = with_values(RunConfig(task="causal_lm"), {"data.max_train_samples": 0})
+    none = RunConfig(task="causal_lm")
+    assert checkpoint.check_compatible(saved(tmp_path, zero), none) == none
+    assert checkpoint.check_compatible(saved(tmp_path, none), zero) == zero
