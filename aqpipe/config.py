@@ -174,6 +174,13 @@ class CheckpointingSettings:
                                            "keeps each machine's files on it alone", resume=FREE)
     overwrite_output_dir: bool = setting(False, "replace another run's results (summary, metrics, model, "
                                               "checkpoints) in --output_dir", resume=FREE)
+    save_on_signal: bool = setting(True, "on SIGTERM (a cloud's spot warning, SLURM's or a launcher's stop) or "
+                                         "SIGUSR1 (SLURM's --signal): finish the step in flight, save it on every rank "
+                                         "and stop (status 143 after SIGTERM, 0 after SIGUSR1); off: SIGTERM stops at "
+                                         "once, as Ctrl-C does", resume=FREE)
+    signal_grace: float = setting(25.0, "seconds the save on a signal may take before the run stops without it "
+                                        "(clouds warn 30-120 s ahead; torchrun and deepspeed kill their workers 30 s "
+                                        "after passing a SIGTERM on)", resume=FREE)
     resume: str | None = setting(None, "continue from a checkpoint: latest (under --output_dir; the default with no "
                                      "value), auto (latest if there is one, else start fresh), or a checkpoint "
                                      "directory", const="latest", resume=FREE)
@@ -181,6 +188,9 @@ class CheckpointingSettings:
     def __post_init__(self) -> None:
         check_int("save_every", self.save_every, 0)
         check_int("save_total_limit", self.save_total_limit, 0)
+        if isinstance(self.signal_grace, bool) or not isinstance(self.signal_grace, (int, float)) or \
+                not 0 < self.signal_grace < float("inf"):
+            raise ValueError(f"signal_grace={self.signal_grace!r}: expected a positive number of seconds")
         if self.overwrite_output_dir and self.resume is not None:
             raise ValueError(f"--overwrite_output_dir with --resume {self.resume}: expected one of them (replace "
                              "the results in output_dir, or continue the run that wrote them)")

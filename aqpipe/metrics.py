@@ -1,18 +1,25 @@
 """metrics.jsonl (one JSON object per step, kept across a resume), the progress bar and the reporter (reporters.py),
-on rank 0."""
+on rank 0; and the rows they write: a step's (`step_record`) and an evaluation's (`evaluate`)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from .config import RunConfig
 from .reporters import reporter
 from .world import World
+
+if TYPE_CHECKING:
+    from aqpipe.pipeline import PipelineEngine, StepMetrics
+
+    from .progress import Progress
+    from .tasks import Task
 
 
 class MetricsWriter:
@@ -66,3 +73,34 @@ class MetricsWriter:
         if self.active:
             self.bar.close()
             self.reporter.close()
+
+
+def step_record(m: StepMetrics, samples: int, num_tokens: int) -> dict[str, Any]:
+    """A step's metrics.jsonl row: the engine's record and its rates (`samples`: the step's over every replica,
+    fewer in an epoch's kept partial step); for a causal LM, TRL's `num_tokens`, the input tokens so far."""
+    record = {**m.record(), "samples_per_s": samples / m.seconds}
+    if m.target_tokens:  # what the loss fell on: padding and prompts are not trained on
+        record["target_tokens_per_s"] = m.target_tokens / m.seconds
+    if m.input_tokens:
+        record["num_tokens"] = num_tokens
+    return record
+
+
+def evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, progress: Progress) -> dict[str, float]:
+    """The evaluation's row; a causal LM's with TRL's token metrics, `eval_num_tokens` being, as TRL's, the input
+    tokens trained on so far (the progress's), so that eval curves plot against them."""
+    results = [engine.eval_batch(mbs) for mbs in batches]
+    scored = [r for r in results if r.get("target_tokens", 1)]  # a causal LM's batch with no targets has no loss
+    loss = sum(r["loss"] for r in scored) / len(scored) if scored else float("nan")
+    out = {"eval_loss": loss}
+    if task.kind == "causal_lm":
+        out["eval_perplexity"] = math.exp(min(loss, 50.0))
+        targets = sum(r.get("target_tokens", 0) for r in results)
+        if targets:  # TRL's, over every token the loss falls on
+            for name in ("mean_token_accuracy", "entropy"):
+                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if r.get("target_tokens")) / \
+                    targets
+            out["eval_num_tokens"] = progress.num_tokens
+    else:
+        out["eval_accuracy"] = sum(r.get("accuracy", 0.0) for r in results) / len(results)
+    return out

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import shutil
 import sys
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from aqpipe import data_parallel
-from aqpipe.pipeline import PipelineEngine, EngineSettings, StepMetrics, build_groups, owned_parameters
+from aqpipe.pipeline import PipelineEngine, EngineSettings, build_groups, owned_parameters
 from aqpipe.pipeline.lora import add_lora, lora_config
 from aqpipe.pipeline.quantized_base import FourBit
 
@@ -34,7 +33,7 @@ from .config import RunConfig
 from .environment import check_liger, launch
 from .export import save_adapter, save_model
 from .lr_plan import PlannedLR
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, evaluate, step_record
 from .optim import LowPrecisionAdamW
 from .plan.seat import rank_order, seat
 from .progress import Progress
@@ -160,37 +159,6 @@ def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_step
     return PlannedLR(optimizer, deepspeed_schedule, total_steps, cfg.optimization.lr)
 
 
-def step_record(m: StepMetrics, samples: int, num_tokens: int) -> dict[str, Any]:
-    """A step's metrics.jsonl row: the engine's record and its rates (`samples`: the step's over every replica,
-    fewer in an epoch's kept partial step); for a causal LM, TRL's `num_tokens`, the input tokens so far."""
-    record = {**m.record(), "samples_per_s": samples / m.seconds}
-    if m.target_tokens:  # what the loss fell on: padding and prompts are not trained on
-        record["target_tokens_per_s"] = m.target_tokens / m.seconds
-    if m.input_tokens:
-        record["num_tokens"] = num_tokens
-    return record
-
-
-def _evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, progress: Progress) -> dict[str, float]:
-    """The evaluation's row; a causal LM's with TRL's token metrics, `eval_num_tokens` being, as TRL's, the input
-    tokens trained on so far (the progress's), so that eval curves plot against them."""
-    results = [engine.eval_batch(mbs) for mbs in batches]
-    scored = [r for r in results if r.get("target_tokens", 1)]  # a causal LM's batch with no targets has no loss
-    loss = sum(r["loss"] for r in scored) / len(scored) if scored else float("nan")
-    out = {"eval_loss": loss}
-    if task.kind == "causal_lm":
-        out["eval_perplexity"] = math.exp(min(loss, 50.0))
-        targets = sum(r.get("target_tokens", 0) for r in results)
-        if targets:  # TRL's, over every token the loss falls on
-            for name in ("mean_token_accuracy", "entropy"):
-                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if r.get("target_tokens")) / \
-                    targets
-            out["eval_num_tokens"] = progress.num_tokens
-    else:
-        out["eval_accuracy"] = sum(r.get("accuracy", 0.0) for r in results) / len(results)
-    return out
-
-
 def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -> dict[str, Any]:
     """One run; in a multi-process run any failure ends this process with a line naming rank and stage. `data`: a
     `datasets.Dataset` / `DatasetDict` given in place of `cfg.data.dataset`."""
@@ -202,12 +170,22 @@ def run(task: Task, cfg: RunConfig, prog: str | None = None, data: Any = None) -
                          f"dist_timeout={cfg.distributed.dist_timeout:g} s: "
                          f"{(str(exc).strip().splitlines() or [''])[0][:200]}")
     watchdog = None
-    with interrupts.caught():  # Ctrl-C and a launcher's SIGTERM: one line a rank, status 130
+    who = f"{prog}: rank {world.rank}" if world.distributed else prog
+    # Ctrl-C (and a launcher's SIGTERM with --no_save_on_signal): one line a rank, status 130; a spot warning's
+    # SIGTERM or SIGUSR1: the step in flight saved, status 143 or 0
+    with interrupts.caught(cfg.checkpointing.save_on_signal, cfg.checkpointing.signal_grace, who):
         try:
             world = watched(world, cfg, prog)
             watchdog = world.watchdog
             summary = train(task, cfg, world, data)
             barrier(world)  # rank 0 may still be writing the merged model
+        except interrupts.SavedOnSignal as stopped:
+            interrupts.say(f"{who}: stopped: {stopped}; --resume continues the run from it")
+            if watchdog is not None:
+                watchdog.stop()
+            if world.distributed:
+                dist.destroy_process_group()
+            raise SystemExit(stopped.status) from None
         except (Exception, KeyboardInterrupt) as exc:
             if world.distributed:
                 stop_after_failure(exc, world, cfg, watchdog, prog)
@@ -324,6 +302,7 @@ def build_engine(cfg: RunConfig, spec: ModelSpec, world: World, num_samples: int
                                          skip_nonfinite=cfg.skip_nonfinite, link_latency_s=world.link_latency_s,
                                          link_mbit=world.link_mbit, link_matrix=world.link_matrix,
                                          compute_slowdown=world.compute_slowdown,
+                                         stop_asked=lambda: interrupts.save_asked() is not None,
                                          loss_average=cfg.optimization.loss_average,
                                          buffer_keep=None if buffers is None else buffers.keep),
                           compression=cfg.compression if buffers is None else
@@ -400,8 +379,10 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     started, saved = time.perf_counter() - progress.elapsed, progress.step
 
     def save(last: bool = False) -> None:
+        nonlocal saved
         checkpoint.save(checkpoints, progress.step, engine, progress.state_dict(), cfg, world, storage,
                         cfg.checkpointing.save_total_limit or None, last, buffers.note if buffers else None, keepers)
+        saved = progress.step
 
     for epoch in range(progress.epoch, cfg.epochs):
         done = progress.done_in(epoch)
@@ -416,28 +397,36 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
             progress.add(m, epoch, index + 1, time.perf_counter() - started, samples)
             record = step_record(m, samples, progress.num_tokens)
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:
-                progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task, progress), progress.step
+                progress.evals, progress.eval_step = evaluate(engine, eval_batches, task, progress), progress.step
                 record.update(progress.evals)
             writer.write(record)
             # the last step's checkpoint waits for its evaluation, below
             every = cfg.checkpointing.save_every
-            if every and progress.step % every == 0 and progress.step < total_steps:
+            if (every and progress.step % every == 0 and progress.step < total_steps) or m.stop:
                 save()
-                saved = progress.step
+            if m.stop:  # a spot warning reached some rank: every rank saved this step, and stops
+                interrupts.stop_after_save(progress.step, checkpoints)
     if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one
-        progress.evals, progress.eval_step = _evaluate(engine, eval_batches, task, progress), progress.step
+        progress.evals, progress.eval_step = evaluate(engine, eval_batches, task, progress), progress.step
         writer.write({"step": progress.step, **progress.evals})
     if cfg.checkpointing.save_every and saved != progress.step:
         save(last=True)  # the end of the run is a checkpoint too (its evaluation in it): a resume with more epochs
         # goes on from it
     writer.close()
     elapsed = time.perf_counter() - started
+    return summarize(cfg, world, progress, engine, elapsed, samples_per_step,
+                     export(cfg, world, engine, spec, tokenizer, adapters, storage), (len(train_set), len(eval_set)))
+
+
+def export(cfg: RunConfig, world: World, engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, adapters: Any,
+           storage: Storage) -> str | None:
+    """The fine-tuned model (each stage its shard) where the run merges one, and LoRA's adapter; the model's
+    directory (None: the adapter alone)."""
     model_dir = save_model(engine, spec, tokenizer, cfg, world, engine.groups, storage) \
         if adapters is None or cfg.lora.merges else None
     if adapters is not None:
         save_adapter(engine, adapters, cfg, world)
-    return summarize(cfg, world, progress, engine, elapsed, samples_per_step, model_dir,
-                     (len(train_set), len(eval_set)))
+    return model_dir
 
 
 def place_ranks(cfg: RunConfig, world: World, spec: ModelSpec, resumed: Path | None, storage: Storage) -> RunConfig:

@@ -93,11 +93,12 @@ class StepMetrics:
     mean_token_accuracy: float | None = None  # a causal LM's: of those, the share its argmax predicts (TRL's)
     input_tokens: int | None = None  # a causal LM's: its micro-batches' input tokens, over every replica (the
     # trainer sums them into TRL's num_tokens)
+    stop: bool = False  # some rank was asked to stop after this step (EngineSettings.stop_asked): every rank alike
 
     def record(self) -> dict[str, Any]:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm; what a
         step does not have (no staging, no causal-LM tokens) is left out."""
-        drop = {"input_tokens", *(("skipped",) if self.skipped is None else ("loss", "grad_norm"))}
+        drop = {"input_tokens", "stop", *(("skipped",) if self.skipped is None else ("loss", "grad_norm"))}
         return {k: v for k, v in vars(self).items() if k not in drop and not (
             v is None and k in ("staging", "target_tokens", "mean_token_accuracy"))}
 
@@ -153,7 +154,7 @@ class PipelineEngine:
         self.wire = Wire(latency_s=settings.link_latency_s, transport=groups.transport,
                          entropy=self.compression.entropy_coding, mbit=settings.link_mbit, device=self.device,
                          matrix=settings.link_matrix)
-        self.compute_slowdown = settings.compute_slowdown
+        self.compute_slowdown, self.stop_asked = settings.compute_slowdown, settings.stop_asked
         c = self.compression
         self.factory = CodecFactory(c, self.seed, groups.replica)  # every codec of this rank, and its seeds
         # a frozen tied weight (LoRA's base) never changes: its copies need no rows and send no gradients
@@ -228,8 +229,10 @@ class PipelineEngine:
         except BaseException:  # stopped short (a peer lost, a data-order error, an interrupt): no trace of it stays
             guard.undo()
             raise
+        mine = run.totals(link)
+        mine.stop = int(self.stop_asked is not None and bool(self.stop_asked()))  # read as late as a step can
         table = StepTable.exchange(self.groups, Row(guard.findings, self._grad_squares(guard, run.part.finite_flags),
-                                                    run.totals(link)))
+                                                    mine))
         totals, verdict = table.totals(), table.verdict(self.global_step + 1, self.compression.buffer_dtype)
         decision = self._decide_bits(table, verdict is None, micro_batches) if self.auto_bits is not None else None
         empty = verdict is None and self.per_token and not totals.target_tokens and causal_lm_labels(micro_batches)
@@ -310,7 +313,7 @@ class PipelineEngine:
                            phase=phase, seconds=time.perf_counter() - start, skipped=skipped, bubble=t.bubble(),
                            fwd_change=t.change(), bits=bits, bits_decision=decision, staging=t.staging(),
                            target_tokens=t.target_tokens or None, mean_token_accuracy=t.token_accuracy(),
-                           input_tokens=t.input_tokens or None)
+                           input_tokens=t.input_tokens or None, stop=t.stop > 0)
 
     def _zero_grads(self) -> None:
         """Every gradient of the stage, not only the optimizer's: a tied copy that follows its owner is outside

@@ -31,6 +31,8 @@ class EngineSettings:
     compute_slowdown: float = 1.0  # an emulated slower device: each compute action stretched by waiting, by this
     loss_average: str = field(default="tokens", metadata={"choices": LOSS_AVERAGES})  # a causal LM's step loss:
     # per target token, or the micro-batches' mean
+    stop_asked: Any = None  # a callable: True where this rank is asked to stop after the step (every rank learns it
+    # in the step's table, StepMetrics.stop); None: never
     buffer_keep: torch.Tensor | None = None  # which samples' AQ-SGD rows are kept (a bool each; None: all): the
     # others are sent whole at every visit (a run keeps rows only for the samples it reads back)
 

@@ -59,6 +59,7 @@ class StepTotals(StepCounters):
     link_ahead: float = 0.0  # seconds a byte, activations' way
     link_back: float = 0.0  # seconds a byte, gradients' way
     link_latency: float = 0.0  # seconds a message
+    stop: int = 0  # ranks asked to stop after this step (a spot warning: every rank reads it in the same step)
 
     def change(self) -> float | None:
         """||a - m|| / ||a|| over every AQ-SGD change the step sent (None when it sent none)."""

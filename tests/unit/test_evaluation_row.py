@@ -3,7 +3,7 @@ no loss to count, so it weighs nothing in eval_loss, not a 0 that would pull the
 import math
 from types import SimpleNamespace
 
-from aqpipe.train import _evaluate
+from aqpipe.metrics import evaluate as _evaluate
 
 
 class _Engine:
@@ -44,7 +44,7 @@ def test_the_token_metrics_are_means_over_every_target_token_of_the_evaluation()
 def test_a_steps_row_rates_its_target_tokens_and_a_skipped_step_is_no_loss():
     from aqpipe.pipeline import StepMetrics
     from aqpipe.progress import Progress
-    from aqpipe.train import step_record
+    from aqpipe.metrics import step_record
 
     m = StepMetrics(step=1, epoch=0, loss=2.0, lr=0.1, grad_norm=1.0, fwd_bytes=0, bwd_bytes=0, tie_bytes=0,
                     dp_bytes=0, phase="train", seconds=2.0, target_tokens=30, input_tokens=100)

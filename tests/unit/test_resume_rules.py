@@ -34,6 +34,7 @@ RULES = {
     "checkpointing.output_dir": (FREE, "elsewhere"), "checkpointing.save_every": (FREE, 10),
     "checkpointing.save_total_limit": (FREE, 5), "checkpointing.copy_checkpoints": (FREE, False),
     "checkpointing.overwrite_output_dir": (FREE, True), "checkpointing.resume": (FREE, "latest"),
+    "checkpointing.save_on_signal": (FREE, False), "checkpointing.signal_grace": (FREE, 60.0),
     "distributed.pipeline_stages": (SAME, 2), "distributed.schedule": (SAME, "gpipe"),
     "distributed.partition": (KEPT, "uniform"), "distributed.placement": (FREE, "auto"),
     "distributed.cluster": (FREE, "cluster.yaml"), "distributed.backend": (FREE, "gloo"),
