@@ -113,7 +113,7 @@ def save_model(engine: PipelineEngine, spec: ModelSpec, tokenizer: Any, cfg: Run
                                                                       for t in tensors.values())}
     if world.rank == 0:  # the stages whose ranks write elsewhere, received one at a time
         for stage in range(stages):
-            src = groups.pipeline_rank_of(stage)
+            src = groups.grid.rank(stage, 0)  # replica 0 exports, wherever the placement put it
             if src not in storage.peers:
                 tensors = recv_tensors(src, world.transport)
                 _write_shard(tensors, partial / _shard(stage, stages))

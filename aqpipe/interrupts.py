@@ -29,8 +29,9 @@ _state: dict[str, Any] = {"signal": None, "handling": False, "raised": False, "a
 class SavedOnSignal(Exception):
     """The run saved the step in flight on a spot warning and stops (every rank alike)."""
 
-    def __init__(self, signame: str, step: int, where: str) -> None:
-        super().__init__(f"{signame}: step {step} saved in {where}")
+    def __init__(self, signame: str, step: int, where: str, grace: float) -> None:
+        super().__init__(f"{signame}: the step in flight, step {step}, saved in {where} within the {grace:g} s a save "
+                         "on a signal may take (--signal_grace)")
         self.signame, self.step, self.where = signame, step, where
 
     @property
@@ -75,15 +76,15 @@ def _listen(fd: int) -> None:
 
 
 def _grant() -> None:
-    """The first save signal: say what the run will do, and stop it without the save if that takes more than the
-    grace period (a launcher kills its workers soon after; the last checkpoint continues the run)."""
+    """The first save signal: stop the run without the save if that takes more than the grace period (a launcher
+    kills its workers soon after; the last checkpoint continues the run), unless the run is handling a failure by
+    then (a launcher's SIGTERM to the survivors of a peer's failure: that failure is what they say)."""
     _state["granted"] = True
     name, grace, who = signal.Signals(_state["save"]).name, _state["grace"], _state["who"]
-    say(f"{who}: {name}: finishing the step in flight, saving it and stopping within {grace:g} s (--signal_grace)")
 
     def expire() -> None:
         time.sleep(grace)
-        if _state["active"] and not _state["saved"]:
+        if _state["active"] and not _state["saved"] and not _state["handling"]:
             say(f"{who}: the save on {name} took more than {grace:g} s (--signal_grace): stopping without it; the "
                 "last checkpoint written continues the run with --resume")
             os._exit(128 + signal.SIGTERM)
@@ -101,7 +102,7 @@ def say(line: str) -> None:
 def stop_after_save(step: int, where: Any) -> None:
     """The save a signal asked for is written (the grace period no longer ends the run): stop, every rank alike."""
     _state["saved"] = True
-    raise SavedOnSignal(save_asked() or "a peer's signal", step, str(where))
+    raise SavedOnSignal(save_asked() or "a peer's signal", step, str(where), _state["grace"])
 
 
 def _insist() -> None:

@@ -76,7 +76,7 @@ class WandB:
         import wandb
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "aqpipe"),
-                              dir=os.environ.get("WANDB_DIR") or output_dir,
+                              dir=os.environ.get("WANDB_DIR") or str(Path(output_dir).resolve()),
                               name=os.environ.get("WANDB_NAME") or Path(output_dir).resolve().name)
 
     def log(self, record: dict[str, Any]) -> None:

@@ -405,6 +405,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
             if (every and progress.step % every == 0 and progress.step < total_steps) or m.stop:
                 save()
             if m.stop:  # a spot warning reached some rank: every rank saved this step, and stops
+                writer.close()
                 interrupts.stop_after_save(progress.step, checkpoints)
     if eval_batches and progress.eval_step != progress.step:  # the last step's evaluation, unless it had one
         progress.evals, progress.eval_step = evaluate(engine, eval_batches, task, progress), progress.step

@@ -194,4 +194,5 @@ class Comm:
         if self.pace is not None:
             self.pace(started, sorted(self.ranks), self._nbytes(tensor), "gather")
         self.sent_bytes += (self.size - 1) * self._nbytes(tensor)
-        return [t.to(tensor.device) for t in out]
+        by_rank = sorted(self.ranks)  # torch numbers a group's members by global rank: back to this group's order
+        return [out[by_rank.index(r)].to(tensor.device) for r in self.ranks]

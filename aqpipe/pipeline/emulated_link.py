@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 POLL_S = 0.0005  # how often a receive that cannot be waited on from another thread (NCCL's) is asked
 
@@ -54,6 +54,34 @@ class Landing:
         return self.at
 
 
+KINDS = ("ring", "gather", "alltoall", "peers")  # the collectives' shapes, priced alike by the emulator and the plan
+
+
+def collective_seconds(seconds: Callable[[int, int, float], float], ranks: list[int], nbytes: float, kind: str,
+                       me: int | None = None) -> float:
+    """What a collective of `nbytes` a member over global `ranks` takes on links whose one-way message time is
+    `seconds(src, dst, nbytes)`, the ring in global-rank order as gloo runs it: "ring" (an allreduce: 2 (k-1) hops of
+    nbytes / k), "gather" (an allgather: k-1 hops of nbytes), each hop as long as the ring's slowest link;
+    "alltoall" (a reduce-scatter and an allgather of pieces, as `Comm.quantized_mean` sends them: two rounds of
+    every pair's nbytes / k, each as long as its slowest pair); "peers" (`me` exchanging nbytes with each of the
+    others, as long as the slowest way; without `me`, each with its ring neighbours). The plan's cost model and the
+    emulator's pace both read it."""
+    ranks = sorted(ranks)
+    k = len(ranks)
+    if k < 2:
+        return 0.0
+    if kind == "peers":
+        pairs = [(me, p) for p in ranks if p != me] if me is not None else \
+            [(ranks[i], ranks[(i + 1) % k]) for i in range(k)]
+        return max(max(seconds(a, b, nbytes), seconds(b, a, nbytes)) for a, b in pairs)
+    if kind == "alltoall":
+        return 2 * max(seconds(a, b, nbytes / k) for a in ranks for b in ranks if a != b)
+    if kind not in KINDS:
+        raise ValueError(f"collective kind {kind!r}: expected one of {', '.join(KINDS)}")
+    share, hops = (nbytes / k, 2 * (k - 1)) if kind == "ring" else (nbytes, k - 1)
+    return hops * max(seconds(ranks[i], ranks[(i + 1) % k], share) for i in range(k))
+
+
 class LinkMatrix:
     """Every pair of ranks' emulated link (AQPIPE_LINK_MATRIX: a cluster file's links, aqpipe/plan/cluster.py), as
     rank `me` sees them: `latency[i][j]` seconds and `rate[i][j]` bytes a second from rank i to rank j. Besides
@@ -71,17 +99,9 @@ class LinkMatrix:
         return nbytes / self.rate[src][dst] + self.latency[src][dst] if src != dst else 0.0
 
     def collective_seconds(self, ranks: list[int], nbytes: float, kind: str) -> float:
-        """What a collective of `nbytes` a member over `ranks` (global, in group order) takes on these links:
-        "ring" (an allreduce: 2 (k-1) hops of nbytes / k), "gather" (an allgather: k-1 hops of nbytes), each hop as
-        long as the ring's slowest; "peers" (this rank's exchange with each of `ranks`: the slowest way)."""
-        k = len(ranks)
-        if k < 2:
-            return 0.0
-        if kind == "peers":
-            return max(max(self.seconds(self.me, p, nbytes), self.seconds(p, self.me, nbytes)) for p in ranks
-                       if p != self.me)
-        share, hops = (nbytes / k, 2 * (k - 1)) if kind == "ring" else (nbytes, k - 1)
-        return hops * max(self.seconds(ranks[i], ranks[(i + 1) % k], share) for i in range(k))
+        """What a collective of `nbytes` a member over `ranks` takes on these links, as this rank sees it
+        (`collective_seconds`)."""
+        return collective_seconds(self.seconds, ranks, nbytes, kind, self.me)
 
     def pace(self, started: float, ranks: list[int], nbytes: float, kind: str) -> None:
         """Wait until a collective begun at `started` (time.monotonic) has taken what these links would take."""

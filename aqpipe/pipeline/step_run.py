@@ -133,7 +133,7 @@ class StepRun:
             if op in sched.COMPUTE:
                 t = time.perf_counter()
                 getattr(self, op)(mb)
-                if e.timed:
+                if e.timed or (e.slowdown > 1 and e.device.type == "cuda"):  # the kernels' time, not their launch's
                     torch.cuda.synchronize(e.device)
                 if e.slowdown > 1:  # the emulator: a device this many times slower, by waiting
                     time.sleep((e.slowdown - 1) * (time.perf_counter() - t))

@@ -36,7 +36,7 @@ class Grid:
             check_int(name, value, 1, what="a positive integer")
         if self.ranks is not None:
             ranks = tuple(self.ranks)
-            if sorted(ranks) != list(range(self.world_size)) or not all(type(r) is int for r in ranks):
+            if not all(type(r) is int for r in ranks) or sorted(ranks) != list(range(self.world_size)):
                 raise ValueError(f"placement {list(ranks)}: expected each rank of 0..{self.world_size - 1} once, "
                                  f"one per (stage, replica) of {self.stages} x {self.replicas}")
             object.__setattr__(self, "ranks", None if ranks == tuple(range(self.world_size)) else ranks)
@@ -74,8 +74,8 @@ class Grid:
         return slot % self.stages, slot // self.stages
 
     def rank(self, stage: int, replica: int) -> int:
-        return self.placement[replica * self.stages + stage] if self.ranks is not None else \
-            replica * self.stages + stage
+        slot = replica * self.stages + stage
+        return self.ranks[slot] if self.ranks is not None else slot
 
     def describe(self, rank: int) -> str:
         """Where a rank sits, as failure lines name it."""

@@ -57,8 +57,7 @@ def main(argv: list[str]) -> int:
     name = argv.pop(0) if argv and argv[0] in TASKS else "causal-lm"
     task = TASKS[name]
     out = Path(_take(argv, "--plan_file") or "plan.json")
-    path = next((argv[i + 1] for i, w in enumerate(argv[:-1]) if w == "--cluster"), None) or \
-        next((w.split("=", 1)[1] for w in argv if w.startswith("--cluster=")), None)
+    path = _take(list(argv), "--cluster")  # stays in argv: the run's settings check it too
     if path is None:
         print(f"aqpipe plan: error: --cluster is required ({USAGE})", file=sys.stderr)
         return 2

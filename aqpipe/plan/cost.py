@@ -7,14 +7,16 @@
 The makespan plays the run's own schedule (pipeline.schedule.makespan) with each stage's compute (its blocks and
 extras at its machine's speed; a backward twice a forward) and each boundary's messages on the link between the two
 machines that hold its sides (their time on the link, then its latency). The replicas' sync is the algorithm's bytes
-over the links of the stage's group: a ring's 2 (R-1) hops of 1/R of them, each at the ring's slowest link, or an
-exchange with peers. A placement whose stage does not fit its machine's memory costs infinity.
+over the links of the stage's group, shaped as its collective runs (pipeline.emulated_link.collective_seconds: a
+ring's 2 (R-1) hops of 1/R of them at its slowest link, an allgather, two all-to-all rounds, an exchange with
+peers). A placement whose stage does not fit its machine's memory costs infinity.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from aqpipe.pipeline.emulated_link import collective_seconds
 from aqpipe.pipeline.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, makespan, train_schedule
 
 from .cluster import Cluster
@@ -40,24 +42,9 @@ class Prediction:
 
 
 def ring_seconds(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
-    """A ring allreduce of `nbytes` over `ranks` (in that order): 2 (k-1) hops of nbytes / k, each as long as the
-    ring's slowest link takes."""
-    k = len(ranks)
-    if k < 2:
-        return 0.0
-    hop = max(cluster.seconds(ranks[i], ranks[(i + 1) % k], nbytes / k) for i in range(k))
-    return 2 * (k - 1) * hop
-
-
-def peers_seconds(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
-    """Each member sends `nbytes` to its ring neighbours: as long as the slowest of those links."""
-    k = len(ranks)
-    if k < 2:
-        return 0.0
-    return max(cluster.seconds(ranks[i], ranks[(i + d) % k], nbytes) for i in range(k) for d in (1, -1))
-
-
-SYNCS = {"ring": ring_seconds, "peers": peers_seconds}
+    """A ring allreduce of `nbytes` over `ranks` (in global-rank order, as gloo rings): 2 (k-1) hops of nbytes / k,
+    each as long as the ring's slowest link takes."""
+    return collective_seconds(cluster.seconds, ranks, nbytes, "ring")
 
 
 def stage_memory(work: Workload, stage: int, stages: int, blocks: int) -> float:
@@ -127,9 +114,9 @@ class CostModel:
         tables = syncs * (max(ring_seconds(c, list(p), w.table_bytes) for p in pipes) +
                           max(ring_seconds(c, g, w.table_bytes) for g in groups))
         data_parallel = 0.0
-        if R > 1:
-            sync = SYNCS[w.dp_kind]
-            data_parallel = max(sync(c, groups[s], w.dp_bytes_per_parameter * w.stage_trained(s, S, partition[s]))
+        if R > 1:  # each stage's replicas, as their algorithm's collective runs
+            data_parallel = max(collective_seconds(c.seconds, groups[s], w.dp_bytes_per_parameter *
+                                                   w.stage_trained(s, S, partition[s]), w.dp_kind)
                                 for s in range(S))
         compute = max(w.micro_batches * self.stage_seconds(placement[r * S + s], s, partition[s])
                       for r in range(R) for s in range(S))

@@ -1,9 +1,9 @@
 """What `--placement auto` measures at start, on every rank alike: its device on one block of the run's model at the
 run's shape, the memory it has, and each of its links, with messages the size of the run's boundary messages.
 
-- **The device**: a stage of one block (and the embeddings, which cost next to nothing) built from the model's
-  config with random weights, its forward and backward on one micro-batch of the run's shape, the median of a few
-  after one warm-up, frozen where LoRA freezes the base. A machine's ranks take turns (they share its host). An
+- **The device**: one block alone (a middle stage of three, from the model's config with random weights), its
+  forward and backward on one micro-batch of the run's shape from a hidden state, the median of a few after one
+  warm-up, frozen where LoRA freezes the base. A machine's ranks take turns (they share its host). An
   emulated slower device (AQPIPE_COMPUTE_SLOWDOWN) is stretched here as in the steps.
 - **The links**: every pair at once in n - 1 rounds of disjoint pairs (a round-robin tournament). A pair's latency
   is half its fastest round trip of a byte; each direction's rate is a boundary message's one-way time (a round
@@ -33,44 +33,46 @@ SMALLEST, LARGEST = 64 << 10, 4 << 20  # the probe message's bytes: the boundary
 
 
 def one_block_config(config: Any) -> Any:
-    """The model's config with two blocks (stage 0 of two then holds the embeddings and one block)."""
+    """The model's config with three blocks: stage 1 of three then holds one block and nothing else."""
     small = copy.deepcopy(config)
     for name in ("num_hidden_layers", "n_layer"):
         if hasattr(small, name):
-            setattr(small, name, 2)
+            setattr(small, name, 3)
     for name in ("layer_types",):  # per-block lists (sliding windows) follow the count
         value = getattr(small, name, None)
         if isinstance(value, list):
-            setattr(small, name, value[:2])
+            setattr(small, name, value[:3])
     return small
 
 
 def block_seconds(cfg: Any, model_class: type, config: Any, device: torch.device, slowdown: float = 1.0) -> float:
-    """One block's forward and backward of one micro-batch at the run's shape, on `device` (median of REPEATS)."""
+    """One block's forward and backward of one micro-batch at the run's shape, on `device` (median of REPEATS, after
+    a warm-up): the block alone, from a hidden state that takes a gradient (the input's only where LoRA freezes the
+    base), stretched by an emulated slowdown."""
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    stage, _, _ = build_stage(model_class, one_block_config(config), 0, 2, seed=cfg.seed, dtype=dtype, device=device)
+    stage, _, _ = build_stage(model_class, one_block_config(config), 1, 3, seed=cfg.seed, dtype=dtype, device=device)
     if cfg.lora.enabled:
         stage.requires_grad_(False)
+    rows, seq = cfg.micro_batch_size, cfg.data.seq_len
     vocab = int(getattr(config, "vocab_size", 2) or 2)
-    batch = {"input_ids": torch.randint(0, vocab, (cfg.micro_batch_size, cfg.data.seq_len), device=device),
-             "attention_mask": torch.ones(cfg.micro_batch_size, cfg.data.seq_len, dtype=torch.long, device=device)}
+    batch = {"input_ids": torch.randint(0, vocab, (rows, seq), device=device),
+             "attention_mask": torch.ones(rows, seq, dtype=torch.long, device=device)}
     times = []
     for _ in range(REPEATS + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        hidden = torch.randn(rows, seq, stage.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        _synchronize(device)
         started = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            out = stage(None, batch)
-        hidden = out if isinstance(out, torch.Tensor) else out.hidden
-        if hidden.requires_grad:
-            hidden.backward(torch.randn_like(hidden))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        took = time.perf_counter() - started
-        if slowdown > 1:
-            time.sleep((slowdown - 1) * took)
-        times.append(took * slowdown)
+            out = stage(hidden, batch)
+        out.backward(torch.randn_like(out))
+        _synchronize(device)
+        times.append((time.perf_counter() - started) * slowdown)
     return statistics.median(times[1:])
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def free_memory(device: torch.device, local_ranks: int) -> float:
@@ -93,19 +95,24 @@ def rounds(n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _round_trip(peer: int, nbytes: int, sending: bool, matrix: Any) -> float:
+def _round_trip(peer: int, nbytes: int, sending: bool, matrix: Any, device: torch.device) -> float:
     """`nbytes` from the sender to its peer, a byte back: on the sender's side, the round trip's seconds (0 on the
-    other's). Under emulated links each message is held as the steps' are, from when it landed."""
-    message, reply = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+    other's). Under emulated links each message is held as the steps' are, from when it landed. The messages live
+    where the backend moves them from (`device`: the GPU under NCCL)."""
+    message = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    reply = torch.zeros(1, dtype=torch.uint8, device=device)
     if sending:  # the peer says it is ready first (not held), so the clock starts with its receive posted
         dist.recv(reply, peer)
+        _synchronize(device)
         started = time.monotonic()
         dist.send(message, peer)
         dist.recv(reply, peer)
+        _synchronize(device)
         _hold(matrix, peer, 1)
         return time.monotonic() - started
     dist.send(reply, peer)
     dist.recv(message, peer)
+    _synchronize(device)
     _hold(matrix, peer, nbytes)
     dist.send(reply, peer)
     return 0.0
@@ -117,7 +124,8 @@ def _hold(matrix: Any, src: int, nbytes: int) -> None:
         time.sleep(matrix.seconds(src, matrix.me, nbytes))
 
 
-def link_row(me: int, n: int, nbytes: int, matrix: Any = None) -> dict[int, tuple[float, float]]:
+def link_row(me: int, n: int, nbytes: int, matrix: Any = None,
+             device: torch.device = torch.device("cpu")) -> dict[int, tuple[float, float]]:
     """This rank's links as measured: peer -> (latency s, rate bytes/s from this rank to the peer). A pair's
     latency is half its fastest byte's round trip; a direction's rate, a message's round trip less that (what the
     latencies and the byte back take) over its bytes."""
@@ -128,19 +136,18 @@ def link_row(me: int, n: int, nbytes: int, matrix: Any = None) -> dict[int, tupl
             continue
         first = me == pair[0]
         peer = pair[1] if first else pair[0]
-        tiny = [_round_trip(peer, 1, first, matrix) for _ in range(REPEATS)]
-        mine = theirs = 0.0
+        tiny = [_round_trip(peer, 1, first, matrix, device) for _ in range(REPEATS)]
+        sent = 0.0
         for sender_first in (True, False):  # the first's message out, then the peer's
-            took = _round_trip(peer, nbytes, first == sender_first, matrix)
-            mine = took if first == sender_first else mine
-        shared = torch.tensor([min(tiny) if first else 0.0], dtype=torch.float64)
+            took = _round_trip(peer, nbytes, first == sender_first, matrix, device)
+            sent = took if first == sender_first else sent
+        shared = torch.tensor([min(tiny) if first else 0.0], dtype=torch.float64, device=device)
         if first:
             dist.send(shared, peer)
         else:
             dist.recv(shared, peer)
         round_trip = float(shared[0])
-        theirs = max(mine - round_trip, 1e-9)
-        out[peer] = (round_trip / 2, nbytes / theirs)
+        out[peer] = (round_trip / 2, nbytes / max(sent - round_trip, 1e-9))
     return out
 
 
@@ -149,14 +156,17 @@ def measure(cfg: Any, world: Any, model_class: type, config: Any, message_bytes:
     started = time.perf_counter()
     here = launch()
     block = 0.0
-    for turn in range(here.local_world_size):  # a machine's ranks in turn: they share its host (one host, all)
+    turns = torch.tensor([here.local_world_size], device=world.transport)
+    if world.size > 1:  # as many turns on every machine, the most ranks any holds (barriers must pair up)
+        dist.all_reduce(turns, op=dist.ReduceOp.MAX)
+    for turn in range(int(turns.item())):  # a machine's ranks in turn: they share its host (one host, all)
         if turn == here.local_rank:
             block = block_seconds(cfg, model_class, config, world.device, world.compute_slowdown)
         if world.size > 1:
             dist.barrier()
     memory = free_memory(world.device, here.local_world_size)
     nbytes = int(min(max(message_bytes, SMALLEST), LARGEST))
-    links = link_row(world.rank, world.size, nbytes, world.link_matrix) if world.size > 1 else {}
+    links = link_row(world.rank, world.size, nbytes, world.link_matrix, world.transport) if world.size > 1 else {}
     rows: list[Any] = [None] * world.size
     mine = {"block_s": block, "memory": memory, "links": links}
     if world.size > 1:

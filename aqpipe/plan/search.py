@@ -15,7 +15,7 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
@@ -39,7 +39,6 @@ class Plan:
     method: str  # "exact" or "search"
     evaluated: int = 0
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": self.stages, "replicas": self.replicas, "placement": self.placement,
@@ -60,11 +59,13 @@ class _Search:
         if self.fixed is not None:
             return self.fixed
         m = self.model
-        key = tuple(tuple(placement[r * m.stages + s] for r in range(m.replicas)) for s in range(m.stages))
-        speeds = tuple(tuple(sorted(m.block_s[x] for x in group)) for group in key)
-        if speeds not in self._splits:
-            self._splits[speeds] = m.balance(placement)
-        return self._splits[speeds]
+        groups = [[placement[r * m.stages + s] for r in range(m.replicas)] for s in range(m.stages)]
+        # what the split reads of each stage: its slowest replica's pace and its smallest memory
+        key = tuple((max(m.block_s[x] for x in g), min(m.cluster.machines[x].memory_bytes or math.inf for x in g))
+                    for g in groups)
+        if key not in self._splits:
+            self._splits[key] = m.balance(placement)
+        return self._splits[key]
 
     def price(self, placement: list[int]) -> tuple[Prediction, tuple[int, ...]]:
         self.evaluated += 1
@@ -73,9 +74,12 @@ class _Search:
 
 
 def plan(cluster: Cluster, work: Workload, stages: int, replicas: int, *, partition: list[int] | None = None,
-         budget_s: float = 30.0, seed: int = 0, exact_up_to: int = EXACT_UP_TO) -> Plan:
+         budget_s: float = 30.0, evaluations: int | None = None, seed: int = 0,
+         exact_up_to: int = EXACT_UP_TO) -> Plan:
     """The placement the model predicts fastest for `stages` x `replicas` on `cluster`'s ranks; `partition`: blocks
-    per stage the run fixes (None: chosen with each placement). ValueError in one line when no placement fits."""
+    per stage the run fixes (None: chosen with each placement). Beyond `exact_up_to` ranks the search spends at most
+    `budget_s` seconds and, where given, `evaluations` placements priced (then its answer depends on the seed alone,
+    not on how busy the machine is). ValueError in one line when no placement fits."""
     started = time.perf_counter()
     n = stages * replicas
     if len(cluster) != n:
@@ -88,7 +92,8 @@ def plan(cluster: Cluster, work: Workload, stages: int, replicas: int, *, partit
     if n <= exact_up_to:
         best, method = _exact(search, stages, replicas), "exact"
     else:
-        best, method = _heuristic(search, cluster, work, stages, replicas, budget_s, seed), "search"
+        budget = Budget(search, budget_s, evaluations)
+        best, method = _heuristic(search, cluster, work, stages, replicas, budget, seed), "search"
     (predicted, split), placement = best
     if not predicted.fits:
         short = _shortfall(model, search.split(order))
@@ -123,11 +128,33 @@ def _exact(search: _Search, stages: int, replicas: int) -> tuple[tuple[Predictio
     return best
 
 
-def _heuristic(search: _Search, cluster: Cluster, work: Workload, stages: int, replicas: int, budget_s: float,
+class Budget:
+    """What a search may spend: seconds, and (where given) placements priced; either ends it. A part of what is left
+    (`part`) is a budget of its own, `used` how far through it a search is."""
+
+    def __init__(self, search: _Search, seconds: float, evaluations: int | None = None) -> None:
+        self.search, self.began, self.began_at = search, time.perf_counter(), search.evaluated
+        self.deadline, self.limit = self.began + seconds, (math.inf if evaluations is None else
+                                                            search.evaluated + evaluations)
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.deadline or self.search.evaluated >= self.limit
+
+    def used(self) -> float:
+        by_time = (time.perf_counter() - self.began) / max(self.deadline - self.began, 1e-9)
+        by_count = (self.search.evaluated - self.began_at) / max(self.limit - self.began_at, 1e-9)
+        return min(1.0, max(by_time, by_count))
+
+    def part(self, share: float) -> "Budget":
+        left = max(self.deadline - time.perf_counter(), 0.0) * share
+        count = None if math.isinf(self.limit) else int(max(self.limit - self.search.evaluated, 0) * share)
+        return Budget(self.search, left, count)
+
+
+def _heuristic(search: _Search, cluster: Cluster, work: Workload, stages: int, replicas: int, budget: Budget,
                seed: int) -> tuple[tuple[Prediction, tuple[int, ...]], list[int]]:
     """From rank order and two constructions (stage groups by links, as Yuan et al.; pipelines by links, where the
     boundaries outweigh the sync), annealed by swapping ranks, then swapped while the step falls."""
-    deadline = time.perf_counter() + budget_s
     rng = random.Random(seed)
     n = stages * replicas
     dp_bytes = work.dp_bytes_per_parameter * work.block_trained * max(1, work.blocks // stages) or work.table_bytes
@@ -137,13 +164,12 @@ def _heuristic(search: _Search, cluster: Cluster, work: Workload, stages: int, r
     starts += [rng.sample(range(n), n) for _ in range(RANDOM_STARTS)]
     priced = [(search.price(p), p) for p in starts]
     best = min(priced, key=lambda c: c[0][0].step)
-    share = (deadline - time.perf_counter()) / (2 * len(priced))
-    for candidate in priced:  # each start annealed for a share of the budget, the rest left for the polish
-        found = _polish(search, _anneal(search, candidate, rng, time.perf_counter() + share, stages),
-                        time.perf_counter() + share)
+    for k, candidate in enumerate(priced):  # each start annealed for a share of half the budget, then polished
+        share = budget.part(1 / (2 * (len(priced) - k)))
+        found = _polish(search, _anneal(search, candidate, rng, share.part(0.5), stages), share)
         if _better(best, found):
             best = found
-    return _polish(search, best, deadline)
+    return _polish(search, best, budget)
 
 
 def _move(placement: list[int], stages: int, rng: random.Random) -> list[int]:
@@ -160,18 +186,16 @@ def _move(placement: list[int], stages: int, rng: random.Random) -> list[int]:
     return out
 
 
-def _anneal(search: _Search, start: tuple, rng: random.Random, until: float, stages: int) -> tuple:
+def _anneal(search: _Search, start: tuple, rng: random.Random, budget: Budget, stages: int) -> tuple:
     """Simulated annealing over moves (`_move`): a worse step is taken with probability exp(-rise / T), T cooling
-    from a twentieth of the start's step; the best placement met is returned."""
+    from a twentieth of the start's step as the budget is spent; the best placement met is returned."""
     current = best = start
     n = len(start[1])
     if n < 2:
         return best
     t0 = 0.05 * start[0][0].step if math.isfinite(start[0][0].step) else 1.0
-    began = time.perf_counter()
-    while time.perf_counter() < until:
-        fraction = (time.perf_counter() - began) / max(until - began, 1e-9)
-        temperature = t0 * (1e-3 ** fraction)
+    while not budget.done():
+        temperature = t0 * (1e-3 ** budget.used())
         placement = _move(current[1], stages, rng)
         candidate = (search.price(placement), placement)
         rise = candidate[0][0].step - current[0][0].step
@@ -182,15 +206,15 @@ def _anneal(search: _Search, start: tuple, rng: random.Random, until: float, sta
     return best
 
 
-def _polish(search: _Search, start: tuple, deadline: float) -> tuple:
+def _polish(search: _Search, start: tuple, budget: Budget) -> tuple:
     """Every swap of two ranks, taken while it shortens the step, until none does or the budget ends."""
     current = start
     n = len(start[1])
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and not budget.done():
         improved = False
         for i, j in itertools.combinations(range(n), 2):
-            if time.perf_counter() >= deadline:
+            if budget.done():
                 break
             placement = list(current[1])
             placement[i], placement[j] = placement[j], placement[i]

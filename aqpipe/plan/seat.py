@@ -7,8 +7,9 @@
   checkpoint's);
 - a plan file `aqpipe plan` wrote: its placement and blocks.
 
-Rank 0 plans and every rank takes its plan (the search keeps to a time budget, so two ranks could reach two
-answers). Returns the grid and the settings with `partition` resolved to the blocks the run takes.
+Rank 0 reads the files (with no shared filesystem, its machine's copy) and plans, and every rank takes its answer
+(the search keeps to a time budget, so two ranks could reach two answers). Returns the grid and the settings with
+`partition` resolved to the blocks the run takes.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from aqpipe.pipeline import Grid
@@ -87,37 +89,43 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     if how == "rank" or world.size == 1:
         return (*rank_order(cfg, world.size), None)
     fixed = fixed_blocks(cfg, model_class, config, stages)  # the settings' (or a resumed checkpoint's) blocks
+    work = workload.build(cfg, model_class, config, first_share(cfg)) if how == "auto" else None
+    took = cluster = None
+    if how == "auto" and not cfg.distributed.cluster:  # every rank measures, and holds the table
+        cluster, took = profile.measure(cfg, world, model_class, config, work.forward_bytes)
+    chosen: Any = None
+    if world.rank == 0:  # rank 0 reads the files (where no filesystem is shared, its machine's) and plans
+        try:
+            chosen = _rank_zeros(cfg, world, stages, how, fixed, work, cluster, took)
+        except ValueError as exc:  # said on every rank, not left for the others to wait out
+            chosen = str(exc)
+    chosen = broadcast(chosen, world)
+    if isinstance(chosen, str):
+        raise ValueError(chosen)
+    blocks = cfg if fixed is not None else _with_blocks(cfg, list(chosen.partition))
+    return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
+
+
+def _rank_zeros(cfg: Any, world: Any, stages: int, how: str, fixed: list[int] | None, work: Any, cluster: Any,
+                took: float | None) -> Any:
+    """Rank 0's part of `seat`: the plan file's placement (checked against the run), or the plan from the table
+    (measured, or `--cluster`'s), said in one line."""
     if how != "auto":
         data = read_plan(how, world.size, stages)
         if fixed is not None and fixed != list(data["partition"]):
             raise ValueError(f"placement={how!r}: its blocks per stage {data['partition']} are not this run's "
                              f"partition={cfg.distributed.partition!r} ({fixed}); expected a plan made with that "
                              "partition (a resumed run keeps its checkpoint's blocks)")
-        if world.rank == 0:
-            print(f"placement {how}: ranks by (stage, replica) {data['placement']}, blocks per stage "
-                  f"{data['partition']}", file=sys.stderr)
-        blocks = cfg if fixed is not None else _with_blocks(cfg, list(data["partition"]))
-        return Grid.for_world(world.size, stages, data["placement"]), blocks, None
-    work = workload.build(cfg, model_class, config, first_share(cfg))
-    took = None
-    if cfg.distributed.cluster:
+        print(f"placement {how}: ranks by (stage, replica) {data['placement']}, blocks per stage "
+              f"{data['partition']}", file=sys.stderr)
+        return SimpleNamespace(placement=list(data["placement"]), partition=list(data["partition"]))
+    if cluster is None:
         cluster = read(cfg.distributed.cluster, world.size)
-    else:
-        cluster, took = profile.measure(cfg, world, model_class, config, work.forward_bytes)
-    chosen: Any = None
-    if world.rank == 0:
-        try:
-            chosen = plan(cluster, work, stages, cfg.replicas, partition=fixed, seed=cfg.seed)
-            print(describe(chosen, cfg.distributed.cluster or "", took), file=sys.stderr)
-            if took is not None:
-                _write_table(cluster, cfg)
-        except ValueError as exc:  # said on every rank, not left for the others to wait out
-            chosen = str(exc)
-    chosen = broadcast(chosen, world)
-    if isinstance(chosen, str):
-        raise ValueError(chosen)
-    blocks = cfg if fixed is not None else _with_blocks(cfg, chosen.partition)
-    return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
+    chosen = plan(cluster, work, stages, cfg.replicas, partition=fixed, seed=cfg.seed)
+    print(describe(chosen, cfg.distributed.cluster or "", took), file=sys.stderr)
+    if took is not None:
+        _write_table(cluster, cfg)
+    return chosen
 
 
 def _with_blocks(cfg: Any, blocks: Any) -> Any:

@@ -14,14 +14,13 @@ from aqpipe.pipeline.loading import meta_model
 from aqpipe.pipeline.partitioning import model_family, numel
 from aqpipe.pipeline.stages.base import present
 
-# what a data-parallel algorithm sends a step, per trained parameter and replica, and how: a ring (reduce-scatter and
-# allgather of the whole vector), or an exchange with peers. (bytes a parameter, kind); bits and ratios from the
-# section (data_parallel/config.py)
+# what a data-parallel algorithm sends a step, per trained parameter and replica, and the collective it runs
+# (pipeline.emulated_link.KINDS): (bytes a parameter, kind); bits and ratios from the section (data_parallel/config.py)
 DP_TRAFFIC = {
     "allreduce": lambda dp: (4.0, "ring"),
-    "qadam": lambda dp: (dp.bits / 8, "ring"),
-    "cocktail_sgd": lambda dp: (dp.random_ratio * dp.topk_ratio * (dp.bits / 8 + 4), "ring"),
-    "qsparse_local_sgd": lambda dp: (dp.topk_ratio * (dp.bits / 8 + 4) / dp.local_steps, "ring"),
+    "qadam": lambda dp: (dp.bits / 8, "alltoall"),  # the quantized reduce-scatter and allgather (Comm.quantized_mean)
+    "cocktail_sgd": lambda dp: (dp.random_ratio * dp.topk_ratio * (dp.bits / 8 + 4), "alltoall"),
+    "qsparse_local_sgd": lambda dp: (dp.topk_ratio * (dp.bits / 8 + 4) / dp.local_steps, "gather"),
     "decentralized": lambda dp: (4.0 / dp.interval, "peers"),
     "low_precision_decentralized": lambda dp: (dp.bits / 8, "peers"),
 }

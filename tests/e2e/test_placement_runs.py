@@ -12,7 +12,7 @@ from tests.helpers.processes import ROOT, checkout_env, free_port
 FLAGS = ["--seq_len", "16", "--max_train_samples", "32", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--pipeline_stages", "2", "--replicas", "2", "--epochs", "1", "--save_every",
          "2", "--forward_compress", "none", "--backward_compress", "none", "--partition", "2,2"]
-MOVED = [1, 0, 3, 2]  # replica 0's stage 0 on rank 1 and stage 1 on rank 0; replica 1's on ranks 3 and 2
+MOVED = [3, 2, 1, 0]  # replica 0 on ranks 3 (stage 0) and 2, replica 1 on ranks 1 and 0: every place moved
 
 
 def gpt2(out, *flags, fault=None):
@@ -49,8 +49,8 @@ def test_a_run_resumed_under_another_placement_trains_as_the_rank_ordered_one_to
     manifest = json.loads((root / "moved" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert manifest["placement"] == MOVED  # the checkpoint records who held what, and each rank wrote its place's
     written = {entry["rank"]: entry["file"] for entry in manifest["files"]}
-    assert written == {1: "stage0_replica0.pt", 0: "stage1_replica0.pt", 3: "stage0_replica1.pt",
-                       2: "stage1_replica1.pt"}
+    assert written == {3: "stage0_replica0.pt", 2: "stage1_replica0.pt", 1: "stage0_replica1.pt",
+                       0: "stage1_replica1.pt"}
 
 
 def test_a_plan_with_other_blocks_than_the_runs_is_refused_in_one_line(runs):

@@ -1,5 +1,7 @@
 """--report_to: an unknown or missing reporter is one line, and several reporters take every record (every figure
 read back from each is in tests/e2e/test_trl_command.py, where TRL's documented command reports to all three)."""
+import os
+
 import pytest
 
 from aqpipe import reporters
@@ -33,6 +35,10 @@ def test_wandb_writes_under_wandb_dir_where_set_else_under_the_output_dir(tmp_pa
     run = reporters.WandB(str(out))
     run.log({"step": 1, "loss": 2.5})
     run.close()
+    import wandb
+
+    wandb.teardown()  # its service, and the variable naming it, which later tests' subprocesses would inherit
+    os.environ.pop("WANDB_SERVICE", None)
     expected, other = (chosen, out) if wandb_dir else (out, chosen)
     assert list((expected / "wandb").glob("offline-run-*")), sorted(p.name for p in expected.rglob("*"))[:10]
     assert not (other / "wandb").exists()

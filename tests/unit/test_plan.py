@@ -132,7 +132,7 @@ def test_the_heuristic_is_within_5_percent_of_the_exact_optimum_on_8_ranks():
     for _ in range(4):
         cluster = random_cluster(rng, 8)
         exact = plan(cluster, WORK, 4, 2)
-        searched = plan(cluster, WORK, 4, 2, exact_up_to=0, budget_s=3)
+        searched = plan(cluster, WORK, 4, 2, exact_up_to=0, budget_s=60, evaluations=6000)  # as busy as may be
         assert searched.method == "search"
         gaps.append(searched.predicted.step / exact.predicted.step - 1)
     assert max(gaps) <= 0.05, gaps
@@ -229,3 +229,15 @@ regions: {a: {a: {mbit: 1000, latency_ms: 0.1}, b: {mbit: 20, latency_ms: 30}}, 
     slow = written["placement"].index(3) % 2
     assert written["partition"][slow] < written["partition"][1 - slow]  # the slow machine's stage, fewer blocks
     assert main(["plan", "--model", "x"]) == 2 and "--cluster is required" in capsys.readouterr().err
+
+
+def test_the_split_a_placement_gets_heeds_its_machines_memory():
+    """Two machines alike in speed, one with room for few blocks: each placement's split is its own (the blocks go
+    where they fit), and the search finds brute force's optimum (a split reused from the other placement, which
+    shares its speeds, would not fit, and price it at infinity)."""
+    cluster = parse({"machines": [{"block_ms": 10, "memory_gb": 0.0035}, {"block_ms": 10}],
+                     "default_link": {"mbit": 1000}})  # the small one first: the placement searched first
+    model = CostModel(cluster, WORK, 2, 1)
+    small_first, small_last = model.balance([0, 1]), model.balance([1, 0])
+    assert small_first[0] < small_first[1] and small_last[1] < small_last[0]
+    assert plan(cluster, WORK, 2, 1).predicted.step == pytest.approx(brute_force(cluster, 2, 1), rel=1e-12)
