@@ -22,6 +22,7 @@ import torch
 
 from aqpipe.compression import BufferRangeError, SampleIds
 
+from . import emulated_device
 from . import schedule as sched
 from . import split_backward
 from .micro_batch import staged
@@ -131,13 +132,13 @@ class StepRun:
         began = time.perf_counter()
         for op, mb in actions:
             if op in sched.COMPUTE:
-                t = time.perf_counter()
+                t = emulated_device.began()
                 getattr(self, op)(mb)
                 if e.timed or (e.slowdown > 1 and e.device.type == "cuda"):  # the kernels' time, not their launch's
                     torch.cuda.synchronize(e.device)
                 if e.slowdown > 1:  # the emulator: a device this many times slower, by waiting
-                    time.sleep((e.slowdown - 1) * (time.perf_counter() - t))
-                self.compute_seconds += time.perf_counter() - t
+                    emulated_device.stretch(t, e.slowdown, e.device)
+                self.compute_seconds += time.perf_counter() - t[0]
             else:
                 getattr(self, op)(mb)
         e.wire.flush()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from aqpipe.buffer_plan import available_memory
 from aqpipe.environment import launch
+from aqpipe.pipeline import emulated_device
 from aqpipe.pipeline.loading import build_stage
 
 from .cluster import Cluster, Machine
@@ -61,12 +62,13 @@ def block_seconds(cfg: Any, model_class: type, config: Any, device: torch.device
     for _ in range(REPEATS + 1):
         hidden = torch.randn(rows, seq, stage.hidden_size, device=device, dtype=dtype, requires_grad=True)
         _synchronize(device)
-        started = time.perf_counter()
+        started = emulated_device.began()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             out = stage(hidden, batch)
         out.backward(torch.randn_like(out))
         _synchronize(device)
-        times.append((time.perf_counter() - started) * slowdown)
+        own = emulated_device.own_seconds(started, device) if slowdown > 1 else time.perf_counter() - started[0]
+        times.append(own * slowdown)
     return statistics.median(times[1:])
 
 
