@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from . import checkpoint_copies as copies
+from . import reshape
 from .atomic_files import atomic_write, fsync_dir, sha256_of
-from .compression.fields import FREE, KEPT, THIS_RUN
+from .compression.fields import FREE, KEPT, RESHAPES, THIS_RUN
 from .config import RunConfig, destinations
 from .flags import value_at
 from .storage import Storage, broadcast, gather
@@ -122,23 +123,36 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     """cfg with the values its run resolved when it started, after refusing a checkpoint whose settings differ
     from cfg's (naming each by its flag). What a setting missing from the checkpoint meant, and whether `auto` takes
     the checkpoint's resolved value, are its field's metadata (`older`, `resume=KEPT`: compression/fields.py)."""
-    mine, theirs = fingerprint(cfg), read_manifest(directory)["fingerprint"]
+    manifest = read_manifest(directory)
+    mine, theirs = fingerprint(cfg), manifest["fingerprint"]
     fields_at = dict(destinations())
+    same_stages = mine.get("distributed.pipeline_stages") == theirs.get("distributed.pipeline_stages")
+    reshapes = "stage_blocks" in manifest  # a checkpoint from before it cannot say its blocks: its shape is kept
     for key, f in fields_at.items():
+        if f.metadata.get("resume") == RESHAPES and reshapes:  # another shape reshards as it loads (reshape.py)
+            if same_stages and mine.get(key) == "auto" and theirs.get(key) not in (None, "auto"):
+                cfg = _with(cfg, key, theirs[key])  # the blocks the run had, where the stages are the same
+            mine.pop(key, None)
+            continue
         if key in mine and key not in theirs and "older" in f.metadata:  # written before the setting existed
             theirs[key] = mine[key] if f.metadata["older"] is THIS_RUN else _json(f.metadata["older"])
-        if f.metadata.get("resume") == KEPT and mine.get(key) == "auto" and theirs.get(key) not in (None, "auto"):
+        if f.metadata.get("resume") in (KEPT, RESHAPES) and mine.get(key) == "auto" and \
+                theirs.get(key) not in (None, "auto"):
             mine[key] = theirs[key]  # resolved when its run started (a QAdam warm-up's steps): kept, whatever the
             # epochs now resolve it to
-            section, _, name = key.rpartition(".")
-            cfg = replace(cfg, **({section: replace(getattr(cfg, section), **{name: theirs[key]})} if section
-                                  else {name: theirs[key]}))
+            cfg = _with(cfg, key, theirs[key])
     diff = [f"{_flag(k, fields_at)}={theirs[k]!r} in the checkpoint, {v!r} in this run" if k in theirs else
             f"{_flag(k, fields_at)}={v!r} in this run, which the checkpoint does not record"
             for k, v in mine.items() if k not in theirs or theirs[k] != v]
     if diff:
         raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
     return cfg
+
+
+def _with(cfg: "RunConfig", dest: str, value: Any) -> "RunConfig":
+    """cfg with the setting at `dest` ("section.name" or "name") set to `value`."""
+    section, _, name = dest.rpartition(".")
+    return replace(cfg, **({section: replace(getattr(cfg, section), **{name: value})} if section else {name: value}))
 
 
 def _flag(dest: str, fields_at: dict[str, Any]) -> str:
@@ -215,7 +229,7 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
               "rng": rng_state(), "external_buffers": externals}
     name = rank_file(place["stage"], place["replica"])
     note = {"rank": world.rank, "file": name, "sha256": write_state(partial / name, record),
-            "external_buffers": externals}
+            "external_buffers": externals, "stage": place["stage"], "blocks": len(state["blocks"])}
     barrier(world)  # every rank's files complete
     if keepers and len(keepers) > 1:
         copies.copy_to_keepers(partial, copies.rank_files(note), world, keepers)
@@ -224,7 +238,9 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
     if notes is not None and sorted(n["rank"] for n in notes) == list(range(world.size)):
         manifest = {"format": FORMAT, "step": step, "world_size": world.size, "fingerprint": fingerprint(cfg),
                     "files": sorted(notes, key=lambda n: n["rank"]), "buffer_plan": buffer_plan,
-                    "placement": engine.groups.grid.placement}  # who held which (stage, replica): a resume may differ
+                    "placement": engine.groups.grid.placement,  # who held which (stage, replica): a resume may differ
+                    "stage_blocks": [n["blocks"] for n in sorted({n["stage"]: n for n in notes}.values(),
+                                                                 key=lambda n: n["stage"])]}  # a resume may reshape
     manifest = broadcast(manifest, world)
     if manifest is None:
         raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")
@@ -249,10 +265,11 @@ def agree(found: Path | None, root: Path, world: "World", storage: "Storage | No
     has every rank's files anywhere."""
     held = copies.held(root)  # step -> the ranks whose files are all on this rank's storage
     here = {"name": found.name if found is not None else None,
-            "steps": [step for step, ranks in held.items() if world.rank in ranks], "held": held}
+            "steps": [step for step, ranks in held.items() if world.rank in ranks], "held": held,
+            "sizes": copies.world_sizes(root)}
     everyone = gather(here, world)
     verdict: Any = None
-    wants: dict[int, int] = {}
+    wants: dict[int, list[tuple[int, str]]] = {}
     if everyone is not None:
         names = {e["name"] for e in everyone}
         holders: dict[int, dict[int, int]] = {}  # step -> rank -> the lowest rank holding its files
@@ -262,14 +279,21 @@ def agree(found: Path | None, root: Path, world: "World", storage: "Storage | No
                 for r, name in ranks.items():
                     holders.setdefault(int(step), {}).setdefault(r, holder)
                     files.setdefault(int(step), {})[r] = name
-        whole = [step for step, by in holders.items() if len(by) == world.size]
+        sizes = {step: n for e in everyone for step, n in e["sizes"].items()}  # the world that wrote each step
+        whole = [step for step, by in holders.items() if len(by) == sizes.get(step)]
         if len(names) == 1:
             verdict = names.pop() or ""
         elif whole:
             step = max(whole)
             verdict = step_dir(Path(), step).name
-            wants = {r: (holders[step][r], files[step][r]) for r in range(world.size)
-                     if step not in everyone[r]["steps"]}
+            if sizes[step] == world.size:  # each rank its own files, where its machine has none
+                wants = {r: [(holders[step][r], files[step][r])] for r in range(world.size)
+                         if step not in everyone[r]["steps"]}
+            else:  # another world: the files each rank reads come after (train.place_ranks); here, the manifest,
+                # with one file, to each rank whose machine holds none of the step
+                first = min(holders[step])
+                wants = {r: [(holders[step][first], files[step][first])] for r in range(world.size)
+                         if step not in everyone[r]["held"]}
         else:
             verdict = f"resume: no checkpoint whose every rank's files some machine holds (steps by rank: " \
                       f"{[e['steps'] for e in everyone]}); a machine that lost its files has no copy elsewhere " \
@@ -280,6 +304,8 @@ def agree(found: Path | None, root: Path, world: "World", storage: "Storage | No
         raise ValueError(verdict)
     if wants:
         copies.bring_back(root, verdict, wants, world, storage or Storage(world.rank, tuple(range(world.size))))
+    elif found is not None and verdict == found.name:
+        return found  # where --resume named it, perhaps another run's output directory
     return root / verdict if verdict else None
 
 
@@ -293,20 +319,39 @@ def _prune(root: Path, keep: int | None, newest: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load(directory: Path, engine: Any, cfg: "RunConfig") -> dict[str, Any]:
-    """Load this rank's state into the engine and the global RNGs; returns the training loop's progress."""
+def load(directory: Path, engine: Any, cfg: "RunConfig", reading: "reshape.Reading | None" = None) -> dict[str, Any]:
+    """Load this rank's state into the engine and the global RNGs; returns the training loop's progress. `reading`:
+    the old stages this rank's state is resharded from, where the run's shape differs from the checkpoint's."""
     check_compatible(directory, cfg)
     manifest = read_manifest(directory)
     stage, replica = engine.groups.stage, engine.groups.replica
+    if reading is None:
+        record = _read_record(directory, manifest, stage, replica)
+        engine.load_state_dict(record["engine"])
+    else:  # each old stage as its replicas' average, its codecs this replica's own
+        records = {s: [_read_record(directory, manifest, s, r, rows=r == replica) for r in range(reading.replicas)]
+                   for s in reading.sources}
+        record = records[min(records)][replica]
+        state, fresh = reshape.merge({s: reshape.averaged([r["engine"] for r in rs], replica)
+                                      for s, rs in records.items()}, engine.state_dict(), reading.old, reading.new,
+                                     stage, engine.stage.hf_parameter_names())
+        engine.load_state_dict(state, fresh)
+    set_rng_state(record["rng"])
+    return record["progress"]
+
+
+def _read_record(directory: Path, manifest: dict[str, Any], stage: int, replica: int,
+                 rows: bool = True) -> dict[str, Any]:
+    """(stage, replica)'s record, checked against its checksum, naming its AQ-SGD rows' copy where kept in files
+    (`rows`: checked too; another replica's, read for its weights alone, are not)."""
     name = rank_file(stage, replica)
     entry = next((f for f in manifest["files"] if f["file"] == name), None)
     if entry is None:
         raise ValueError(f"checkpoint {directory} has no {name} for stage {stage}, replica {replica}")
     record = read_state(directory / name, entry["sha256"])
-    for codec_name, ref in record["external_buffers"].items():  # the .pt names the samples; the rows are the copy's
+    for codec_name, ref in record["external_buffers"].items() if rows else ():  # the .pt names the samples; the
+        # rows are the copy's
         if sha256_of(directory / ref["file"]) != ref["sha256"]:
             raise ValueError(f"AQ-SGD buffer snapshot {directory / ref['file']} does not match its checksum")
         record["engine"]["codecs"][codec_name]["buffer"]["rows_file"] = str(directory / ref["file"])
-    engine.load_state_dict(record["engine"])
-    set_rng_state(record["rng"])
-    return record["progress"]
+    return record

@@ -100,6 +100,18 @@ def held(root: Path) -> dict[int, dict[int, str]]:
     return out
 
 
+def world_sizes(root: Path) -> dict[int, int]:
+    """The finalized checkpoints under `root`: step -> the number of ranks that wrote it."""
+    out = {}
+    for directory in sorted(root.glob("step_*")):
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())
+            out[int(manifest["step"])] = int(manifest.get("world_size", len(manifest.get("files", []))))
+        except (OSError, ValueError, KeyError):
+            continue  # unfinished
+    return out
+
+
 def slot_files(directory: Path) -> list[str]:
     """The state files (one per (stage, replica)) of a checkpoint whose files are all in `directory` here."""
     try:
@@ -110,30 +122,33 @@ def slot_files(directory: Path) -> list[str]:
             if all((directory / name).is_file() for name in rank_files(entry))]
 
 
-def fetch_slots(directory: Path, mine: str, world: World, storage: Storage) -> None:
-    """Each rank's (stage, replica) files of checkpoint `directory` (`mine`: this rank's state file) on its own
-    storage, fetched from a rank whose storage holds them where it has none: a resume under another placement than
-    the checkpoint's run had, with no shared filesystem. Every rank calls it; nothing moves where each has its own."""
-    everyone = gather({"want": mine, "have": slot_files(directory)}, world)
-    wants: dict[int, tuple[int, str]] = {}
+def fetch_slots(directory: Path, mine: list[str], world: World, storage: Storage) -> None:
+    """The (stage, replica) files of checkpoint `directory` each rank reads (`mine`: this rank's state files) on its
+    own storage, fetched from a rank whose storage holds them where it has none: a resume under another placement or
+    shape than the checkpoint's run had, with no shared filesystem. Every rank calls it; nothing moves where each has
+    its own."""
+    everyone = gather({"want": list(mine), "have": slot_files(directory)}, world)
+    wants: dict[int, list[tuple[int, str]]] = {}
     if everyone is not None:
         for rank, e in enumerate(everyone):
-            if e["want"] not in e["have"]:
-                holder = next((r for r, other in enumerate(everyone) if e["want"] in other["have"]), None)
-                if holder is not None:  # none: checkpoint.load says which file is missing
-                    wants[rank] = (holder, e["want"])
+            for name in e["want"]:
+                if name not in e["have"]:
+                    holder = next((r for r, other in enumerate(everyone) if name in other["have"]), None)
+                    if holder is not None:  # none: checkpoint.load says which file is missing
+                        wants.setdefault(rank, []).append((holder, name))
     wants = broadcast(wants, world)
     if wants:
         bring_back(directory.parent, directory.name, wants, world, storage)
 
 
-def bring_back(root: Path, step_name: str, wants: dict[int, tuple[int, str]], world: World, storage: Storage) -> None:
-    """The checkpoint `step_name` given to each rank that lacks its files (`wants`: rank -> (the rank that holds
-    them, their state file's name)) by their holder, with the manifest; each storage that received files finalizes
-    the directory after."""
+def bring_back(root: Path, step_name: str, wants: dict[int, list[tuple[int, str]]], world: World,
+               storage: Storage) -> None:
+    """The checkpoint `step_name` given to each rank that lacks files it reads (`wants`: rank -> (the rank that holds
+    them, a state file's name) for each) by their holder, with the manifest; each storage that received files
+    finalizes the directory after."""
     directory = root / step_name
     received = False
-    for rank, (holder, name) in sorted(wants.items()):
+    for rank, holder, name in sorted((rank, holder, name) for rank, want in wants.items() for holder, name in want):
         if world.rank == holder:
             manifest = json.loads((directory / MANIFEST).read_text())
             entry = next(f for f in manifest["files"] if f["file"] == name)

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterator
 
-from aqpipe.compression.fields import FREE, KEPT, THIS_RUN, check_choices, check_int, is_int, setting
+from aqpipe.compression.fields import FREE, RESHAPES, THIS_RUN, check_choices, check_int, is_int, setting
 from aqpipe.data_parallel import DataParallelConfig
 from aqpipe.pipeline import LOSS_AVERAGES, CompressionConfig
 from aqpipe.pipeline.adapters import LoraSettings
@@ -202,13 +202,14 @@ class DistributedSettings:
     processes reach each other."""
 
     pipeline_stages: int | str = setting("auto", "stages per pipeline, or auto = world size / replicas (world = "
-                                               "stages x replicas)", ds="pipeline.stages")
+                                               "stages x replicas); a resume may change it (the checkpoint is "
+                                               "resharded)", ds="pipeline.stages", resume=RESHAPES)
     schedule: str = setting("1f1b", f"one of {', '.join(SCHEDULES)}", ds="pipeline.schedule", choices=SCHEDULES)
     partition: list[int] | str = setting("auto", "blocks per stage: auto (the plan's, in proportion to each stage's "
                                                 "speed, under --placement auto or a plan file; else parameters), "
                                                 "parameters (balanced by parameter count), uniform, or "
                                                 "comma-separated block counts", ds="pipeline.partition",
-                                         resume=KEPT)
+                                         resume=RESHAPES)
     placement: str = setting("rank", "which rank holds which stage of which replica: rank (stage s of replica r on "
                                      "rank r x stages + s, the launcher's numbering), auto (measure every machine's "
                                      "speed and link, or read --cluster, and place by the predicted step), or a plan "

@@ -28,14 +28,14 @@ from aqpipe.compression import derive_seed, row_nbytes
 
 from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
-from . import faults, interrupts
+from . import faults, interrupts, reshape
 from .config import RunConfig
 from .environment import check_liger, launch
 from .export import save_adapter, save_model
 from .lr_plan import PlannedLR
 from .metrics import MetricsWriter, evaluate, step_record
 from .optim import LowPrecisionAdamW
-from .plan.seat import rank_order, seat
+from .plan.seat import fixed_blocks, rank_order, seat
 from .progress import Progress
 from .checkpoint_copies import fetch_slots, storage_groups
 from .host_memory import release_freed_memory
@@ -353,7 +353,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     keepers = storage_groups(storage, world) if cfg.checkpointing.copy_checkpoints else None
     tokenizer, train_set, eval_set = build_datasets(cfg, task, world, data)
     spec = model_spec(cfg, task, tokenizer, train_set)
-    cfg = place_ranks(cfg, world, spec, resumed, storage)
+    cfg, reading = place_ranks(cfg, world, spec, resumed, storage)
     stages, replicas = world.grid.stages, world.grid.replicas
     per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
                                         last="keep")  # an epoch's last, partial batch is kept, as HF keeps it
@@ -371,7 +371,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
                                                                       cfg.num_micro_batches)]
     progress = Progress()
     if cfg.checkpointing.resume:  # last: the RNG states it restores are those of the saved run at that step
-        progress.load_state_dict(checkpoint.load(Path(cfg.checkpointing.resume), engine, cfg))
+        progress.load_state_dict(checkpoint.load(Path(cfg.checkpointing.resume), engine, cfg, reading))
     injector = faults.Injector(faults.from_env(), world.rank, engine.stage)
     writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.checkpointing.resume else None,
                            progress.elapsed)
@@ -430,14 +430,26 @@ def export(cfg: RunConfig, world: World, engine: PipelineEngine, spec: ModelSpec
     return model_dir
 
 
-def place_ranks(cfg: RunConfig, world: World, spec: ModelSpec, resumed: Path | None, storage: Storage) -> RunConfig:
+def place_ranks(cfg: RunConfig, world: World, spec: ModelSpec, resumed: Path | None,
+                storage: Storage) -> tuple[RunConfig, reshape.Reading | None]:
     """Who holds which (stage, replica), set as `world.grid`, and the settings with the blocks each stage takes
-    (aqpipe/plan/seat.py); resuming under another placement than the checkpoint's run had, each rank's place's files
-    brought to its machine."""
+    (aqpipe/plan/seat.py); resuming, the files each rank's place reads brought to its machine (under another placement
+    than the checkpoint's run had, its place's; on another shape, those of the old stages it is resharded from:
+    reshape.py)."""
     world.grid, cfg, _ = seat(cfg, world, spec.model_class, spec.config)
-    if resumed is not None:
-        fetch_slots(resumed, checkpoint.rank_file(*world.grid.coords(world.rank)), world, storage)
-    return cfg
+    if resumed is None:
+        return cfg, None
+    stage, replica = world.grid.coords(world.rank)
+    counts = fixed_blocks(cfg, spec.model_class, spec.config, world.grid.stages)
+    reading = reshape.reading(checkpoint.read_manifest(resumed), counts, stage,
+                              lambda: reshape.holds_tie(spec.model_class, spec.config, counts, stage),
+                              world.grid.replicas)
+    if reading is not None and world.rank == 0:
+        print(reshape.describe(reading.old, reading.new, world.grid.replicas), file=sys.stderr, flush=True)
+    wanted = [(stage, replica)] if reading is None else \
+        [(s, r) for s in reading.sources for r in range(reading.replicas)]
+    fetch_slots(resumed, [checkpoint.rank_file(s, r) for s, r in wanted], world, storage)
+    return cfg, reading
 
 
 def drop_buffer_files(engine: PipelineEngine, made: Path | None) -> None:

@@ -2,7 +2,8 @@
 
 Yuan et al.'s five scenarios (NeurIPS 2022, "Decentralized Training of Foundation Models in Heterogeneous
 Environments"), scaled to 8 ranks as 4 stages x 2 replicas, then the same with two kinds of device (the second half
-of the machines 2.5x slower), and a datacenter with one device 2.5x slower. Their rates and latencies are theirs
+of the machines 2.5x slower), and a datacenter with one device 2.5x slower; first, a uniform cluster (every pair at
+the datacenter's fast rate), where a plan should cost nothing. Their rates and latencies are theirs
 (measured between AWS regions; published with their scheduler, DS3Lab/DT-FM scheduler/generate_sim_com_matrices.py),
 the rates scaled by 1/100 (their Gbit/s as our 10 Mbit/s: the model here is small, so the links decide as they did
 for theirs), the latencies as measured.
@@ -101,10 +102,12 @@ def scenarios() -> dict[str, dict[str, Any]]:
     # world-wide: eight cities on three continents, one machine each (case 4)
     out["world-wide"] = cluster_file(["Oregon", "Virginia", "Ohio", "Tokyo", "Seoul", "London", "Frankfurt",
                                       "Ireland"], CITIES, (10.0, 2.0))
+    # uniform: the datacenter's fast links between every pair (the check that a plan costs nothing where all is alike)
+    uniform = {"uniform": (cluster_file(["i0"] * 8, {}, (0.0, 97.0)), [1.0] * 8)}
     plain = {name: (table, [1.0] * 8) for name, table in out.items()}
     mixed = {f"{name}, two devices": (table, [1.0] * 4 + [SLOW] * 4) for name, table in out.items()}
     one = {"datacenter, one slow device": (out["datacenter"], [1.0] * 7 + [SLOW])}
-    return {**plain, **mixed, **one}
+    return {**uniform, **plain, **mixed, **one}
 
 
 def _pairs(names: list[str]) -> list[tuple[str, str]]:

@@ -12,6 +12,8 @@ from typing import Any, Collection
 SAME = "same"  # keep the checkpoint's value: a run with another is refused, naming it (the default)
 FREE = "free"  # change it: the run's length, its evaluation, saving and logging, how its processes reach each other
 KEPT = "kept"  # as SAME, except that `auto` takes the value the checkpoint's run resolved it to
+RESHAPES = "reshapes"  # the run's shape (stages, blocks per stage): another reshards the checkpoint as it loads
+# (aqpipe/reshape.py); `auto` takes the checkpoint's value where the stage count is the same
 
 
 class _ThisRun:
@@ -29,11 +31,11 @@ def setting(default: Any, text: str, flag: str | None = None, *, choices: Collec
             resume: str = SAME, older: Any = _ALWAYS, **meta: Any) -> Any:
     """A dataclass field with its help, its command-line flag where it differs from the field's name, and:
     `choices`, the values it takes (checked by `check_choices` as its section is made); `resume`, what a resume may
-    do with it (SAME, FREE or KEPT); `older`, what a checkpoint written before the setting existed meant (a value, or
-    THIS_RUN; without it, every checkpoint this aqpipe reads has the setting); and other metadata the parser reads
-    (`const`: the value a flag given without one takes)."""
-    if resume not in (SAME, FREE, KEPT):
-        raise ValueError(f"resume={resume!r}: expected {SAME}, {FREE} or {KEPT}")
+    do with it (SAME, FREE, KEPT or RESHAPES); `older`, what a checkpoint written before the setting existed meant (a
+    value, or THIS_RUN; without it, every checkpoint this aqpipe reads has the setting); and other metadata the parser
+    reads (`const`: the value a flag given without one takes)."""
+    if resume not in (SAME, FREE, KEPT, RESHAPES):
+        raise ValueError(f"resume={resume!r}: expected {SAME}, {FREE}, {KEPT} or {RESHAPES}")
     meta = {"help": text, "resume": resume, **({"flag": flag} if flag else {}), **meta}
     if choices is not None:
         meta["choices"] = choices  # a registry stays live: what registers later is a choice too

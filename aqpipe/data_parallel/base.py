@@ -48,6 +48,12 @@ class Algorithm:
         """Called after the optimizer step; the step counter advances here."""
         self.step_count += 1
 
+    def restart(self, step_count: int) -> None:
+        """Start afresh from the parameters as they are now, `step_count` steps into the run: a resume on another
+        shape loads its stage's weights after the algorithm was built, and its saved memories were of other
+        parameters. Memories taken lazily (an anchor at the first step) or zero at the start need nothing more."""
+        self.step_count = int(step_count)
+
     def state_dict(self) -> dict[str, Any]:
         return {"step_count": self.step_count}
 

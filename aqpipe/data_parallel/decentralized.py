@@ -206,6 +206,14 @@ class LowPrecisionDecentralizedSGD(Algorithm):
                 self.replicas[j] += dequantize(qj)
         super().after_step()
 
+    def restart(self, step_count: int) -> None:
+        """Every replica's copy taken as this one's weights now: a reshaped resume averaged the replicas into one
+        (aqpipe/reshape.py), so each neighbour holds the same."""
+        super().restart(step_count)
+        x = flatten(self.params, self.dtype)
+        self.replicas = {j: x.clone() for j in self.replicas}
+        self._x_t = None
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(), "bits": self.bits, "group_size": self.group_size, "seed": self.seed,

@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,8 +58,11 @@ class Stage(Protocol):
         """`seed`: this micro-batch's (training only); a stage with dropout seeds each part from it (seeding.py),
         a compiled stage the whole of it."""
 
+    block_indices: list[int]  # the model's blocks it holds, by their index in the model
+
     def parameters(self) -> Any: ...
     def tied_parameters(self) -> dict[str, torch.nn.Parameter]: ...
+    def hf_parameter_names(self) -> dict[str, str]: ...
 
 
 NO_TARGETS = "no target tokens in the step (every label -100): skipped, as its loss is 0/0"
@@ -416,20 +420,30 @@ class PipelineEngine:
             "codecs": {name: codec.state_dict() for name, codec in self.codecs().items()},
             "data_parallel": None if self.data_parallel is None else self.data_parallel.state_dict(),
             "auto_bits": None if self.auto_bits is None else self.auto_bits.state_dict(),
+            # what a resume on another shape needs to reshard this state (aqpipe/reshape.py)
+            "blocks": list(self.stage.block_indices), "optimized": self._optimized_names(),
+            "tied_names": {k: v for k, v in self.stage.hf_parameter_names().items() if k != v},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The inverse of state_dict; ValueError saying what differs when the state is another place's."""
+    def _optimized_names(self) -> list[str]:
+        """The names of the parameters the optimizer steps, in its order (its state is by position)."""
+        owned = {id(p) for p in owned_parameters(self.stage, self.ties)}
+        return [name for name, p in self.stage.named_parameters() if id(p) in owned]
+
+    def load_state_dict(self, state: dict[str, Any], fresh: Collection[str] = ()) -> None:
+        """The inverse of state_dict; ValueError saying what differs when the state is another place's. `fresh`: the
+        parts that start as built instead (codecs by name, "data_parallel", "auto_bits"), absent from `state`: a
+        resume on another shape (aqpipe/reshape.py), whose moved boundaries and replicas' memories cannot carry."""
         diff = [f"{k}={state['place'].get(k)!r} (this engine: {v!r})" for k, v in self._place().items()
                 if state["place"].get(k) != v]
         if diff:
             raise ValueError("engine state from another place in the grid: " + ", ".join(diff))
         codecs = self.codecs()
-        if set(state["codecs"]) != set(codecs):
+        if set(state["codecs"]) != set(codecs) - set(fresh):
             raise ValueError(f"engine state has codecs {sorted(state['codecs'])}, this stage {sorted(codecs)}")
-        if (state["data_parallel"] is None) != (self.data_parallel is None):
+        if "data_parallel" not in fresh and (state["data_parallel"] is None) != (self.data_parallel is None):
             raise ValueError("engine state and this engine differ in whether a data-parallel algorithm runs")
-        if (state.get("auto_bits") is None) != (self.auto_bits is None):
+        if "auto_bits" not in fresh and (state.get("auto_bits") is None) != (self.auto_bits is None):
             raise ValueError("engine state and this engine differ in whether bits are chosen per link (auto)")
         try:
             missing, unexpected = self.stage.load_state_dict(state["model"], strict=False)
@@ -444,10 +458,13 @@ class PipelineEngine:
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for name, codec in codecs.items():
-            codec.load_state_dict(state["codecs"][name])
-        if self.data_parallel is not None:
+            if name not in fresh:
+                codec.load_state_dict(state["codecs"][name])
+        if self.data_parallel is not None and "data_parallel" not in fresh:
             self.data_parallel.load_state_dict(state["data_parallel"])
-        if self.auto_bits is not None:
+        if self.auto_bits is not None and "auto_bits" not in fresh:
             self.auto_bits.load_state_dict(state["auto_bits"])  # the codecs restored their current bits themselves
         self.global_step = int(state["global_step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.data_parallel is not None and "data_parallel" in fresh:  # from the weights just loaded
+            self.data_parallel.restart(self.global_step - self.skipped_steps)

@@ -95,6 +95,10 @@ def build(cfg: Any, model_class: type, config: Any, first_share: float) -> Workl
     block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
     first = numel(*(present(model, p) for p in family.first))
     last = numel(*(present(model, p) for p in family.last))
+    # a weight the last stage holds too (a tied head) is stepped, and synced across replicas, there alone (ties.py)
+    held_last = {id(p) for m in family.last if (part := present(model, m)) is not None for p in part.parameters()}
+    first_own = sum(p.numel() for m in family.first if (part := present(model, m)) is not None
+                    for p in part.parameters() if id(p) not in held_last)
     width = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd"))
     rows, seq, m = cfg.micro_batch_size, cfg.data.seq_len, cfg.num_micro_batches
     tokens = rows * seq
@@ -119,7 +123,7 @@ def build(cfg: Any, model_class: type, config: Any, first_share: float) -> Workl
         schedule=cfg.distributed.schedule,
         forward_bytes=boundary_bytes(c, "forward", rows, seq, width, wire, first_share if c.forward == "aqsgd" else 1),
         backward_bytes=boundary_bytes(c, "backward", rows, seq, width, wire, 1.0),
-        tie_bytes=tie_bytes, block_trained=trained_block, first_trained=0 if lora else first,
+        tie_bytes=tie_bytes, block_trained=trained_block, first_trained=0 if lora else first_own,
         last_trained=0 if lora else last, dp_bytes_per_parameter=dp_bytes, dp_kind=dp_kind,
         block_memory=block_params * weight_bytes + trained_block * state_bytes,
         activation_memory=16.0 * tokens * width * wire.itemsize,

@@ -24,7 +24,11 @@ class ToyStage(nn.Module):
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.hidden_size = embed.shape[1]
         self.blocks = nn.ModuleList(blocks)
+        self.block_indices: list[int] = []  # what a checkpoint records of a stage's blocks (a toy has no model)
         self.embed = nn.Parameter(embed.clone()) if (self.is_first or self.is_last) else None
+
+    def hf_parameter_names(self) -> dict[str, str]:
+        return {name: name for name, _ in self.named_parameters()}
 
     def forward(self, hidden, batch, seed=None):
         h = self.embed[batch["input_ids"]] if self.is_first else hidden

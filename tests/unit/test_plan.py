@@ -241,3 +241,21 @@ def test_the_split_a_placement_gets_heeds_its_machines_memory():
     small_first, small_last = model.balance([0, 1]), model.balance([1, 0])
     assert small_first[0] < small_first[1] and small_last[1] < small_last[0]
     assert plan(cluster, WORK, 2, 1).predicted.step == pytest.approx(brute_force(cluster, 2, 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_embedding_is_synced_by_the_stage_that_steps_it_alone(tied):
+    """The replicas of stage 0 sync its blocks only where the head owns the tied embedding (ties.py): counted there
+    too, a plan priced stage 0's sync by a whole vocabulary it never sends and gave it fewer blocks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aqpipe.pipeline import CompressionConfig
+    from aqpipe.plan import workload
+    from aqpipe.settings import build
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    cfg = build("causal_lm", {"model": "x", "pipeline_stages": 2, "compression": CompressionConfig()})
+    w = workload.build(cfg, LlamaForCausalLM, config, 1.0)
+    assert w.first_trained == (0 if tied else 4096 * 32)
+    assert w.last_trained == 4096 * 32 + 32  # the head (the tied weight's owner) and the final norm

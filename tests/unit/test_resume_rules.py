@@ -1,8 +1,10 @@
 """What a resume may change, setting by setting, against a table written here rather than read from the fields: a
 setting that changes what is trained (the data, its targets, the model, the optimizer, the codecs) must stay as the
 checkpoint has it, and a resume that gives it another value is refused in one line naming its flag; a setting of the
-run's length, its evaluation, saving, logging or processes is free. A field marked FREE that changes what is trained
-(the loss switches would be such fields) fails here, and so does a setting added without a rule in this table."""
+run's length, its evaluation, saving, logging or processes is free; the shape (stages, blocks per stage) reshards
+the checkpoint (aqpipe/reshape.py), its `auto` taking the checkpoint's blocks where the stage count is the same. A
+field marked FREE that changes what is trained (the loss switches would be such fields) fails here, and so does a
+setting added without a rule in this table."""
 import json
 from dataclasses import replace
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from aqpipe import checkpoint
-from aqpipe.compression.fields import FREE, KEPT, SAME
+from aqpipe.compression.fields import FREE, KEPT, RESHAPES, SAME
 from aqpipe.config import SECTIONS, RunConfig, destinations
 from aqpipe.flags import value_at
 
@@ -35,8 +37,8 @@ RULES = {
     "checkpointing.save_total_limit": (FREE, 5), "checkpointing.copy_checkpoints": (FREE, False),
     "checkpointing.overwrite_output_dir": (FREE, True), "checkpointing.resume": (FREE, "latest"),
     "checkpointing.save_on_signal": (FREE, False), "checkpointing.signal_grace": (FREE, 60.0),
-    "distributed.pipeline_stages": (SAME, 2), "distributed.schedule": (SAME, "gpipe"),
-    "distributed.partition": (KEPT, "uniform"), "distributed.placement": (FREE, "auto"),
+    "distributed.pipeline_stages": (RESHAPES, 2), "distributed.schedule": (SAME, "gpipe"),
+    "distributed.partition": (RESHAPES, "uniform"), "distributed.placement": (FREE, "auto"),
     "distributed.cluster": (FREE, "cluster.yaml"), "distributed.backend": (FREE, "gloo"),
     "distributed.dist_timeout": (FREE, 60.0), "distributed.peer_timeout": (FREE, 10.0),
     "compression.forward": (SAME, "direct"), "compression.forward_bits": (SAME, 4),
@@ -79,10 +81,13 @@ def with_values(cfg: RunConfig, values: dict) -> RunConfig:
     return cfg
 
 
-def saved(tmp_path, cfg: RunConfig):
-    """A checkpoint directory whose manifest records `cfg` (what check_compatible reads of it)."""
-    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"format": checkpoint.FORMAT,
-                                                            "fingerprint": checkpoint.fingerprint(cfg)}))
+def saved(tmp_path, cfg: RunConfig, shape: bool = True):
+    """A checkpoint directory whose manifest records `cfg` (what check_compatible reads of it), and its blocks per
+    stage (`shape`; a checkpoint from before they were recorded has none)."""
+    manifest = {"format": checkpoint.FORMAT, "fingerprint": checkpoint.fingerprint(cfg)}
+    if shape:
+        manifest["stage_blocks"] = [2, 2]
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     return tmp_path
 
 
@@ -127,3 +132,29 @@ def test_all_the_training_samples_resume_as_all_of_them_however_said(tmp_path):
     none = RunConfig(task="causal_lm")
     assert checkpoint.check_compatible(saved(tmp_path, zero), none) == none
     assert checkpoint.check_compatible(saved(tmp_path, none), zero) == zero
+
+
+@pytest.mark.parametrize("dest", [d for d, (rule, _) in RULES.items() if rule == RESHAPES])
+def test_a_shape_setting_may_change_and_reshards(tmp_path, dest):
+    base = RunConfig(task="causal_lm")
+    other = with_values(base, {dest: RULES[dest][1]})
+    assert value_at(other, dest) != value_at(base, dest)
+    assert checkpoint.check_compatible(saved(tmp_path, with_values(base, {"distributed.pipeline_stages": 4})),
+                                       other) == other
+
+
+def test_auto_blocks_take_the_checkpoints_only_on_its_stage_count(tmp_path):
+    """The blocks a run resolved (a plan's) hold for its stage count; on another, `auto` resolves anew."""
+    planned = with_values(RunConfig(task="causal_lm"), {"distributed.pipeline_stages": 2,
+                                                        "distributed.partition": [3, 1]})
+    same = with_values(planned, {"distributed.partition": "auto"})
+    assert checkpoint.check_compatible(saved(tmp_path, planned), same).distributed.partition == [3, 1]
+    other = with_values(same, {"distributed.pipeline_stages": 4})
+    assert checkpoint.check_compatible(saved(tmp_path, planned), other).distributed.partition == "auto"
+
+
+def test_a_checkpoint_that_does_not_record_its_blocks_keeps_its_shape(tmp_path):
+    base = with_values(RunConfig(task="causal_lm"), {"distributed.pipeline_stages": 4})
+    for dest, value in (("distributed.pipeline_stages", 2), ("distributed.partition", [1, 1, 1, 1])):
+        with pytest.raises(ValueError, match=f"{flag(dest)}="):
+            checkpoint.check_compatible(saved(tmp_path, base, shape=False), with_values(base, {dest: value}))

@@ -1,0 +1,72 @@
+"""A checkpoint resumes on another shape: GPT2 (4 blocks, tied head) under torchrun with one replica and compression
+off, 6 steps; a 4-stage run saved at step 2 resumes at 2 stages, whose checkpoint at step 4 resumes at 4 stages
+again, as a full fine-tune and as LoRA. Every resumed step equals the uninterrupted 4-stage run's, to float32
+rounding: a pipeline without compression computes the unpartitioned model's losses whatever its stages, so any
+weight, moment, LR or sample that did not carry shows. One line says what carried.
+"""
+import json
+import math
+import subprocess
+
+import pytest
+
+from tests.helpers.processes import ROOT, checkout_env, free_port
+
+FLAGS = ["--seq_len", "16", "--max_train_samples", "24", "--max_eval_samples", "4", "--micro_batch_size", "2",
+         "--num_micro_batches", "2", "--epochs", "1", "--save_every", "2", "--save_total_limit", "0",
+         "--forward_compress", "none", "--backward_compress", "none", "--lr_scheduler_type", "linear"]
+MODES = {"full": [], "lora": ["--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout", "0"]}
+
+
+def gpt2(out, processes, *flags):
+    cmd = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), "-m", "aqpipe", "gpt2",
+           *FLAGS, "--output_dir", str(out), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def steps(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"], r["lr"]) for r in rows if "lr" in r}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def runs(request, tmp_path_factory):
+    root, mode = tmp_path_factory.mktemp(f"reshape_{request.param}"), MODES[request.param]
+    said = {4: gpt2(root / "straight", 4, *mode)}
+    said[2] = gpt2(root / "two", 2, *mode, "--resume", str(root / "straight/checkpoints/step_00000002"))
+    said[(2, 4)] = gpt2(root / "four_again", 4, *mode, "--resume", str(root / "two/checkpoints/step_00000004"))
+    return root, said
+
+
+def test_a_run_resumed_on_another_shape_goes_on_as_the_uninterrupted_one(runs):
+    root, said = runs
+    straight, two, four = steps(root / "straight"), steps(root / "two"), steps(root / "four_again")
+    assert sorted(straight) == list(range(1, 7)) and sorted(two) == [3, 4, 5, 6] and sorted(four) == [5, 6]
+    for resumed in (two, four):  # the same data, weights, moments and LR: the same losses, to rounding
+        for step, row in resumed.items():
+            for ours, theirs in zip(row, straight[step]):
+                assert math.isclose(ours, theirs, rel_tol=1e-5, abs_tol=1e-7), (step, row, straight[step])
+    assert ("resume on another shape: 4 stages (blocks 1,1,1,1) -> 2 (blocks 2,2), 1 replica each; kept: every "
+            "weight that trains and its optimizer state") in said[2]
+    assert "resume on another shape: 2 stages (blocks 2,2) -> 4 (blocks 1,1,1,1)" in said[(2, 4)]
+    assert "the boundaries' codecs at the cuts both shapes have (before block 2)" in said[2]
+    for out, blocks in (("two", [2, 2]), ("four_again", [1, 1, 1, 1])):  # its own checkpoints: the new shape
+        manifest = json.loads((root / out / "checkpoints" / "step_00000006" / "manifest.json").read_text())
+        assert manifest["stage_blocks"] == blocks
+
+
+def test_two_replicas_resume_on_one_stage_each_as_the_uninterrupted_run(tmp_path):
+    """2 stages x 2 replicas (allreduce keeps the replicas equal) saved at step 2, resumed as 1 stage x 2 replicas:
+    every rank reads both replicas' files of both old stages, and steps 3-6 are the uninterrupted run's."""
+    gpt2(tmp_path / "straight", 4, "--replicas", "2", "--max_train_samples", "48")
+    said = gpt2(tmp_path / "one", 2, "--replicas", "2", "--max_train_samples", "48", "--resume",
+                str(tmp_path / "straight/checkpoints/step_00000002"))
+    assert "resume on another shape: 2 stages (blocks 2,2) -> 1 (blocks 4), 2 replicas each" in said
+    assert "the replicas' weights and moments averaged into one" in said
+    straight, one = steps(tmp_path / "straight"), steps(tmp_path / "one")
+    assert sorted(one) == [3, 4, 5, 6]
+    for step, row in one.items():
+        for ours, theirs in zip(row, straight[step]):
+            assert math.isclose(ours, theirs, rel_tol=1e-5, abs_tol=1e-7), (step, row, straight[step])
