@@ -27,6 +27,9 @@ from typing import Any, Callable
 
 import torch
 
+from .pipeline.loading import meta_model
+from .pipeline.partitioning import partition, tie_groups
+
 EXTRAS = ("data_parallel", "auto_bits")  # engine parts tied to the old stage's parameters: they start fresh
 
 
@@ -111,9 +114,6 @@ def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
 def holds_tie(model_class: type, config: Any, counts: list[int], stage: int) -> bool:
     """Whether stage `stage` of `counts` holds a copy of a weight another stage holds too (a tied head, DeBERTa's
     relative embeddings), read from the model on the meta device."""
-    from .pipeline.loading import meta_model
-    from .pipeline.partitioning import partition, tie_groups
-
     stages = partition(meta_model(model_class, config), len(counts), list(counts), copy_modules=False)
     return any(stage in tie.holders for tie in tie_groups(stages).values())
 
