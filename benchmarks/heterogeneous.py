@@ -22,8 +22,9 @@ emulator), the plan from it, and measured steps (median of a few after a warm-up
 - the plan, and with slow devices the plan's placement with the parameter split (what the uneven split buys).
 The model's error: |predicted - measured| / measured for every measured placement, the median per scenario.
 
-    python -m benchmarks.heterogeneous --json benchmarks/results/heterogeneous.json      # ~40 min on 2 cores
-    python -m benchmarks.heterogeneous --scenarios world-wide --shuffles 3 --steps 2     # one, quick
+    python -m benchmarks.heterogeneous --steps 2 --json heterogeneous.json     # all 12: ~70 min on 2 cores
+    python -m benchmarks.heterogeneous --scenarios "world-wide;uniform" --steps 2   # some (world-wide: 14 min)
+    python -m benchmarks.heterogeneous --scenarios two-datacenters --shuffles 3 --steps 2     # one, quick (2 min)
 """
 from __future__ import annotations
 
@@ -237,13 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     from tests.helpers.processes import spawn  # the test harness's gloo ranks, forked from a preloaded server
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="all", help="comma-separated names, or all")
+    p.add_argument("--scenarios", default="all", help="names separated by semicolons (some have commas), or all")
     p.add_argument("--steps", type=int, default=3, help="measured steps per placement (after one warm-up)")
     p.add_argument("--shuffles", type=int, default=10)
     p.add_argument("--randoms", type=int, default=100)
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)
-    names = list(scenarios()) if args.scenarios == "all" else args.scenarios.split(",")
+    names = list(scenarios()) if args.scenarios == "all" else [n.strip() for n in args.scenarios.split(";")]
+    unknown = sorted(set(names) - set(scenarios()))
+    if unknown:
+        p.error(f"--scenarios: unknown {unknown}; expected some of {list(scenarios())}")
     rows, everything = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp) / "model")
