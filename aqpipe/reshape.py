@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from .pipeline.loading import meta_model
-from .pipeline.partitioning import partition, tie_groups
+from .pipeline.partitioning import block_ranges, partition, tie_groups
 
 EXTRAS = ("data_parallel", "auto_bits")  # engine parts tied to the old stage's parameters: they start fresh
 
@@ -45,11 +45,7 @@ class Shape:
 
     @classmethod
     def from_counts(cls, counts: list[int]) -> "Shape":
-        out, start = [], 0
-        for n in counts:
-            out.append(tuple(range(start, start + n)))
-            start += n
-        return cls(tuple(out))
+        return cls(tuple(tuple(blocks) for blocks in block_ranges(counts)))
 
     def counts(self) -> list[int]:
         return [len(b) for b in self.blocks]
