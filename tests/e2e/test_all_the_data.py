@@ -1,21 +1,22 @@
 """A run trains on all of its data unless capped, takes a held-out eval set or fraction, and says its split and
 any cap in one line at the start."""
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.processes import ROOT, checkout_env
+from tests.helpers.processes import launch_aqpipe
 
 WORDS = "the quick brown fox jumps over the lazy dog and then it rests by the river bank in the sun "
 
 
+def run(tmp_path, *argv):
+    """`aqpipe *argv` in one process, forked (launch_aqpipe): what it said and its status."""
+    return launch_aqpipe(list(argv), 1, tmp_path / f"logs{len(list(tmp_path.glob('logs*')))}")
+
+
 def aqpipe(tmp_path, *flags):
-    return subprocess.run([sys.executable, "-m", "aqpipe", "causal-lm", "--seq_len", "16", "--micro_batch_size", "2",
-                           "--num_micro_batches", "1", "--max_steps", "1", "--output_dir", str(tmp_path / "out"),
-                           "--overwrite_output_dir", *flags], cwd=ROOT, env=checkout_env(), capture_output=True,
-                          text=True, timeout=300)
+    return run(tmp_path, "causal-lm", "--seq_len", "16", "--micro_batch_size", "2", "--num_micro_batches", "1",
+               "--max_steps", "1", "--output_dir", str(tmp_path / "out"), "--overwrite_output_dir", *flags)
 
 
 def data_line(proc) -> str:
@@ -66,15 +67,13 @@ def test_a_run_refused_in_set_up_leaves_no_folder_it_created(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("too short\n")
     out = tmp_path / "new" / "deeper" / "out"
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "causal-lm", "--dataset", str(short), "--output_dir",
-                           str(out)], cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    proc = run(tmp_path, "causal-lm", "--dataset", str(short), "--output_dir", str(out))
     assert proc.returncode == 2 and "none left for the 'train' split" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "new").exists()
 
 
 def test_a_misspelt_flag_is_answered_with_the_nearest_one(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "gpt2", "--forward_bitz", "2"], cwd=ROOT,
-                          env=checkout_env(), capture_output=True, text=True, timeout=120)
+    proc = run(tmp_path, "gpt2", "--forward_bitz", "2")
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("aqpipe gpt2: error: unrecognized arguments: --forward_bitz 2; did you mean "
                                    "--forward_bits? (aqpipe gpt2 --help lists the flags)")

@@ -1,14 +1,12 @@
 """`aqpipe causal-lm` on a current model as it ships (a tied Llama in bf16 safetensors shards), and an architecture
-the pipeline cannot split refused from its config alone."""
+the pipeline cannot split refused from its config alone (ranks forked as torchrun starts them: launch_aqpipe)."""
 import json
-import subprocess
-import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig
 
 from tests.helpers.files import tiny_llama_dir
-from tests.helpers.processes import ROOT, checkout_env, free_port
+from tests.helpers.processes import launch_aqpipe
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "2"]
@@ -17,9 +15,7 @@ QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "
 def test_a_bf16_tied_llama_fine_tunes_on_two_stages_without_bf16_flags_and_exports_as_it_came(tmp_path):
     source = tiny_llama_dir(tmp_path / "llama")
     out = tmp_path / "out"
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "aqpipe", "causal-lm",
-           "--model", str(source), *QUICK, "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    proc = launch_aqpipe(["causal-lm", "--model", str(source), *QUICK, "--output_dir", str(out)], 2, tmp_path / "logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in steps if "loss" in r]
@@ -41,9 +37,8 @@ def test_an_architecture_it_cannot_split_stops_before_any_data_is_read(tmp_path)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("some text to tokenize\n" * 200)
     cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "aqpipe", "causal-lm", "--model", str(model), "--dataset",
-                           str(corpus), "--output_dir", str(tmp_path / "never")], cwd=ROOT,
-                          env=checkout_env(AQPIPE_CACHE=str(cache)), capture_output=True, text=True, timeout=120)
+    proc = launch_aqpipe(["causal-lm", "--model", str(model), "--dataset", str(corpus), "--output_dir",
+                          str(tmp_path / "never")], 1, tmp_path / "logs", AQPIPE_CACHE=str(cache))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("aqpipe causal-lm: error: cannot partition GPTNeoXForCausalLM: supported model "
                                   "classes are BertForSequenceClassification, ")

@@ -1,9 +1,9 @@
-"""`aqpipe causal-lm --lora_rank` on a tied Llama as it ships (bf16 safetensors shards), on 2 stages under torchrun
-with AQ-SGD on: the adapter PEFT loads, the merged model equal to base + adapter, the base left as it came; and a
-classifier whose new head trains beside the adapters, through `aqpipe.finetune`."""
+"""`aqpipe causal-lm --lora_rank` on a tied Llama as it ships (bf16 safetensors shards), on 2 stages under torchrun's
+environment (its ranks forked: launch_aqpipe) with AQ-SGD on: the adapter PEFT loads, the merged model equal to base +
+adapter, the base left as it came; and a classifier whose new head trains beside the adapters, through
+`aqpipe.finetune`."""
 import hashlib
 import json
-import subprocess
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 import aqpipe
 from aqpipe import data
 from tests.helpers.files import stored_dtypes, tiny_llama_dir
-from tests.helpers.processes import checkout_env, free_port
+from tests.helpers.processes import launch_aqpipe
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "3", "--lr", "1e-2"]
@@ -29,9 +29,8 @@ def test_a_bf16_tied_llama_trains_adapters_on_two_stages_and_exports_adapter_and
     source = tiny_llama_dir(tmp_path / "llama")
     before = digests(source)
     out = tmp_path / "out"
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "aqpipe", "causal-lm",
-           "--model", str(source), "--lora_rank", "4", "--lora_alpha", "16", *QUICK, "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    proc = launch_aqpipe(["causal-lm", "--model", str(source), "--lora_rank", "4", "--lora_alpha", "16", *QUICK,
+                          "--output_dir", str(out)], 2, tmp_path / "logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert digests(source) == before  # the base is read, never written
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"lr"' in line]

@@ -1,13 +1,12 @@
-"""A placement changes who computes what, not what is computed: 2 stages x 2 replicas of GPT2 under torchrun, with
-compression off and dropout on, resumed from its checkpoint at step 2 under a plan that moves every (stage, replica)
-to another rank, ends with the losses of the same run in rank order, to the bit. A plan whose blocks
+"""A placement changes who computes what, not what is computed: 2 stages x 2 replicas of GPT2 under torchrun's
+environment, with compression off and dropout on, resumed from its checkpoint at step 2 under a plan that moves every
+(stage, replica) to another rank, ends with the losses of the same run in rank order, to the bit. A plan whose blocks
 are not the run's is refused in one line."""
 import json
-import subprocess
 
 import pytest
 
-from tests.helpers.processes import ROOT, checkout_env, free_port
+from tests.helpers.processes import launch_aqpipe
 
 FLAGS = ["--seq_len", "16", "--max_train_samples", "32", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--pipeline_stages", "2", "--replicas", "2", "--epochs", "1", "--save_every",
@@ -16,10 +15,8 @@ MOVED = [3, 2, 1, 0]  # replica 0 on ranks 3 (stage 0) and 2, replica 1 on ranks
 
 
 def gpt2(out, *flags):
-    env = checkout_env()
-    cmd = ["torchrun", "--nproc_per_node", "4", "--master_port", str(free_port()), "-m", "aqpipe", "gpt2", *FLAGS,
-           "--output_dir", str(out), *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """`torchrun --nproc_per_node 4 -m aqpipe gpt2 ...`, its ranks forked (launch_aqpipe)."""
+    return launch_aqpipe(["gpt2", *FLAGS, "--output_dir", str(out), *flags], 4, out.parent / f"{out.name}.logs")
 
 
 def losses(out):

@@ -1,16 +1,15 @@
-"""A checkpoint resumes on another shape: GPT2 (4 blocks, tied head) under torchrun with one replica and compression
-off, 6 steps; a 4-stage run saved at step 2 resumes at 2 stages, as a full fine-tune and as LoRA, and the full
-fine-tune's checkpoint at step 4 resumes at 4 stages again. Every resumed step equals the uninterrupted 4-stage
+"""A checkpoint resumes on another shape: GPT2 (4 blocks, tied head) under torchrun's environment (its ranks forked:
+tests/helpers/processes.launch_aqpipe) with one replica and compression off, 6 steps; a 4-stage run saved at step 2
+resumes at 2 stages, as a full fine-tune and as LoRA, and the full fine-tune's checkpoint at step 4 resumes at 4
+stages again. Every resumed step equals the uninterrupted 4-stage
 run's, to float32 rounding: a pipeline without compression computes the unpartitioned model's losses whatever its
 stages, so any weight, moment, LR or sample that did not carry shows. One line says what carried.
 """
 import json
 import math
-import subprocess
-
 import pytest
 
-from tests.helpers.processes import ROOT, checkout_env, free_port
+from tests.helpers.processes import launch_aqpipe
 
 FLAGS = ["--seq_len", "16", "--max_train_samples", "24", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--epochs", "1", "--save_every", "2", "--save_total_limit", "0",
@@ -19,9 +18,8 @@ MODES = {"full": [], "lora": ["--lora_rank", "4", "--lora_alpha", "8", "--lora_d
 
 
 def gpt2(out, processes, *flags):
-    cmd = ["torchrun", "--nproc_per_node", str(processes), "--master_port", str(free_port()), "-m", "aqpipe", "gpt2",
-           *FLAGS, "--output_dir", str(out), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    """`torchrun --nproc_per_node processes -m aqpipe gpt2 ...`, its ranks forked (launch_aqpipe); its stderr."""
+    proc = launch_aqpipe(["gpt2", *FLAGS, "--output_dir", str(out), *flags], processes, out.parent / f"{out.name}.logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 

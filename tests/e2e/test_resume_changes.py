@@ -2,12 +2,10 @@
 saving and logging; any other change is refused naming the setting. No metrics row is lost or doubled, in
 metrics.jsonl or TensorBoard, across a crash."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.processes import ROOT, checkout_env
+from tests.helpers.processes import launch_aqpipe
 
 TINY = ["--seq_len", "16", "--max_train_samples", "32", "--max_eval_samples", "4", "--micro_batch_size", "2",
         "--num_micro_batches", "2", "--save_every", "4", "--eval_every", "2", "--report_to", "tensorboard",
@@ -15,9 +13,9 @@ TINY = ["--seq_len", "16", "--max_train_samples", "32", "--max_eval_samples", "4
 
 
 def gpt2(out, *flags, fault=None):
-    env = checkout_env(**({"AQPIPE_FAULT": fault} if fault else {}))
-    return subprocess.run([sys.executable, "-m", "aqpipe", "gpt2", *TINY, "--output_dir", str(out), *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """`aqpipe gpt2 ...` in one process, forked (launch_aqpipe); `fault`: AQPIPE_FAULT."""
+    return launch_aqpipe(["gpt2", *TINY, "--output_dir", str(out), *flags], 1, out.parent / f"{out.name}.logs",
+                         **({"AQPIPE_FAULT": fault} if fault else {}))
 
 
 def rows(out):

@@ -1,8 +1,6 @@
 """HF Trainer's optimizer and schedule flags: they edit the run's optimizer and scheduler blocks (a config file's
 too), a bad value is one line, and a run's learning rates are transformers' schedule step by step."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ from transformers import get_scheduler
 from aqpipe.optim import LowPrecisionAdamW
 from aqpipe.settings import finalize
 from aqpipe.train import build_optimizer
-from tests.helpers.processes import ROOT, checkout_env
+from tests.helpers.processes import launch_aqpipe
 
 
 def finalized(*layers):
@@ -68,11 +66,10 @@ def test_a_bad_knob_is_one_line_naming_the_flag(layer, said):
 
 def test_a_run_takes_transformers_schedule_step_by_step(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "aqpipe", "gpt2", "--seq_len", "32", "--max_train_samples", "48",
-         "--max_eval_samples", "8", "--micro_batch_size", "2", "--num_micro_batches", "2", "--max_steps", "10",
-         "--lr", "0.01", "--lr_scheduler_type", "cosine", "--warmup_ratio", "0.25", "--weight_decay", "0.05",
-         "--output_dir", str(out)], cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=300)
+    proc = launch_aqpipe(
+        ["gpt2", "--seq_len", "32", "--max_train_samples", "48", "--max_eval_samples", "8", "--micro_batch_size", "2",
+         "--num_micro_batches", "2", "--max_steps", "10", "--lr", "0.01", "--lr_scheduler_type", "cosine",
+         "--warmup_ratio", "0.25", "--weight_decay", "0.05", "--output_dir", str(out)], 1, tmp_path / "logs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lrs = [r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)

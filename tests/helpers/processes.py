@@ -105,3 +105,64 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 180) -> list[An
         if p.exitcode != 0:
             raise RuntimeError(f"rank {rank} failed: its process ended with status {p.exitcode}")
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]  # our own workers' results
+
+
+class Launched:
+    """What a launch of `aqpipe` left: its exit status (the first rank's that failed, else 0) and every rank's
+    standard error and output, rank by rank (as torchrun interleaves them, without the prefixes)."""
+
+    def __init__(self, returncode: int, stderr: str, stdout: str) -> None:
+        self.returncode, self.stderr, self.stdout = returncode, stderr, stdout
+
+
+def _aqpipe_rank(argv: list[str], rank: int, world: int, port: int, environ: dict[str, str], logs: str) -> None:
+    """One rank of `launch_aqpipe`: the launcher's environment, its output to files, `aqpipe.cli.main`, exit."""
+    from aqpipe.cli import main
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    for fd, name in ((1, "out"), (2, "err")):
+        with open(os.path.join(logs, f"{name}.{rank}"), "w") as f:
+            os.dup2(f.fileno(), fd)
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the launch reports it as torchrun would: a traceback and a status
+        traceback.print_exc()
+    finally:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def launch_aqpipe(argv: list[str], nproc: int, logs: Path, timeout: float = 300, **env: str) -> Launched:
+    """`torchrun --nproc_per_node nproc -m aqpipe *argv` on this machine, its ranks forked from the preloaded server
+    (a torchrun launch pays each rank's 7 s of imports; this, none): for tests of what a run computes, not of how
+    the launcher starts, signals or restarts it (those launch torchrun itself)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    logs.mkdir(parents=True, exist_ok=True)
+    port, environ = free_port(), checkout_env(**env)
+    procs = [ctx.Process(target=_aqpipe_rank, args=(list(argv), r, nproc, port, environ, str(logs)))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    read = lambda name: "".join((logs / f"{name}.{r}").read_text() if (logs / f"{name}.{r}").exists() else ""  # noqa: E731
+                                for r in range(nproc))
+    if hung:
+        raise TimeoutError(f"ranks {hung} still ran after {timeout} s:\n{read('err')[-3000:]}")
+    code = next((p.exitcode for p in procs if p.exitcode != 0), 0)
+    return Launched(code, read("err"), read("out"))
