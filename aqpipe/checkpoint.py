@@ -141,12 +141,38 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
             mine[key] = theirs[key]  # resolved when its run started (a QAdam warm-up's steps): kept, whatever the
             # epochs now resolve it to
             cfg = _with(cfg, key, theirs[key])
+    cfg = _regrouped(cfg, manifest, mine, theirs)
     diff = [f"{_flag(k, fields_at)}={theirs[k]!r} in the checkpoint, {v!r} in this run" if k in theirs else
             f"{_flag(k, fields_at)}={v!r} in this run, which the checkpoint does not record"
             for k, v in mine.items() if k not in theirs or theirs[k] != v]
     if diff:
         raise ValueError(f"checkpoint {directory} was written by a different run: " + "; ".join(diff))
     return cfg
+
+
+REPLICAS, MICRO_BATCHES = "data_parallel.replicas", "num_micro_batches"
+
+
+def _regrouped(cfg: "RunConfig", manifest: dict[str, Any], mine: dict[str, Any],
+               theirs: dict[str, Any]) -> "RunConfig":
+    """cfg resuming on another replica count than the checkpoint's: the global batch is the checkpoint's, so each
+    replica takes num_micro_batches x old replicas / new ones (the LR plan and the epoch's steps stay the run's:
+    data/regroup.py). ValueError where the count does not divide it, or the checkpoint does not say its position."""
+    old, new = theirs.get(REPLICAS, 1), cfg.replicas
+    if old == new:
+        return cfg
+    if "position" not in manifest:
+        raise ValueError(f"resume on {new} replicas: the checkpoint, {old} replicas, was written before checkpoints "
+                         f"recorded their data position; expected replicas={old} (then save once and resume at {new})")
+    whole = theirs[MICRO_BATCHES] * old  # micro-batches in a global batch
+    if cfg.num_micro_batches * new != whole and cfg.num_micro_batches != theirs[MICRO_BATCHES]:
+        return cfg  # another num_micro_batches than the checkpoint's: refused as any other change
+    if whole % new:
+        raise ValueError(f"resume on {new} replicas: the checkpoint's global batch of {whole} micro-batches "
+                         f"({theirs[MICRO_BATCHES]} x {old} replicas) does not split over {new}; expected a replica "
+                         f"count dividing {whole}")
+    mine[MICRO_BATCHES] = theirs[MICRO_BATCHES]
+    return _with(cfg, MICRO_BATCHES, whole // new)
 
 
 def _with(cfg: "RunConfig", dest: str, value: Any) -> "RunConfig":
@@ -240,7 +266,8 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
                     "files": sorted(notes, key=lambda n: n["rank"]), "buffer_plan": buffer_plan,
                     "placement": engine.groups.grid.placement,  # who held which (stage, replica): a resume may differ
                     "stage_blocks": [n["blocks"] for n in sorted({n["stage"]: n for n in notes}.values(),
-                                                                 key=lambda n: n["stage"])]}  # a resume may reshape
+                                                                 key=lambda n: n["stage"])],  # a resume may reshape
+                    "position": {k: progress[k] for k in ("epoch", "index", "dealt")}}  # ... or regroup
     manifest = broadcast(manifest, world)
     if manifest is None:
         raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")
@@ -329,12 +356,13 @@ def load(directory: Path, engine: Any, cfg: "RunConfig", reading: "reshape.Readi
         record = _read_record(directory, manifest, stage, replica)
         engine.load_state_dict(record["engine"])
     else:  # each old stage as its replicas' average, its codecs this replica's own
-        records = {s: [_read_record(directory, manifest, s, r, rows=r == replica) for r in range(reading.replicas)]
-                   for s in reading.sources}
-        record = records[min(records)][replica]
-        state, fresh = reshape.merge({s: reshape.averaged([r["engine"] for r in rs], replica)
+        own = reading.own(replica)
+        records = {s: [_read_record(directory, manifest, s, r, rows=r == own and not reading.regroups)
+                       for r in range(reading.replicas)] for s in reading.sources}
+        record = records[min(records)][own]
+        state, fresh = reshape.merge({s: reshape.averaged([r["engine"] for r in rs], own)
                                       for s, rs in records.items()}, engine.state_dict(), reading.old, reading.new,
-                                     stage, engine.stage.hf_parameter_names())
+                                     stage, engine.stage.hf_parameter_names(), codecs=not reading.regroups)
         engine.load_state_dict(state, fresh)
     set_rng_state(record["rng"])
     return record["progress"]

@@ -17,8 +17,12 @@ tensors beside the per-parameter state (QAdam's server error; its step count car
 Replicas that held different weights (the decentralized algorithms) become one by their uniform average (`averaged`):
 each new stage reads every replica's files of its old stages, and the algorithm restarts from the averaged weights.
 
-The data continues where the run stopped (the replicas' shards are unchanged: the replica count is not part of the
-shape here), and the LR plan is the run's.
+Another replica count (`Reading.regroups`): each new replica reads every old replica's files and averages them as
+above; every boundary's codecs start fresh (AQ-SGD's rows and the dither streams were the old replicas', keyed by
+their shards); the rest of the interrupted epoch is dealt over the new count with the global batch kept
+(data/regroup.py, checkpoint._regrouped), so the LR plan and the epoch's steps are the run's.
+
+Otherwise the data continues where the run stopped (the replicas' shards are unchanged), and the LR plan is the run's.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from .data.regroup import Dealt
 from .pipeline.loading import meta_model
 from .pipeline.partitioning import block_ranges, partition, tie_groups
 
@@ -64,7 +69,12 @@ class Reading:
     old: Shape
     new: Shape
     sources: list[int]
-    replicas: int = 1  # every replica's files of each source are read, and averaged
+    replicas: int = 1  # the checkpoint's: every replica's files of each source are read, and averaged
+    regroups: bool = False  # the run has another replica count than the checkpoint's
+
+    def own(self, replica: int) -> int:
+        """The old replica whose RNG states and codecs new replica `replica` takes (its own, where it had one)."""
+        return min(replica, self.replicas - 1)
 
 
 def reading(manifest: dict[str, Any], counts: list[int], stage: int, holds_tie: Callable[[], bool],
@@ -74,6 +84,7 @@ def reading(manifest: dict[str, Any], counts: list[int], stage: int, holds_tie: 
     its shape and this run's stage count differs from its. `holds_tie`: whether the stage holds a tied copy, asked
     only where the shape differs (`holds_tie` below)."""
     new, old = Shape.from_counts(counts), saved_shape(manifest)
+    theirs = manifest["fingerprint"].get("data_parallel.replicas", 1)
     if old is None:
         theirs = manifest["fingerprint"].get("distributed.pipeline_stages")
         if theirs == len(counts):
@@ -81,7 +92,18 @@ def reading(manifest: dict[str, Any], counts: list[int], stage: int, holds_tie: 
         raise ValueError(f"resume on another shape: the checkpoint, {theirs} stages, was written before checkpoints "
                          f"recorded their blocks per stage; expected pipeline_stages={theirs} (then save once and "
                          f"resume at {len(counts)})")
-    return None if old == new else Reading(old, new, sources(old, new, stage, holds_tie()), replicas)
+    if old == new and theirs == replicas:
+        return None
+    return Reading(old, new, sources(old, new, stage, holds_tie()), theirs, theirs != replicas)
+
+
+def regrouping(manifest: dict[str, Any], replicas: int) -> Dealt | None:
+    """How the checkpoint's epoch in progress was dealt where that was over another replica count than `replicas`
+    (its rest is then dealt over this run's: data/regroup.py); None where it was dealt over this one."""
+    position = manifest.get("position")
+    if position is None or position.get("dealt") is None or position["dealt"][0] == replicas:
+        return None
+    return Dealt(position["epoch"], *position["dealt"])
 
 
 def averaged(records: list[dict[str, Any]], own: int) -> dict[str, Any]:
@@ -144,11 +166,12 @@ def carried_boundaries(old: Shape, new: Shape, stage: int) -> dict[str, int]:
 
 
 def merge(records: dict[int, dict[str, Any]], template: dict[str, Any], old: Shape, new: Shape, stage: int,
-          origin: dict[str, str]) -> tuple[dict[str, Any], set[str]]:
+          origin: dict[str, str], codecs: bool = True) -> tuple[dict[str, Any], set[str]]:
     """The engine state of new stage `stage` from old stages' engine states (`records`: old stage -> its state);
     `template`: the new engine's own state_dict (what it holds and in what order); `origin`: the new stage's weight
-    names -> the name of the weight each holds (a tied copy, its owner's: PipelineStage.hf_parameter_names).
-    Returns (state, the parts that start fresh)."""
+    names -> the name of the weight each holds (a tied copy, its owner's: PipelineStage.hf_parameter_names);
+    `codecs`: whether boundaries at old cuts keep their codecs (not on another replica count). Returns (state, the
+    parts that start fresh)."""
     first = records[min(records)]
     missing = [s for s, r in records.items() if "optimized" not in r]
     if missing:
@@ -173,7 +196,7 @@ def merge(records: dict[int, dict[str, Any]], template: dict[str, Any], old: Sha
              "lr_scheduler": first["lr_scheduler"], "global_step": first["global_step"],
              "skipped_steps": first.get("skipped_steps", 0)}
     # bits chosen per link start afresh, at their most: a codec carried at its old bits would not be told
-    carried = carried_boundaries(old, new, stage) if template.get("auto_bits") is None else {}
+    carried = carried_boundaries(old, new, stage) if template.get("auto_bits") is None and codecs else {}
     codecs, fresh = {}, set(EXTRAS)
     for name in template["codecs"]:
         side = name.split(".", 1)[0]
@@ -197,19 +220,27 @@ def _same_cut(theirs: list[int], mine: tuple[int, ...], side: str, name: str) ->
                          "checkpoint's recorded blocks per stage do not match its stages' files")
 
 
-def describe(old: Shape, new: Shape, replicas: int) -> str:
-    """The start line of a resume on another shape: what carried and what started fresh, for every stage."""
-    shared = sorted({_cut_before(old, s) for s in range(1, old.stages)} & {_cut_before(new, s)
-                                                                          for s in range(1, new.stages)})
+def describe(reading: Reading, replicas: int) -> str:
+    """The start line of a resume on another shape (`replicas`: this run's): what carried and what started fresh,
+    for every stage."""
+    old, new = reading.old, reading.new
+    shared = [] if reading.regroups else sorted({_cut_before(old, s) for s in range(1, old.stages)}
+                                                & {_cut_before(new, s) for s in range(1, new.stages)})
     moved = sorted({_cut_before(new, s) for s in range(1, new.stages)} - set(shared))
     cuts = lambda xs: ", ".join(f"before block {c}" for c in xs) or "none"  # noqa: E731
-    return (f"resume on another shape: {old.stages} stages (blocks {_counts(old)}) -> {new.stages} (blocks "
-            f"{_counts(new)}), {replicas} replica{'s' if replicas > 1 else ''} each; kept: every weight that trains "
-            f"and its optimizer state, the LR plan and the data position, the boundaries' codecs at the cuts both "
-            f"shapes have ({cuts(shared)}); started fresh: the codecs at the new cuts ({cuts(moved)}), the tied "
-            "weights' wire, the data-parallel algorithm's memories, bits chosen per link (then every codec), QAdam's "
-            "server error" + ("; the replicas' weights and moments averaged into one" if
-                                                     replicas > 1 else ""))
+    many = lambda n: f"{n} replica{'s' if n > 1 else ''}"  # noqa: E731
+    shapes = (f"{old.stages} stages (blocks {_counts(old)}) x {many(reading.replicas)} -> {new.stages} (blocks "
+              f"{_counts(new)}) x {many(replicas)}" if reading.regroups else
+              f"{old.stages} stages (blocks {_counts(old)}) -> {new.stages} (blocks {_counts(new)}), {many(replicas)} "
+              "each")
+    codecs = ("every boundary's codecs (their rows and streams were the old replicas')" if reading.regroups else
+              f"the codecs at the new cuts ({cuts(moved)})")
+    return (f"resume on another shape: {shapes}; kept: every weight that trains and its optimizer state, the LR plan "
+            "and the data position" + ("" if reading.regroups else
+                                       f", the boundaries' codecs at the cuts both shapes have ({cuts(shared)})") +
+            f"; started fresh: {codecs}, the tied weights' wire, the data-parallel algorithm's memories, bits chosen "
+            "per link (then every codec), QAdam's server error" +
+            ("; the replicas' weights and moments averaged into one" if reading.replicas > 1 else ""))
 
 
 def _counts(shape: Shape) -> str:

@@ -64,6 +64,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     """The config with `auto` stages resolved for `world_size` (every process is one stage of one of the replicas),
     after the checks that need the stage count; reading no file. Raises ValueError naming the first bad value."""
     stages = cfg.distributed.pipeline_stages
+    if cfg.replicas == "auto":  # an elastic launch: every whole pipeline the world holds
+        if stages == "auto":
+            raise ValueError("replicas=auto with pipeline_stages=auto: expected a stage count (--pipeline_stages N) "
+                             "to divide the world by")
+        if world_size % stages:
+            raise ValueError(f"replicas=auto: the launcher's {world_size} processes are not a multiple of "
+                             f"pipeline_stages={stages}: expected whole pipelines (--nproc_per_node a multiple of the "
+                             "stages)")
+        cfg = replace(cfg, data_parallel=replace(cfg.data_parallel, replicas=world_size // stages))
     if stages == "auto":
         if world_size % cfg.replicas:
             raise ValueError(f"replicas={cfg.replicas} does not divide the world size {world_size}")

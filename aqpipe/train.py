@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ from aqpipe.compression import derive_seed, row_nbytes
 
 from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
+from .data import regroup
 from . import faults, interrupts, reshape
 from .config import RunConfig
 from .environment import check_liger, launch
@@ -225,21 +227,23 @@ def idle_codecs(cfg: RunConfig) -> str:
                                                            ("backward_compress", c.backward)) if mode != "none")
 
 
-def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
-                 spec: ModelSpec) -> buffer_plan.BufferPlan | None:
+def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int, spec: ModelSpec,
+                 extra_rows: int = 0, keep_saved: bool = True) -> buffer_plan.BufferPlan | None:
     """Which samples keep AQ-SGD rows, and where this rank's live (buffer_plan.py), as the resumed checkpoint's run
-    planned where it can; None without AQ-SGD boundaries. Rank 0 says it in one line."""
+    planned where it can (`keep_saved`: it had this run's shards); None without AQ-SGD boundaries. `extra_rows`: a
+    regrouped epoch's rows, each visited once (data/regroup.py). Rank 0 says it in one line."""
     c, grid = cfg.compression, world.grid
     if c.forward != "aqsgd" or grid.stages == 1:
         return None
     stage = grid.coords(world.rank)[0]
     counts = datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
-                                  total_steps, last="keep")
+                                  total_steps, last="keep")  # regrouped: as if the run had these shards throughout
+    counts = np.concatenate([counts, np.ones(extra_rows, dtype=counts.dtype)])
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
     resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None
     plan = buffer_plan.plan(cfg, world, counts, int(stage > 0) + int(stage < grid.stages - 1), row, form,
-                            checkpoint.saved_buffer_plan(resumed))
+                            checkpoint.saved_buffer_plan(resumed) if keep_saved else None)
     if plan.line:
         print(plan.line, file=sys.stderr)
     return plan
@@ -355,15 +359,22 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     spec = model_spec(cfg, task, tokenizer, train_set)
     cfg, reading = place_ranks(cfg, world, spec, resumed, storage)
     stages, replicas = world.grid.stages, world.grid.replicas
-    per_epoch = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
-                                        last="keep")  # an epoch's last, partial batch is kept, as HF keeps it
-    total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
+    # the epoch in progress dealt over another replica count (a regrouped resume: data/regroup.py), or None
+    dealt = None if resumed is None else reshape.regrouping(checkpoint.read_manifest(resumed), replicas)
+    epoch_steps = [datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
+                                           last="keep")] * cfg.epochs  # an epoch's last, partial batch is kept, as HF
+    if dealt is not None and dealt.epoch < cfg.epochs:
+        epoch_steps[dealt.epoch] = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, dealt.num_micro_batches,
+                                                           dealt.replicas, last="keep")
+        say_regrouped(dealt, world, cfg, replicas, epoch_steps[dealt.epoch])
+    total_steps = sum(epoch_steps) if cfg.max_steps is None else min(cfg.max_steps, sum(epoch_steps))
     cfg = cfg.for_run(total_steps)
     adapters = None if not cfg.lora.enabled else lora_config(
         spec.model_class, spec.config, cfg.lora, task.kind == "classification", stages, cfg.distributed.partition)
-    buffers = plan_buffers(cfg, world, train_set, total_steps, spec)
-    engine = build_engine(cfg, spec, world, datalib.shard_size(len(train_set), replicas), total_steps, adapters,
-                          buffers)
+    shard, extra = datalib.shard_size(len(train_set), replicas), 0 if dealt is None else regroup.rows(train_set, dealt)
+    buffers = plan_buffers(cfg, world, train_set, total_steps, spec, extra, keep_saved=reading is None or
+                           not reading.regroups)
+    engine = build_engine(cfg, spec, world, shard + extra, total_steps, adapters, buffers)
     if scratch is not None:
         made = None if cfg.compression.buffer_dir else buffer_plan.buffer_directory(cfg)  # a --buffer_dir stays
         scratch.append(lambda: drop_buffer_files(engine, made))
@@ -385,10 +396,16 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
         saved = progress.step
 
     for epoch in range(progress.epoch, cfg.epochs):
-        done = progress.done_in(epoch)
-        batches = datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches, epoch=epoch,
-                                        seed=cfg.seed, shard=(engine.groups.replica, replicas), last="keep")
-        for index, mbs in enumerate(itertools.islice(batches, done, None), start=done):
+        done, place = progress.done_in(epoch), (engine.groups.replica, replicas)
+        if dealt is not None and epoch == dealt.epoch:  # begun over another replica count: its rest, dealt over ours
+            batches = regroup.rest_of_epoch(train_set, cfg.micro_batch_size, dealt, cfg.seed, place, done, shard)
+            progress.dealt = [dealt.replicas, dealt.num_micro_batches]
+        else:
+            batches = itertools.islice(datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches,
+                                                             epoch=epoch, seed=cfg.seed, shard=place, last="keep"),
+                                       done, None)
+            progress.dealt = [replicas, cfg.num_micro_batches]
+        for index, mbs in enumerate(batches, start=done):
             if progress.step >= total_steps:
                 break
             injector.before_step(progress.step + 1)
@@ -445,11 +462,21 @@ def place_ranks(cfg: RunConfig, world: World, spec: ModelSpec, resumed: Path | N
                               lambda: reshape.holds_tie(spec.model_class, spec.config, counts, stage),
                               world.grid.replicas)
     if reading is not None and world.rank == 0:
-        print(reshape.describe(reading.old, reading.new, world.grid.replicas), file=sys.stderr, flush=True)
+        print(reshape.describe(reading, world.grid.replicas), file=sys.stderr, flush=True)
     wanted = [(stage, replica)] if reading is None else \
         [(s, r) for s in reading.sources for r in range(reading.replicas)]
     fetch_slots(resumed, [checkpoint.rank_file(s, r) for s, r in wanted], world, storage)
     return cfg, reading
+
+
+def say_regrouped(dealt: regroup.Dealt, world: World, cfg: RunConfig, replicas: int, steps: int) -> None:
+    """Rank 0's line on a regrouped epoch: which steps are dealt over the new replica count, and how."""
+    if world.rank == 0:
+        print(f"data: epoch {dealt.epoch}, begun over {dealt.replicas} replica{'s' if dealt.replicas > 1 else ''}, "
+              f"goes on over {replicas} to its step {steps}: each step's global batch is the one it began with "
+              f"({dealt.replicas} x {dealt.num_micro_batches} micro-batches of {cfg.micro_batch_size}), "
+              f"{cfg.num_micro_batches} micro-batches a replica; no sample trained twice or left out",
+              file=sys.stderr, flush=True)
 
 
 def drop_buffer_files(engine: PipelineEngine, made: Path | None) -> None:

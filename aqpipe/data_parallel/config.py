@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from aqpipe.compression.fields import KEPT, check_choices, check_int, setting
+from aqpipe.compression.fields import KEPT, RESHAPES, check_choices, check_int, setting
 
 from .base import REGISTRY, Algorithm
 from .comm import Comm
@@ -19,7 +19,10 @@ from .decentralized import PEER_SELECTIONS, TOPOLOGIES
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    replicas: int = setting(1, "data-parallel replicas of the pipeline (world size = stages x replicas)", "replicas")
+    replicas: int | str = setting(1, "data-parallel replicas of the pipeline (world size = stages x replicas), or auto "
+                                     "= world size / pipeline_stages (an elastic launch: as many as the machines "
+                                     "that came hold); a resume may change it (the rest of the epoch is dealt over "
+                                     "the new count, the global batch kept)", "replicas", resume=RESHAPES)
     algorithm: str = setting("allreduce", "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
                                         "qsparse_local_sgd, cocktail_sgd", "dp_algorithm",
                                   choices=REGISTRY)
@@ -40,7 +43,8 @@ class DataParallelConfig:
 
     def __post_init__(self) -> None:
         """Every value against its range as the section is made (one line naming it); no I/O."""
-        check_int("replicas", self.replicas, 1)
+        if self.replicas != "auto":
+            check_int("replicas", self.replicas, 1, what="an int >= 1 or auto")
         check_choices(self)
         check_int("dp_bits", self.bits, 1, 8)
         check_int("dp_local_steps", self.local_steps, 1)
@@ -57,7 +61,7 @@ class DataParallelConfig:
             raise ValueError(f"dp_topk_ratio={self.topk_ratio!r}: expected at most "
                              f"dp_random_ratio={self.random_ratio!r} (cocktail_sgd takes the top among the random)")
         pairs = self.algorithm == "decentralized" and self.peer_selection == "shift_one"
-        if pairs and self.replicas > 1 and self.replicas % 2:
+        if pairs and self.replicas != "auto" and self.replicas > 1 and self.replicas % 2:
             raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "
                              "expected an even count")
 

@@ -60,16 +60,55 @@ def test_a_run_resumed_on_another_shape_goes_on_as_the_uninterrupted_one(runs):
         assert "resume on another shape: 2 stages (blocks 2,2) -> 4 (blocks 1,1,1,1)" in said[(2, 4)]
 
 
-def test_two_replicas_resume_on_one_stage_each_as_the_uninterrupted_run(tmp_path):
-    """2 stages x 2 replicas (allreduce keeps the replicas equal) saved at step 2, resumed as 1 stage x 2 replicas:
-    every rank reads both replicas' files of both old stages, and steps 3-6 are the uninterrupted run's."""
-    gpt2(tmp_path / "straight", 4, "--replicas", "2", "--max_train_samples", "48")
-    said = gpt2(tmp_path / "one", 2, "--replicas", "2", "--max_train_samples", "48", "--resume",
-                str(tmp_path / "straight/checkpoints/step_00000002"))
-    assert "resume on another shape: 2 stages (blocks 2,2) -> 1 (blocks 4), 2 replicas each" in said
-    assert "the replicas' weights and moments averaged into one" in said
-    straight, one = steps(tmp_path / "straight"), steps(tmp_path / "one")
-    assert sorted(one) == [3, 4, 5, 6]
-    for step, row in one.items():
+def same_steps(resumed, straight, taken):
+    assert sorted(resumed) == taken
+    for step, row in resumed.items():
         for ours, theirs in zip(row, straight[step]):
             assert math.isclose(ours, theirs, rel_tol=1e-5, abs_tol=1e-7), (step, row, straight[step])
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """2 stages x 2 replicas (allreduce keeps the replicas equal; dropout off, since a micro-batch's dropout is drawn
+    from its replica and index, which a regroup changes), 48 samples, saved every 2 steps."""
+    root = tmp_path_factory.mktemp("replicated")
+    gpt2(root / "straight", 4, "--replicas", "2", "--max_train_samples", "48", "--dropout", "0")
+    return root
+
+
+def test_two_replicas_resume_on_one_stage_each_as_the_uninterrupted_run(replicated):
+    """Saved at step 2, resumed as 1 stage x 2 replicas: every rank reads both replicas' files of both old stages,
+    and steps 3-6 are the uninterrupted run's."""
+    said = gpt2(replicated / "one", 2, "--replicas", "2", "--max_train_samples", "48", "--dropout", "0", "--resume",
+                str(replicated / "straight/checkpoints/step_00000002"))
+    assert "resume on another shape: 2 stages (blocks 2,2) -> 1 (blocks 4), 2 replicas each" in said
+    assert "the replicas' weights and moments averaged into one" in said
+    same_steps(steps(replicated / "one"), steps(replicated / "straight"), [3, 4, 5, 6])
+
+
+def test_a_run_shrinks_to_one_replica_and_grows_back_as_the_uninterrupted_run(replicated):
+    """2 x 2 saved at step 2 resumes as 2 stages x 1 replica taking 4 micro-batches a step (the global batch kept),
+    and its checkpoint at step 4 as 2 x 2 again: every step is the uninterrupted run's, the epoch's samples are all
+    trained once (its target tokens: 48 samples x 15), and each start line says what carried and how the epoch
+    goes on."""
+    straight = replicated / "straight"
+    shrunk = gpt2(replicated / "shrunk", 2, "--replicas", "1", "--max_train_samples", "48", "--dropout", "0",
+                  "--resume", str(straight / "checkpoints/step_00000002"))
+    assert ("resume on another shape: 2 stages (blocks 2,2) x 2 replicas -> 2 (blocks 2,2) x 1 replica; kept: every "
+            "weight that trains and its optimizer state, the LR plan and the data position; started fresh: every "
+            "boundary's codecs") in shrunk
+    assert ("data: epoch 0, begun over 2 replicas, goes on over 1 to its step 6: each step's global batch is the one "
+            "it began with (2 x 2 micro-batches of 2), 4 micro-batches a replica") in shrunk
+    grown = gpt2(replicated / "grown", 4, "--replicas", "2", "--max_train_samples", "48", "--dropout", "0",
+                 "--resume", str(replicated / "shrunk/checkpoints/step_00000004"))
+    assert "2 stages (blocks 2,2) x 1 replica -> 2 (blocks 2,2) x 2 replicas" in grown
+    assert "data: epoch 0" not in grown  # it began over 2 replicas: their own shards again
+    reference = steps(straight)
+    same_steps(steps(replicated / "shrunk"), reference, [3, 4, 5, 6])
+    same_steps(steps(replicated / "grown"), reference, [5, 6])
+    rows = {o: [json.loads(line) for line in (replicated / o / "metrics.jsonl").read_text().splitlines()]
+            for o in ("straight", "shrunk", "grown")}
+    tokens = lambda o, taken: sum(r["target_tokens"] for r in rows[o] if r.get("step") in taken and "lr" in r)  # noqa: E731
+    assert tokens("straight", {1, 2}) + tokens("shrunk", {3, 4}) + tokens("grown", {5, 6}) == 48 * 15
+    manifest = json.loads((replicated / "grown/checkpoints/step_00000006/manifest.json").read_text())
+    assert len(manifest["files"]) == 4 and manifest["position"] == {"epoch": 0, "index": 6, "dealt": [2, 2]}

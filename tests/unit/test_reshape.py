@@ -122,6 +122,27 @@ def test_codecs_carry_from_the_old_stage_on_the_same_side(model):
     assert {"next.forward", "next.backward"} <= fresh
 
 
+def test_another_replica_count_reads_every_old_replica_and_keeps_no_codec(model):
+    """The same stages on 1 replica from 2: the rank reads both replicas' files of its stage; no boundary keeps its
+    codecs (their rows were the old replicas' shards'), where the same shape on the same count keeps them all."""
+    saved = {"stage_blocks": [2, 2], "fingerprint": {"data_parallel.replicas": 2},
+             "position": {"epoch": 1, "index": 3, "dealt": [2, 4]}}
+    assert reshape.reading(saved, [2, 2], 1, lambda: False, replicas=2) is None
+    regrouped = reshape.reading(saved, [2, 2], 1, lambda: False, replicas=1)
+    assert (regrouped.sources, regrouped.replicas, regrouped.regroups) == ([1], 2, True)
+    assert [regrouped.own(r) for r in range(3)] == [0, 1, 1]  # a new replica past the old ones takes the last's
+    assert reshape.regrouping(saved, 1) == reshape.Dealt(1, 2, 4) and reshape.regrouping(saved, 2) is None
+    records, _ = _engine_states(copy.deepcopy(model), [2, 2], trained=True)
+    templates, stages = _engine_states(copy.deepcopy(model), [2, 2], trained=False)
+    shape = reshape.Shape.from_counts([2, 2])
+    kept, _ = reshape.merge({0: records[0], 1: records[1]}, templates[0], shape, shape, 0,
+                            stages[0].hf_parameter_names())
+    assert set(kept["codecs"]) == {"next.forward", "next.backward"}
+    none, fresh = reshape.merge({0: records[0], 1: records[1]}, templates[0], shape, shape, 0,
+                                stages[0].hf_parameter_names(), codecs=False)
+    assert none["codecs"] == {} and {"next.forward", "next.backward"} <= fresh
+
+
 def test_a_checkpoint_that_does_not_say_its_shape_resumes_only_on_its_stage_count():
     manifest = {"fingerprint": {"distributed.pipeline_stages": 4}}
     assert reshape.reading(manifest, [1, 1, 1, 1], 0, lambda: False) is None

@@ -54,7 +54,8 @@ RULES = {
     "compression.tie_bits": (SAME, 4), "compression.tie_rank": (SAME, 4), "compression.auto_bits_min": (SAME, 3),
     "compression.auto_bits_max": (SAME, 6), "compression.auto_bits_every": (SAME, 10),
     "compression.auto_bits_slack": (SAME, 0.05), "compression.link_mbit": (SAME, [100.0]),
-    "data_parallel.replicas": (SAME, 2), "data_parallel.algorithm": (SAME, "qadam"), "data_parallel.bits": (SAME, 4),
+    "data_parallel.replicas": (RESHAPES, 2), "data_parallel.algorithm": (SAME, "qadam"),
+    "data_parallel.bits": (SAME, 4),
     "data_parallel.warmup_steps": (KEPT, 5), "data_parallel.local_steps": (SAME, 2),
     "data_parallel.topk_ratio": (SAME, 0.05), "data_parallel.random_ratio": (SAME, 0.2),
     "data_parallel.topology": (SAME, "ring"), "data_parallel.peer_selection": (SAME, "all"),
@@ -83,10 +84,11 @@ def with_values(cfg: RunConfig, values: dict) -> RunConfig:
 
 def saved(tmp_path, cfg: RunConfig, shape: bool = True):
     """A checkpoint directory whose manifest records `cfg` (what check_compatible reads of it), and its blocks per
-    stage (`shape`; a checkpoint from before they were recorded has none)."""
+    stage and data position (`shape`; a checkpoint from before they were recorded has neither)."""
     manifest = {"format": checkpoint.FORMAT, "fingerprint": checkpoint.fingerprint(cfg)}
     if shape:
         manifest["stage_blocks"] = [2, 2]
+        manifest["position"] = {"epoch": 0, "index": 1, "dealt": [cfg.replicas, cfg.num_micro_batches]}
     (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     return tmp_path
 
@@ -139,8 +141,39 @@ def test_a_shape_setting_may_change_and_reshards(tmp_path, dest):
     base = RunConfig(task="causal_lm")
     other = with_values(base, {dest: RULES[dest][1]})
     assert value_at(other, dest) != value_at(base, dest)
+    kept = other if dest != "data_parallel.replicas" else with_values(other, {"num_micro_batches": 2})  # 1 x 4 = 2 x 2
     assert checkpoint.check_compatible(saved(tmp_path, with_values(base, {"distributed.pipeline_stages": 4})),
-                                       other) == other
+                                       other) == kept
+
+
+def test_another_replica_count_keeps_the_global_batch_or_is_refused_in_one_line(tmp_path):
+    """2 replicas x 2 micro-batches resume as 1 x 4 or 4 x 1 (the LR plan and the epoch's steps are the run's); a
+    count the global batch does not split over, another num_micro_batches, and a checkpoint that does not say its
+    data position are refused naming the value."""
+    two = with_values(RunConfig(task="causal_lm"), {"data_parallel.replicas": 2, "num_micro_batches": 2})
+    ckpt = saved(tmp_path, two)
+    for replicas, each in ((1, 4), (4, 1), (2, 2)):
+        cfg = checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.replicas": replicas}))
+        assert (cfg.replicas, cfg.num_micro_batches) == (replicas, each)
+        assert checkpoint.check_compatible(ckpt, cfg) == cfg  # asked again with what it resolved (checkpoint.load)
+    with pytest.raises(ValueError, match=r"resume on 3 replicas: the checkpoint's global batch of 4 micro-batches "
+                                         r"\(2 x 2 replicas\) does not split over 3; expected a replica count "
+                                         "dividing 4"):
+        checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.replicas": 3}))
+    with pytest.raises(ValueError, match="num_micro_batches=2 in the checkpoint, 3 in this run"):
+        checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.replicas": 1, "num_micro_batches": 3}))
+    with pytest.raises(ValueError, match="was written before checkpoints recorded their data position; expected "
+                                         "replicas=2"):
+        checkpoint.check_compatible(_unplaced(tmp_path, two), with_values(two, {"data_parallel.replicas": 1}))
+
+
+def _unplaced(tmp_path, cfg: RunConfig):
+    """A checkpoint that records its blocks per stage but not its data position (written before positions were)."""
+    directory = saved(tmp_path, cfg)
+    manifest = json.loads((directory / checkpoint.MANIFEST).read_text())
+    del manifest["position"]
+    (directory / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return directory
 
 
 def test_auto_blocks_take_the_checkpoints_only_on_its_stage_count(tmp_path):
