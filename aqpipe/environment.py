@@ -88,16 +88,17 @@ def link_matrix(environ: dict[str, str] | None = None) -> str | None:
 
 
 def compute_slowdown(rank: int, world_size: int, environ: dict[str, str] | None = None) -> float:
-    """AQPIPE_COMPUTE_SLOWDOWN: rank `rank`'s factor in a comma-separated list of one per rank (an emulated slower
-    device: its compute stretched by waiting); 1 where unset."""
+    """AQPIPE_COMPUTE_SLOWDOWN: rank `rank`'s factor in a comma-separated list of one per rank, or one for every rank
+    (a world whose size changes: an elastic launch) (an emulated slower device: its compute stretched by waiting); 1
+    where unset."""
     raw = (os.environ if environ is None else environ).get("AQPIPE_COMPUTE_SLOWDOWN", "")
     if not raw:
         return 1.0
     factors = [_number(part) for part in raw.split(",")]
-    if len(factors) != world_size or not all(1.0 <= f < float("inf") for f in factors):
+    if len(factors) not in (1, world_size) or not all(1.0 <= f < float("inf") for f in factors):
         raise ValueError(f"AQPIPE_COMPUTE_SLOWDOWN={raw!r}: expected {world_size} factors >= 1, one per rank, "
-                         "comma-separated")
-    return factors[rank]
+                         "comma-separated, or one for every rank")
+    return factors[rank if len(factors) > 1 else 0]
 
 
 def show_tracebacks(environ: dict[str, str] | None = None) -> bool:

@@ -46,7 +46,17 @@ def test_auto_stages_fill_the_launchers_world(monkeypatch, world, stages):
     assert run([], monkeypatch, world=world).distributed.pipeline_stages == stages
 
 
+@pytest.mark.parametrize("world,replicas", [(2, 1), (4, 2), (6, 3)])
+def test_auto_replicas_are_every_whole_pipeline_the_world_holds(monkeypatch, world, replicas):
+    cfg = run(["--pipeline_stages", "2", "--replicas", "auto"], monkeypatch, world=world)
+    assert (cfg.replicas, cfg.distributed.pipeline_stages) == (replicas, 2)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--replicas", "auto"], "replicas=auto with pipeline_stages=auto: expected a stage count (--pipeline_stages N)"),
+    (["--replicas", "auto", "--pipeline_stages", "2"], "replicas=auto: the launcher's 1 processes are not a multiple "
+                                                      "of pipeline_stages=2"),
+    (["--replicas", "0"], "replicas=0: expected an int >= 1 or auto"),
     (["--forward_bits", "9"], "forward_bits=9: expected an integer from 1 to 8"),
     (["--backward_bits", "0"], "backward_bits=0: expected an integer from 1 to 8"),
     (["--tie_bits", "9"], "tie_bits=9: expected an integer from 1 to 8"),
