@@ -159,13 +159,15 @@ def _regrouped(cfg: "RunConfig", manifest: dict[str, Any], mine: dict[str, Any],
     replica takes num_micro_batches x old replicas / new ones (the LR plan and the epoch's steps stay the run's:
     data/regroup.py). ValueError where the count does not divide it, or the checkpoint does not say its position."""
     old, new = theirs.get(REPLICAS, 1), cfg.replicas
-    if old == new:
-        return cfg
-    if "position" not in manifest:
+    position = manifest.get("position") or {}
+    if old != new and not position:
         raise ValueError(f"resume on {new} replicas: the checkpoint, {old} replicas, was written before checkpoints "
                          f"recorded their data position; expected replicas={old} (then save once and resume at {new})")
     whole = theirs[MICRO_BATCHES] * old  # micro-batches in a global batch
-    if cfg.num_micro_batches * new != whole and cfg.num_micro_batches != theirs[MICRO_BATCHES]:
+    # the count this run's flags give is the checkpoint's, or the one its launch was given before a regroup rescaled
+    # it (an elastic restart passes the first launch's flags again): both mean the checkpoint's global batch
+    given = (theirs[MICRO_BATCHES], position.get("launched", theirs[MICRO_BATCHES]))
+    if cfg.num_micro_batches * new != whole and cfg.num_micro_batches not in given:
         return cfg  # another num_micro_batches than the checkpoint's: refused as any other change
     if whole % new:
         raise ValueError(f"resume on {new} replicas: the checkpoint's global batch of {whole} micro-batches "
@@ -267,7 +269,7 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
                     "placement": engine.groups.grid.placement,  # who held which (stage, replica): a resume may differ
                     "stage_blocks": [n["blocks"] for n in sorted({n["stage"]: n for n in notes}.values(),
                                                                  key=lambda n: n["stage"])],  # a resume may reshape
-                    "position": {k: progress[k] for k in ("epoch", "index", "dealt")}}  # ... or regroup
+                    "position": _position(progress)}  # ... or regroup (dealing.py)
     manifest = broadcast(manifest, world)
     if manifest is None:
         raise RuntimeError(f"checkpoint {partial}: not every rank's files were noted")
@@ -282,6 +284,13 @@ def save(root: Path, step: int, engine: Any, progress: dict[str, Any], cfg: "Run
         _prune(root, keep, final)
     barrier(world)  # every storage's copy in place before any rank goes on
     return final
+
+
+def _position(progress: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the run stopped and how it deals that epoch (dealing.Dealing.note); None from a caller without it."""
+    if "epoch" not in progress:
+        return None
+    return {"epoch": progress["epoch"], "index": progress["index"], **(progress.get("dealing") or {})}
 
 
 def agree(found: Path | None, root: Path, world: "World", storage: "Storage | None" = None) -> Path | None:
@@ -346,10 +355,14 @@ def _prune(root: Path, keep: int | None, newest: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load(directory: Path, engine: Any, cfg: "RunConfig", reading: "reshape.Reading | None" = None) -> dict[str, Any]:
+def load(directory: Path, engine: Any, cfg: "RunConfig | None", reading: "reshape.Reading | None" = None
+         ) -> dict[str, Any]:
     """Load this rank's state into the engine and the global RNGs; returns the training loop's progress. `reading`:
-    the old stages this rank's state is resharded from, where the run's shape differs from the checkpoint's."""
-    check_compatible(directory, cfg)
+    the old stages this rank's state is resharded from, where the run's shape differs from the checkpoint's. `cfg`:
+    checked against the checkpoint first (None: its caller checked the settings as given, before the run resolved
+    its `auto` values for its length: train.py)."""
+    if cfg is not None:
+        check_compatible(directory, cfg)
     manifest = read_manifest(directory)
     stage, replica = engine.groups.stage, engine.groups.replica
     if reading is None:

@@ -22,7 +22,7 @@ class Progress:
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WIRES, 0))
     num_tokens: int = 0  # a causal LM's input tokens trained on (TRL's num_tokens)
     samples: int | None = 0  # samples trained on, over every replica (None: a checkpoint from before the count)
-    dealt: list[int] | None = None  # [replicas, num_micro_batches] the epoch in progress was dealt over at its start
+    dealing: dict[str, Any] | None = None  # how the epoch in progress is dealt (dealing.Dealing.note)
 
     def done_in(self, epoch: int) -> int:
         """Steps of `epoch` already taken (a resumed run continues after them)."""
@@ -44,7 +44,7 @@ class Progress:
         return {"epoch": self.epoch, "index": self.index, "step": self.step, "losses": self.losses[-10:],
                 "evals": dict(self.evals), "eval_step": self.eval_step, "totals": dict(self.totals),
                 "elapsed": self.elapsed, "num_tokens": self.num_tokens, "samples": self.samples,
-                "dealt": self.dealt}
+                "dealing": self.dealing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.index, self.step = int(state["epoch"]), int(state["index"]), int(state["step"])
@@ -53,4 +53,4 @@ class Progress:
         self.eval_step = int(state.get("eval_step", -1))  # checkpoints from before it: an evaluation is taken again
         self.num_tokens = int(state.get("num_tokens", 0))  # from before it: counted from the resume on
         self.samples = state.get("samples")  # from before it: None, and the rate assumes full steps
-        self.dealt = state.get("dealt")
+        self.dealing = state.get("dealing")

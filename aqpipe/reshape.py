@@ -20,7 +20,7 @@ each new stage reads every replica's files of its old stages, and the algorithm 
 Another replica count (`Reading.regroups`): each new replica reads every old replica's files and averages them as
 above; every boundary's codecs start fresh (AQ-SGD's rows and the dither streams were the old replicas', keyed by
 their shards); the rest of the interrupted epoch is dealt over the new count with the global batch kept
-(data/regroup.py, checkpoint._regrouped), so the LR plan and the epoch's steps are the run's.
+(data/regroup.py, dealing.py, checkpoint._regrouped), so that epoch's steps are the run's.
 
 Otherwise the data continues where the run stopped (the replicas' shards are unchanged), and the LR plan is the run's.
 """
@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-from .data.regroup import Dealt
 from .pipeline.loading import meta_model
 from .pipeline.partitioning import block_ranges, partition, tie_groups
 
@@ -95,15 +94,6 @@ def reading(manifest: dict[str, Any], counts: list[int], stage: int, holds_tie: 
     if old == new and theirs == replicas:
         return None
     return Reading(old, new, sources(old, new, stage, holds_tie()), theirs, theirs != replicas)
-
-
-def regrouping(manifest: dict[str, Any], replicas: int) -> Dealt | None:
-    """How the checkpoint's epoch in progress was dealt where that was over another replica count than `replicas`
-    (its rest is then dealt over this run's: data/regroup.py); None where it was dealt over this one."""
-    position = manifest.get("position")
-    if position is None or position.get("dealt") is None or position["dealt"][0] == replicas:
-        return None
-    return Dealt(position["epoch"], *position["dealt"])
 
 
 def averaged(records: list[dict[str, Any]], own: int) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import shutil
@@ -29,9 +28,9 @@ from aqpipe.compression import derive_seed, row_nbytes
 
 from . import buffer_plan, checkpoint, preflight
 from . import data as datalib
-from .data import regroup
 from . import faults, interrupts, reshape
 from .config import RunConfig
+from .dealing import dealing
 from .environment import check_liger, launch
 from .export import save_adapter, save_model
 from .lr_plan import PlannedLR
@@ -227,18 +226,19 @@ def idle_codecs(cfg: RunConfig) -> str:
                                                            ("backward_compress", c.backward)) if mode != "none")
 
 
-def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int, spec: ModelSpec,
-                 extra_rows: int = 0, keep_saved: bool = True) -> buffer_plan.BufferPlan | None:
+def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int, spec: ModelSpec, rows: int,
+                 keep_saved: bool = True) -> buffer_plan.BufferPlan | None:
     """Which samples keep AQ-SGD rows, and where this rank's live (buffer_plan.py), as the resumed checkpoint's run
-    planned where it can (`keep_saved`: it had this run's shards); None without AQ-SGD boundaries. `extra_rows`: a
-    regrouped epoch's rows, each visited once (data/regroup.py). Rank 0 says it in one line."""
+    planned where it can (`keep_saved`: it had this run's shards); None without AQ-SGD boundaries. `rows`: the ids
+    the buffers index, past the shard's a regrouped epoch's, each visited once (dealing.py). Rank 0 says it in one
+    line."""
     c, grid = cfg.compression, world.grid
     if c.forward != "aqsgd" or grid.stages == 1:
         return None
     stage = grid.coords(world.rank)[0]
     counts = datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
                                   total_steps, last="keep")  # regrouped: as if the run had these shards throughout
-    counts = np.concatenate([counts, np.ones(extra_rows, dtype=counts.dtype)])
+    counts = np.concatenate([counts, np.ones(rows - len(counts), dtype=counts.dtype)])
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
     resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None
@@ -359,22 +359,16 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
     spec = model_spec(cfg, task, tokenizer, train_set)
     cfg, reading = place_ranks(cfg, world, spec, resumed, storage)
     stages, replicas = world.grid.stages, world.grid.replicas
-    # the epoch in progress dealt over another replica count (a regrouped resume: data/regroup.py), or None
-    dealt = None if resumed is None else reshape.regrouping(checkpoint.read_manifest(resumed), replicas)
-    epoch_steps = [datalib.steps_per_epoch(train_set, cfg.micro_batch_size, cfg.num_micro_batches, replicas,
-                                           last="keep")] * cfg.epochs  # an epoch's last, partial batch is kept, as HF
-    if dealt is not None and dealt.epoch < cfg.epochs:
-        epoch_steps[dealt.epoch] = datalib.steps_per_epoch(train_set, cfg.micro_batch_size, dealt.num_micro_batches,
-                                                           dealt.replicas, last="keep")
-        say_regrouped(dealt, world, cfg, replicas, epoch_steps[dealt.epoch])
-    total_steps = sum(epoch_steps) if cfg.max_steps is None else min(cfg.max_steps, sum(epoch_steps))
+    manifest = checkpoint.read_manifest(resumed) if resumed is not None else {}  # where it stopped, how it dealt
+    deals = dealing(cfg, train_set, (world.grid.coords(world.rank)[1], replicas), manifest,
+                    reading is not None and reading.regroups, world.rank == 0)
+    total_steps = deals.total_steps(cfg.epochs, cfg.max_steps, manifest.get("position"), manifest.get("step", 0))
     cfg = cfg.for_run(total_steps)
     adapters = None if not cfg.lora.enabled else lora_config(
         spec.model_class, spec.config, cfg.lora, task.kind == "classification", stages, cfg.distributed.partition)
-    shard, extra = datalib.shard_size(len(train_set), replicas), 0 if dealt is None else regroup.rows(train_set, dealt)
-    buffers = plan_buffers(cfg, world, train_set, total_steps, spec, extra, keep_saved=reading is None or
-                           not reading.regroups)
-    engine = build_engine(cfg, spec, world, shard + extra, total_steps, adapters, buffers)
+    buffers = plan_buffers(cfg, world, train_set, total_steps, spec, deals.rows,
+                           keep_saved=reading is None or not reading.regroups)
+    engine = build_engine(cfg, spec, world, deals.rows, total_steps, adapters, buffers)
     if scratch is not None:
         made = None if cfg.compression.buffer_dir else buffer_plan.buffer_directory(cfg)  # a --buffer_dir stays
         scratch.append(lambda: drop_buffer_files(engine, made))
@@ -382,7 +376,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
                                                                       cfg.num_micro_batches)]
     progress = Progress()
     if cfg.checkpointing.resume:  # last: the RNG states it restores are those of the saved run at that step
-        progress.load_state_dict(checkpoint.load(Path(cfg.checkpointing.resume), engine, cfg, reading))
+        progress.load_state_dict(checkpoint.load(Path(cfg.checkpointing.resume), engine, None, reading))
     injector = faults.Injector(faults.from_env(), world.rank, engine.stage)
     writer = MetricsWriter(cfg, world, total_steps, progress.step if cfg.checkpointing.resume else None,
                            progress.elapsed)
@@ -396,16 +390,8 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
         saved = progress.step
 
     for epoch in range(progress.epoch, cfg.epochs):
-        done, place = progress.done_in(epoch), (engine.groups.replica, replicas)
-        if dealt is not None and epoch == dealt.epoch:  # begun over another replica count: its rest, dealt over ours
-            batches = regroup.rest_of_epoch(train_set, cfg.micro_batch_size, dealt, cfg.seed, place, done, shard)
-            progress.dealt = [dealt.replicas, dealt.num_micro_batches]
-        else:
-            batches = itertools.islice(datalib.micro_batches(train_set, cfg.micro_batch_size, cfg.num_micro_batches,
-                                                             epoch=epoch, seed=cfg.seed, shard=place, last="keep"),
-                                       done, None)
-            progress.dealt = [replicas, cfg.num_micro_batches]
-        for index, mbs in enumerate(batches, start=done):
+        done, progress.dealing = progress.done_in(epoch), deals.note(epoch)
+        for index, mbs in enumerate(deals.batches(epoch, done), start=done):
             if progress.step >= total_steps:
                 break
             injector.before_step(progress.step + 1)
@@ -467,16 +453,6 @@ def place_ranks(cfg: RunConfig, world: World, spec: ModelSpec, resumed: Path | N
         [(s, r) for s in reading.sources for r in range(reading.replicas)]
     fetch_slots(resumed, [checkpoint.rank_file(s, r) for s, r in wanted], world, storage)
     return cfg, reading
-
-
-def say_regrouped(dealt: regroup.Dealt, world: World, cfg: RunConfig, replicas: int, steps: int) -> None:
-    """Rank 0's line on a regrouped epoch: which steps are dealt over the new replica count, and how."""
-    if world.rank == 0:
-        print(f"data: epoch {dealt.epoch}, begun over {dealt.replicas} replica{'s' if dealt.replicas > 1 else ''}, "
-              f"goes on over {replicas} to its step {steps}: each step's global batch is the one it began with "
-              f"({dealt.replicas} x {dealt.num_micro_batches} micro-batches of {cfg.micro_batch_size}), "
-              f"{cfg.num_micro_batches} micro-batches a replica; no sample trained twice or left out",
-              file=sys.stderr, flush=True)
 
 
 def drop_buffer_files(engine: PipelineEngine, made: Path | None) -> None:

@@ -111,4 +111,25 @@ def test_a_run_shrinks_to_one_replica_and_grows_back_as_the_uninterrupted_run(re
     tokens = lambda o, taken: sum(r["target_tokens"] for r in rows[o] if r.get("step") in taken and "lr" in r)  # noqa: E731
     assert tokens("straight", {1, 2}) + tokens("shrunk", {3, 4}) + tokens("grown", {5, 6}) == 48 * 15
     manifest = json.loads((replicated / "grown/checkpoints/step_00000006/manifest.json").read_text())
-    assert len(manifest["files"]) == 4 and manifest["position"] == {"epoch": 0, "index": 6, "dealt": [2, 2]}
+    assert len(manifest["files"]) == 4
+    assert manifest["position"] == {"epoch": 0, "index": 6, "dealt": [2, 2], "rows": 24, "launched": 2}
+
+
+def test_a_shrunk_aqsgd_run_keeps_its_length_and_resumes_again_with_its_launchs_flags(tmp_path):
+    """AQ-SGD on, 49 samples (2 shards of 24: 6 steps an epoch; 1 replica: 7), 2 epochs. Shrunk to 1 replica at step
+    2, the run is 6 + 7 = 13 steps and its linear LR ends with step 13; its checkpoint at step 10 (epoch 1 on 1
+    replica, AQ-SGD rows for the regrouped epoch's ids and the new shard's) resumes with the first launch's flags and
+    trains steps 11-13 as the run did."""
+    aqsgd = ["--max_train_samples", "49", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2"]
+    gpt2(tmp_path / "straight", 4, "--replicas", "2", *aqsgd)
+    gpt2(tmp_path / "shrunk", 2, "--replicas", "1", *aqsgd, "--resume",
+         str(tmp_path / "straight/checkpoints/step_00000002"))
+    shrunk = steps(tmp_path / "shrunk")
+    assert sorted(shrunk) == list(range(3, 14))
+    lr = {k: row[2] for k, row in shrunk.items()}
+    assert lr[3] == steps(tmp_path / "straight")[3][2]  # the plan's rate where the run was shrunk, then stretched
+    assert math.isclose(lr[13], lr[12] - lr[13], rel_tol=1e-9)  # ... to end after step 13: one decrement left
+    again = gpt2(tmp_path / "again", 2, "--replicas", "1", *aqsgd, "--resume",
+                 str(tmp_path / "shrunk/checkpoints/step_00000010"))
+    assert "resume on another shape" not in again and "data: epoch" not in again
+    same_steps(steps(tmp_path / "again"), shrunk, [11, 12, 13])

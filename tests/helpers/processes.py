@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -119,13 +120,19 @@ def _aqpipe_rank(argv: list[str], rank: int, world: int, port: int, environ: dic
     """One rank of `launch_aqpipe`: the launcher's environment, its output to files, `aqpipe.cli.main`, exit."""
     from aqpipe.cli import main
 
+    import sys
+
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", ROLE_RANK=str(rank),
+                      TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none")
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))  # what a fresh rank's OMP_NUM_THREADS gives
     for fd, name in ((1, "out"), (2, "err")):
         with open(os.path.join(logs, f"{name}.{rank}"), "w") as f:
             os.dup2(f.fileno(), fd)
+    for stream in (sys.stdout, sys.stderr):  # PYTHONUNBUFFERED is read at start-up: a rank killed loses nothing
+        stream.reconfigure(write_through=True)
     code = 1
     try:
         code = main(argv)
@@ -134,8 +141,6 @@ def _aqpipe_rank(argv: list[str], rank: int, world: int, port: int, environ: dic
     except BaseException:  # noqa: BLE001 - the launch reports it as torchrun would: a traceback and a status
         traceback.print_exc()
     finally:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -153,16 +158,32 @@ def launch_aqpipe(argv: list[str], nproc: int, logs: Path, timeout: float = 300,
              for r in range(nproc)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=timeout)
+    deadline, failed = time.monotonic() + timeout, None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+        if failed is not None:  # torchrun stops the others at a rank's failure: so does this, after a grace
+            until = time.monotonic() + 30
+            while any(p.is_alive() for p in procs) and time.monotonic() < until:
+                time.sleep(0.05)
+            break
+        time.sleep(0.05)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
-            p.join()
+        p.join()
     read = lambda name: "".join((logs / f"{name}.{r}").read_text() if (logs / f"{name}.{r}").exists() else ""  # noqa: E731
-                                for r in range(nproc))
-    if hung:
-        raise TimeoutError(f"ranks {hung} still ran after {timeout} s:\n{read('err')[-3000:]}")
+                                for r in range(nproc))  # every rank's, by rank
+    if hung and failed is None:
+        tails = "\n".join(f"rank {r}: {read_rank(logs, r)[-1500:]}" for r in hung)
+        raise TimeoutError(f"ranks {hung} still ran after {timeout} s:\n{tails}")
     code = next((p.exitcode for p in procs if p.exitcode != 0), 0)
-    return Launched(code, read("err"), read("out"))
+    first = failed if failed is not None else next((r for r, p in enumerate(procs) if p.exitcode != 0), 0)
+    # every rank's words, the failing rank's last: a test's message (stderr[-3000:]) ends with what went wrong
+    err = "".join(read_rank(logs, r) for r in [*(r for r in range(nproc) if r != first), first])
+    return Launched(code, err, read("out"))
+
+
+def read_rank(logs: Path, rank: int) -> str:
+    path = logs / f"err.{rank}"
+    return path.read_text() if path.exists() else ""

@@ -155,7 +155,7 @@ def test_another_replica_count_keeps_the_global_batch_or_is_refused_in_one_line(
     for replicas, each in ((1, 4), (4, 1), (2, 2)):
         cfg = checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.replicas": replicas}))
         assert (cfg.replicas, cfg.num_micro_batches) == (replicas, each)
-        assert checkpoint.check_compatible(ckpt, cfg) == cfg  # asked again with what it resolved (checkpoint.load)
+        assert checkpoint.check_compatible(ckpt, cfg) == cfg  # asked again with what it resolved
     with pytest.raises(ValueError, match=r"resume on 3 replicas: the checkpoint's global batch of 4 micro-batches "
                                          r"\(2 x 2 replicas\) does not split over 3; expected a replica count "
                                          "dividing 4"):
@@ -165,6 +165,23 @@ def test_another_replica_count_keeps_the_global_batch_or_is_refused_in_one_line(
     with pytest.raises(ValueError, match="was written before checkpoints recorded their data position; expected "
                                          "replicas=2"):
         checkpoint.check_compatible(_unplaced(tmp_path, two), with_values(two, {"data_parallel.replicas": 1}))
+
+
+def test_a_regrouped_runs_checkpoint_resumes_with_the_flags_its_launch_was_given(tmp_path):
+    """An elastic restart passes the first launch's flags again: 2 micro-batches, which the shrunk run took as 4 on 1
+    replica. Its checkpoint (1 replica x 4, launched with 2) resumes with 2 as 4, at 1 replica or back at 2 as 2; 3 is
+    another setting, refused."""
+    shrunk = with_values(RunConfig(task="causal_lm"), {"num_micro_batches": 4})
+    ckpt = saved(tmp_path, shrunk)
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    manifest["position"]["launched"] = 2
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    given = with_values(shrunk, {"num_micro_batches": 2})
+    assert checkpoint.check_compatible(ckpt, given).num_micro_batches == 4
+    back = checkpoint.check_compatible(ckpt, with_values(given, {"data_parallel.replicas": 2}))
+    assert (back.replicas, back.num_micro_batches) == (2, 2)
+    with pytest.raises(ValueError, match="num_micro_batches=4 in the checkpoint, 3 in this run"):
+        checkpoint.check_compatible(ckpt, with_values(shrunk, {"num_micro_batches": 3}))
 
 
 def _unplaced(tmp_path, cfg: RunConfig):
