@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--workdir", type=Path, help="keep the machines' directories here (default: a temporary one)")
     p.add_argument("--no_reference", action="store_true", help="skip the uninterrupted run")
+    p.add_argument("--placement", default="rank", help="the machines' --placement (auto: every world re-planned)")
     args = p.parse_args(argv)
+    ELASTIC.extend(["--placement", args.placement])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AQPIPE_COMPUTE_SLOWDOWN": str(args.slowdown),
            # torch 2.13's launchers share the rendezvous store from round 0 on, and a machine joining a running job
            # then waits forever for an address the old rank 0 never publishes again (README: elastic launch)
