@@ -30,6 +30,7 @@ class AQSGDCodec:
     """AQ-SGD on one side of a boundary, from its parts (see the module doc); both sides must be built alike."""
 
     mode = "aqsgd"
+    warmup_refresh = True  # a warm-up step sends every sample whole through it, refreshing its rows
 
     def __init__(self, delta: DenseCodec, buffer: SampleBuffer, whole: WholeRows) -> None:
         if delta.mode != "direct":
@@ -49,6 +50,13 @@ class AQSGDCodec:
     group_size = property(lambda self: self.delta.group_size)
     adaptive = property(lambda self: self.delta.adaptive)
     generator = property(lambda self: self.delta.generator)
+
+    def dither_state(self) -> torch.Tensor:
+        """The changes' rounding dither (protocol.Codec)."""
+        return self.delta.dither_state()
+
+    def set_dither_state(self, state: torch.Tensor) -> None:
+        self.delta.set_dither_state(state)
 
     def set_bits(self, bits: int, group_size: int | None) -> None:
         """The bits and group of the changes from now on (an adaptive codec; both sides alike)."""

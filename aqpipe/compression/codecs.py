@@ -79,6 +79,7 @@ class _Codec:
     """
 
     modes: tuple[str, ...] = ()
+    warmup_refresh = False  # a warm-up step sends through the dense fallback (protocol.Codec)
 
     def __init__(self, mode: str, bits: int | None, stochastic: bool, seed: int, group_size: int | None,
                  rotation_seed: int = 0, adaptive: bool = False, scale_dtype: torch.dtype = torch.float32) -> None:
@@ -94,6 +95,13 @@ class _Codec:
         self.scale_dtype = check_scale_dtype(scale_dtype)
         self._signs: dict[tuple[int, str], torch.Tensor] = {}  # (row width, device) -> the rotation's signs
         self._flags: list[torch.Tensor] | None = None  # deferred checks (defer_checks); None: each read at once
+
+    def dither_state(self) -> torch.Tensor:
+        """The rounding dither's generator state (a rejected step puts it back: set_dither_state)."""
+        return self.generator.get_state()
+
+    def set_dither_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
 
     def defer_checks(self) -> None:
         """For a caller that encodes only finite values (a pipeline step sends zeros for a NaN) and reads its flags
@@ -265,3 +273,9 @@ class ForwardCodec(DenseCodec):
 
 class BackwardCodec(DenseCodec):
     """The gradient w.r.t. a boundary activation: none, direct or hadamard."""
+
+
+def plain_codecs() -> tuple[ForwardCodec, BackwardCodec]:
+    """Both directions of a wire as they are (mode none): a boundary's fallbacks (warm-up, evaluation), a tie sent
+    uncompressed."""
+    return ForwardCodec("none"), BackwardCodec("none")

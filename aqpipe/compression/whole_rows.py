@@ -95,12 +95,12 @@ class WholeRows:
 
     def undo_point(self) -> Callable[[], None]:
         """What puts back the codecs' dither (the rows' own rounding) and the running base as they are now."""
-        dither = [codec.generator.get_state() for codec in self.codecs()]
+        dither = [codec.dither_state() for codec in self.codecs()]
         base = None if self.base is None else self.base.snapshot()
 
         def restore() -> None:
             for codec, state in zip(self.codecs(), dither):
-                codec.generator.set_state(state)
+                codec.set_dither_state(state)
             if base is not None:
                 self.base.put_back(base)
 

@@ -14,12 +14,10 @@ from typing import Any
 
 import torch
 
-from aqpipe.compression import (AQSGDCodec, BackwardCodec, ForwardCodec, Subspace, SubspaceCodec, SubspaceGradCodec,
-                                aqsgd_codec, derive_seed, forward_codec, subspace_codecs)
+from aqpipe.compression import (BackwardCodec, Codec, Subspace, SubspaceCodec, aqsgd_codec, derive_seed, forward_codec,
+                                plain_codecs, subspace_codecs)
 
 from .compression_config import CompressionConfig
-
-Codec = ForwardCodec | BackwardCodec | AQSGDCodec | SubspaceCodec | SubspaceGradCodec
 
 
 class CodecFactory:
@@ -75,12 +73,12 @@ class CodecFactory:
         return forward, backward or BackwardCodec(c.backward, bits["backward"], **dense("backward"))
 
     @staticmethod
-    def fallbacks() -> tuple[ForwardCodec, BackwardCodec]:
+    def fallbacks() -> tuple[Codec, Codec]:
         """What a link sends in full precision (warm-up epochs, evaluation)."""
-        return ForwardCodec("none"), BackwardCodec("none")
+        return plain_codecs()
 
     def tie(self, key: str, follower: int, matrix_shape: tuple[int, int],
-            dtype: torch.dtype) -> tuple[ForwardCodec | AQSGDCodec, BackwardCodec | SubspaceCodec]:
+            dtype: torch.dtype) -> tuple[Codec, Codec]:
         """The codecs of tied weight `key`'s link to stage `follower`: its rows (as AQ-SGD changes against the
         follower's copy, one buffer row per row of the weight) and their gradients, at the tie's bits."""
         c = self.c

@@ -386,7 +386,7 @@ class PipelineEngine:
     def file_buffers(self) -> dict[str, Any]:
         """This rank's AQ-SGD buffers kept in files (buffer_dir), by codec name: `state_dict()` leaves their rows
         in the files, which a checkpoint copies (`SampleBuffer.write_rows`; the loaded state names the copy)."""
-        buffers = {name: getattr(codec, "buffer", None) for name, codec in self.codecs().items()}
+        buffers = {name: codec.buffer for name, codec in self.codecs().items()}
         return {name: b for name, b in buffers.items() if b is not None and b.path is not None}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

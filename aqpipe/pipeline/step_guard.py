@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from aqpipe.compression import Codec
+
 from .step_table import Findings
 
 
@@ -22,10 +24,10 @@ def finite_or_zeros(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class StepGuard:
-    def __init__(self, codecs: dict[str, Any]) -> None:
+    def __init__(self, codecs: dict[str, Codec]) -> None:
         """`codecs`: this rank's stateful codecs by name (their dither generators are put back too)."""
         self.codecs = codecs
-        self.generators = {name: codec.generator.get_state() for name, codec in codecs.items()}
+        self.generators = {name: codec.dither_state() for name, codec in codecs.items()}
         self.findings = Findings()
         self.restores: list[Callable[[], None]] = []  # what puts back each change the step made, newest last
 
@@ -54,4 +56,4 @@ class StepGuard:
         for restore in reversed(self.restores):
             restore()
         for name, codec in self.codecs.items():
-            codec.generator.set_state(self.generators[name])
+            codec.set_dither_state(self.generators[name])

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from aqpipe.compression import BackwardCodec, ForwardCodec
+from aqpipe.compression import plain_codecs
 from aqpipe.compression.buffers import to_device
 
 from .participants import StepPart, StepStart
@@ -160,8 +160,8 @@ class TiedWeights:
             for follower in peers:
                 peer = follower if stage == tie.owner else tie.owner
                 link = codecs(key, follower, tuple(as_matrix(param).shape), param.dtype) if codecs is not None else \
-                    (ForwardCodec("none"), BackwardCodec("none"))
-                boundary = Boundary(wire, rank_of(peer), *link, ForwardCodec("none"), BackwardCodec("none"),
+                    plain_codecs()
+                boundary = Boundary(wire, rank_of(peer), *link, *plain_codecs(),
                                     sends_activations=stage == tie.owner, tag=TIE_TAG, send_ids=False,
                                     outgoing=channel(stage, peer), incoming=channel(peer, stage),
                                     counters=(TIE_BYTES, TIE_BYTES))

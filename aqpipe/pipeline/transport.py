@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aqpipe.compression import BackwardCodec, BufferRangeError, ForwardCodec, Message, SampleIds, entropy
+from aqpipe.compression import BufferRangeError, Codec, Message, SampleIds, entropy
 from aqpipe.compression.buffers import to_device
 from aqpipe.compression.staging import HostStaging
 
@@ -145,7 +145,7 @@ class Wire:
         self._pending.clear()
 
 
-def _coded(codec: ForwardCodec | BackwardCodec) -> bool:
+def _coded(codec: Codec) -> bool:
     """Whether a codec's messages go through the wire's entropy stage: a compressing codec's do, the full-precision
     baselines' (`none`) do not."""
     return codec.mode != "none"
@@ -166,8 +166,8 @@ class Boundary:
     gradients (`outgoing` / `incoming`: the process group each way).
     """
 
-    def __init__(self, wire: Wire, peer: int, forward: ForwardCodec, backward: BackwardCodec,
-                 fallback_forward: ForwardCodec, fallback_backward: BackwardCodec, *, sends_activations: bool,
+    def __init__(self, wire: Wire, peer: int, forward: Codec, backward: Codec,
+                 fallback_forward: Codec, fallback_backward: Codec, *, sends_activations: bool,
                  tag: int = 0, send_ids: bool = True, outgoing: object | None = None,
                  incoming: object | None = None, counters: tuple[str, str] = ("fwd_bytes", "bwd_bytes")) -> None:
         """`sends_activations`: this side encodes the forward messages (it reports what they found, its peer finds the
@@ -194,14 +194,14 @@ class Boundary:
         was (codecs' `take_checks`): one that is not means its peer decoded garbage, so the step must be rejected."""
         return [flag for codec in self._codecs() for flag in codec.take_checks()]
 
-    def _forward_codec(self, phase: str) -> tuple[ForwardCodec, dict]:
+    def _forward_codec(self, phase: str) -> tuple[Codec, dict]:
         if phase == "train":
             return self.forward, {}
-        if phase == "warmup" and self.forward.mode == "aqsgd":
+        if phase == "warmup" and self.forward.warmup_refresh:
             return self.forward, {"refresh": True}
         return self.fallback_forward, {}
 
-    def _backward_codec(self, phase: str) -> BackwardCodec:
+    def _backward_codec(self, phase: str) -> Codec:
         return self.backward if phase == "train" else self.fallback_backward
 
     def send_activation(self, x: torch.Tensor, sample_ids: torch.Tensor, phase: str) -> None:
