@@ -40,7 +40,7 @@ from .world import World, barrier
 FORMAT = 5  # 5: a fingerprint names every setting by where it lives ("data.seq_len"); 4: by name in some sections
 READS = (4, 5)  # format 4 through `_from_format_4`, once, as a manifest is read
 LATEST = "latest"
-MANIFEST = "manifest.json"
+MANIFEST = copies.MANIFEST  # the directory's list of files and their checksums, named where copies read it
 
 
 def fingerprint(cfg: "RunConfig") -> dict[str, Any]:

@@ -25,7 +25,7 @@ from .storage import Storage, broadcast, gather
 from .stream import recv_tensors, send_tensors
 from .world import World, barrier
 
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # a checkpoint directory's list of its files (checkpoint.py writes it)
 
 
 def storage_groups(storage: Storage, world: World) -> list[tuple[int, ...]]:
