@@ -10,7 +10,8 @@ and in every replica).
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -36,41 +37,21 @@ class CodecFactory:
 
     def boundary(self, index: int, sample_shape: tuple[int, int], bits: dict[str, int | None], num_samples: int,
                  keep: torch.Tensor | None = None, buffer_path: str | os.PathLike | None = None) -> tuple[Codec, Codec]:
-        """Boundary `index`'s (forward, backward) codecs on one side of it: `sample_shape` (seq_len, hidden) one
-        sample's activation, `bits` each direction's, `num_samples` the rows AQ-SGD's buffer indexes, `keep` which
-        of them keep rows, `buffer_path` the buffer's file (None: memory)."""
-        c, width = self.c, sample_shape[-1]
+        """Boundary `index`'s (forward, backward) codecs on one side of it, built by its forward mode's builder
+        (BOUNDARY_BUILDERS): `sample_shape` (seq_len, hidden) one sample's activation, `bits` each direction's,
+        `num_samples` the rows AQ-SGD's buffer indexes, `keep` which of them keep rows, `buffer_path` the buffer's
+        file (None: memory)."""
+        return BOUNDARY_BUILDERS[self.c.forward](self, Side(index, sample_shape, bits, num_samples, keep, buffer_path))
 
-        def dense(direction: str) -> dict[str, Any]:
-            return {"stochastic": c.stochastic, "seed": self.dither_seed("boundary", index, direction),
-                    "group_size": c.group_size(direction, width, bits[direction]), "adaptive": c.auto(direction),
-                    "rotation_seed": self.rotation_seed("boundary", index, direction), "scale_dtype": c.scales()}
+    def dense(self, side: "Side", direction: str) -> dict[str, Any]:
+        """A dense codec's settings in `direction` of a boundary: its dither and rotation seeds, its bits' group."""
+        c = self.c
+        return {"stochastic": c.stochastic, "seed": self.dither_seed("boundary", side.index, direction),
+                "group_size": c.group_size(direction, side.width, side.bits[direction]), "adaptive": c.auto(direction),
+                "rotation_seed": self.rotation_seed("boundary", side.index, direction), "scale_dtype": c.scales()}
 
-        if c.forward == "subspace":
-            return self._subspace(index, bits, dense)
-        backward = BackwardCodec(c.backward, bits["backward"], **dense("backward"))
-        if c.forward != "aqsgd":
-            return forward_codec(c.forward, bits["forward"], **dense("forward")), backward
-        first, transient = c.whole_rows()
-        forward = aqsgd_codec(
-            bits["forward"], num_samples=num_samples, sample_shape=sample_shape, **dense("forward"),
-            buffer_dtype=c.buffer_dtype, buffer_path=buffer_path, buffer_bits=c.buffer_bits, buffer_keep=keep,
-            first_visit=first, transient_visit=transient, first_visit_bits=c.first_visit_bits,
-            first_visit_group_size=None if c.first_visit_bits is None else
-            c.group_size("forward", width, c.first_visit_bits),
-            first_visit_base=c.first_visit_base if c.first_visits_compressed() else "none")
-        return forward, backward
-
-    def _subspace(self, index: int, bits: dict[str, int | None], dense: Any) -> tuple[Codec, Codec]:
-        """A subspace boundary's codecs around one basis; a dense backward where the backward is not subspace."""
-        c, rank = self.c, self.c.subspace_rank
-        forward, backward = subspace_codecs(
-            rank, bits["forward"], bits["backward"] if c.backward == "subspace" else None, stochastic=c.stochastic,
-            seed=self.dither_seed("boundary", index, "forward"), backward_seed=self.dither_seed("boundary", index,
-                                                                                              "backward"),
-            group_size=c.group_size("forward", rank, bits["forward"]),
-            backward_group_size=c.group_size("backward", rank, bits["backward"]), scale_dtype=c.scales())
-        return forward, backward or BackwardCodec(c.backward, bits["backward"], **dense("backward"))
+    def dense_backward(self, side: "Side") -> Codec:
+        return BackwardCodec(self.c.backward, side.bits["backward"], **self.dense(side, "backward"))
 
     @staticmethod
     def fallbacks() -> tuple[Codec, Codec]:
@@ -95,3 +76,55 @@ class CodecFactory:
         grads = BackwardCodec("direct", c.tie_bits, stochastic=c.stochastic, seed=self.dither_seed(*where, "grads"),
                               scale_dtype=c.scales())
         return values, grads
+
+
+@dataclass(frozen=True)
+class Side:
+    """What one side of a boundary is built for (CodecFactory.boundary's arguments)."""
+
+    index: int
+    sample_shape: tuple[int, int]
+    bits: dict[str, int | None]
+    num_samples: int
+    keep: torch.Tensor | None
+    buffer_path: str | os.PathLike | None
+
+    @property
+    def width(self) -> int:
+        return self.sample_shape[-1]
+
+
+def _dense(f: CodecFactory, side: Side) -> tuple[Codec, Codec]:
+    """none, direct, hadamard: each direction on its own."""
+    return forward_codec(f.c.forward, side.bits["forward"], **f.dense(side, "forward")), f.dense_backward(side)
+
+
+def _aqsgd(f: CodecFactory, side: Side) -> tuple[Codec, Codec]:
+    """AQ-SGD's changes against per-sample rows, their first visits as the settings say; a dense backward."""
+    c = f.c
+    first, transient = c.whole_rows()
+    forward = aqsgd_codec(
+        side.bits["forward"], num_samples=side.num_samples, sample_shape=side.sample_shape, **f.dense(side, "forward"),
+        buffer_dtype=c.buffer_dtype, buffer_path=side.buffer_path, buffer_bits=c.buffer_bits, buffer_keep=side.keep,
+        first_visit=first, transient_visit=transient, first_visit_bits=c.first_visit_bits,
+        first_visit_group_size=None if c.first_visit_bits is None else
+        c.group_size("forward", side.width, c.first_visit_bits),
+        first_visit_base=c.first_visit_base if c.first_visits_compressed() else "none")
+    return forward, f.dense_backward(side)
+
+
+def _subspace(f: CodecFactory, side: Side) -> tuple[Codec, Codec]:
+    """Both directions around one basis; a dense backward where the backward is not subspace."""
+    c, rank, bits = f.c, f.c.subspace_rank, side.bits
+    forward, backward = subspace_codecs(
+        rank, bits["forward"], bits["backward"] if c.backward == "subspace" else None, stochastic=c.stochastic,
+        seed=f.dither_seed("boundary", side.index, "forward"),
+        backward_seed=f.dither_seed("boundary", side.index, "backward"),
+        group_size=c.group_size("forward", rank, bits["forward"]),
+        backward_group_size=c.group_size("backward", rank, bits["backward"]), scale_dtype=c.scales())
+    return forward, backward or f.dense_backward(side)
+
+
+# a boundary's builder by its forward mode (compression.FORWARD_MODES, each once): a new mode is its codec and a line
+BOUNDARY_BUILDERS: dict[str, Callable[[CodecFactory, Side], tuple[Codec, Codec]]] = {
+    "none": _dense, "direct": _dense, "hadamard": _dense, "aqsgd": _aqsgd, "subspace": _subspace}

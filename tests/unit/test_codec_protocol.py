@@ -53,3 +53,11 @@ def test_a_rejected_message_is_undone_through_the_contract_alone(mode):
         if mode != "subspace":
             assert torch.equal(first.payload, again.payload), (mode, step)
         send.end_step(), recv.end_step()
+
+
+def test_every_forward_mode_has_one_boundary_builder():
+    """A mode the settings accept and the factory cannot build (or the other way) fails here, not in a run."""
+    from aqpipe.compression import FORWARD_MODES
+    from aqpipe.pipeline.codec_factory import BOUNDARY_BUILDERS
+
+    assert sorted(BOUNDARY_BUILDERS) == sorted(FORWARD_MODES)
