@@ -17,10 +17,12 @@ from .tasks import TASKS
 
 
 def flag_destinations() -> dict[str, str]:
-    """Each flag's name -> where it lands ("field", or "section.field")."""
+    """Each flag's name, and HF's and TRL's for it (its field's `hf`) -> where it lands ("field", or
+    "section.field")."""
     from .config import RunConfig  # deferred: the flag table answers without torch
 
-    return {f.metadata.get("flag", f.name): dest for dest, f, _ in settings(RunConfig)}
+    return {name: dest for dest, f, _ in settings(RunConfig)
+            for name in (f.metadata.get("flag", f.name), *f.metadata.get("hf", ()))}
 
 
 def as_layer(values: dict[str, Any]) -> dict[str, Any]:
@@ -31,7 +33,11 @@ def as_layer(values: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown setting {unknown[0]!r}: expected a flag's name without its dashes "
                          f"(aqpipe TASK --help lists them), e.g. {', '.join(list(dests)[:4])}")
-    return layer({dests[name]: "latest" if name == "resume" and value is True else value
+    seen: dict[str, str] = {}
+    for name in values:
+        if (other := seen.setdefault(dests[name], name)) != name:
+            raise ValueError(f"{other} and {name} are the same setting: expected one of them")
+    return layer({dests[name]: "latest" if dests[name].endswith("resume") and value is True else value
                   for name, value in values.items()})
 
 

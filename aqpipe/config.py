@@ -62,19 +62,19 @@ class DataSettings:
     """What the run reads and how it cuts it into samples (aqpipe/data)."""
 
     dataset: str | None = setting(None, "HF dataset name, local text/json/csv/parquet file, or a built-in name; "
-                                      "default: built-in")
+                                      "default: built-in", hf=("dataset_name",))
     dataset_config: str | None = setting(None, "configuration of an HF hub dataset, e.g. wikitext-103-raw-v1")
     eval_dataset: str | None = setting(None, "a held-out evaluation set, read like --dataset (a local file whole, "
                                              "a hub dataset's validation or test split); without it the last "
                                              "--eval_fraction of --dataset", older=None)
     text_column: str | None = setting(None, "a local table's text column; default: GLUE's layouts (sentence, "
                                           "sentence1+sentence2, question+sentence, ..., text), for causal LM 'text' "
-                                          "or the one string column")
+                                          "or the one string column", hf=("dataset_text_field",))
     text_pair_column: str | None = setting(None, "a local table's second text column (sentence pairs); default: "
                                                "from the layout")
     label_column: str | None = setting(None, "a local table's label column (integers 0..K-1 or strings); default: "
                                            "label, else labels")
-    seq_len: int = setting(128, "tokens per sample")
+    seq_len: int = setting(128, "tokens per sample", hf=("max_length", "max_seq_length"))  # TRL's, its older
     packing: bool = setting(False, "chat data: place whole conversations (or prompt/completion pairs) into samples "
                                    "of seq_len tokens by best-fit decreasing, each attending within itself alone "
                                    "(position ids restart with each), instead of one per sample padded to seq_len",
@@ -90,7 +90,7 @@ class DataSettings:
                                         older=True)
     chat_template: str | None = setting(None, "chat data: the chat template, for a tokenizer without one or instead "
                                               "of its own: chatml, llama3 or a Jinja file; exported with the "
-                                              "tokenizer", older=None)
+                                              "tokenizer", older=None, hf=("chat_template_path",))
     max_train_samples: int | None = setting(None, "use at most the first N training samples (none or 0: all of "
                                                   "them; a cap that cuts is said at the start)")
     max_eval_samples: int | None = setting(None, "use at most the first N evaluation samples (none or 0: all)",
@@ -119,7 +119,7 @@ class OptimizationSettings:
     """How the weights step: the optimizer and its schedule (DeepSpeed's blocks), the clipping, the weights' dtype
     and the loss the gradients are taken of."""
 
-    lr: float = setting(1e-3, "peak learning rate", ds="optimizer.params.lr")
+    lr: float = setting(1e-3, "peak learning rate", ds="optimizer.params.lr", hf=("learning_rate",))
     optimizer: dict[str, Any] = field(default_factory=_adamw, metadata={"ds": "optimizer"})  # its lr is `lr`
     scheduler: dict[str, Any] | None = field(default_factory=_warmup_decay, metadata={"ds": "scheduler"})  # None:
     # a constant lr
@@ -128,7 +128,8 @@ class OptimizationSettings:
                                         "count) or micro_batches (the mean of each micro-batch's mean, which weighs "
                                         "a chat micro-batch of 5 assistant tokens as one of 500); the same for LM "
                                         "blocks", choices=LOSS_AVERAGES, older="micro_batches")
-    gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)", ds="gradient_clipping")
+    gradient_clipping: float = setting(1.0, "clip the global gradient norm to this (0: off)", ds="gradient_clipping",
+                                       hf=("max_grad_norm",))
     param_dtype: str = setting("float32", "the weights' dtype: float32 (master weights, whatever the checkpoint's "
                                         "dtype) or bfloat16 (bf16 weights and gradients, float32 Adam moments, "
                                         "stochastic rounding: 12 bytes a parameter instead of 16; Adam or AdamW)",
@@ -165,7 +166,7 @@ class CheckpointingSettings:
 
     output_dir: str = setting("runs/latest", "where metrics, summary and the fine-tuned model go", resume=FREE)
     save_every: int = setting(0, "write a resumable checkpoint every N steps and at the end (0: never)",
-                              resume=FREE)
+                              resume=FREE, hf=("save_steps",))
     save_total_limit: int = setting(2, "keep only the N newest checkpoints (0: all)", resume=FREE)
     copy_checkpoints: bool = setting(True, "where ranks save to different machines' disks (no shared filesystem), "
                                            "also copy each rank's checkpoint files to the next machine at every "
@@ -183,7 +184,7 @@ class CheckpointingSettings:
                                         "after passing a SIGTERM on)", resume=FREE)
     resume: str | None = setting(None, "continue from a checkpoint: latest (under --output_dir; the default with no "
                                      "value), auto (latest if there is one, else start fresh), or a checkpoint "
-                                     "directory", const="latest", resume=FREE)
+                                     "directory", const="latest", resume=FREE, hf=("resume_from_checkpoint",))
 
     def __post_init__(self) -> None:
         check_int("save_every", self.save_every, 0)
@@ -252,22 +253,25 @@ class RunConfig:
 
     task: str  # "causal_lm" or "classification"
     model: str | None = setting(None, "HF hub name, local model directory, or a config.json (random init); "
-                                    "default: a tiny shape")
+                                    "default: a tiny shape", hf=("model_name_or_path",))
     dropout: float | None = setting(None, "every dropout probability of the model (embeddings, attention, residual, "
                                         "classifier); default: the model's own, 0.1 for HF GPT2 and DeBERTa",
                                   older=THIS_RUN)
     seed: int = setting(42, "seed of model init, data order and codecs")
-    micro_batch_size: int = setting(4, "samples per micro-batch", ds="train_micro_batch_size_per_gpu")
+    micro_batch_size: int = setting(4, "samples per micro-batch", ds="train_micro_batch_size_per_gpu",
+                                    hf=("per_device_train_batch_size",))
     num_micro_batches: int = setting(4, "micro-batches per optimizer step (gradient accumulation)",
-                                     ds="gradient_accumulation_steps")
-    epochs: int = setting(3, "passes over the training samples", resume=FREE)  # a resume stretches its LR plan
+                                     ds="gradient_accumulation_steps", hf=("gradient_accumulation_steps",))
+    epochs: int = setting(3, "passes over the training samples", resume=FREE,  # a resume stretches its LR plan
+                          hf=("num_train_epochs",))
     max_steps: int | None = setting(None, "stop after this many optimizer steps", resume=FREE)
-    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)", resume=FREE)
+    eval_every: int = setting(0, "evaluate every N steps (0: at the end only)", resume=FREE, hf=("eval_steps",))
     report_to: str = setting("none", "where each step's figures go besides metrics.jsonl: none, tensorboard "
                                    "(<output_dir>/tensorboard), wandb or trackio, or several comma-separated",
                              resume=FREE)
     activation_checkpointing: bool = setting(False, "recompute blocks in backward",
-                                             ds="pipeline.activation_checkpoint_interval", resume=FREE)
+                                             ds="pipeline.activation_checkpoint_interval", resume=FREE,
+                                             hf=("gradient_checkpointing",))
     compile: bool = setting(False, "torch.compile each stage's forward whole, its head and loss included, and "
                                    "--param_dtype bfloat16's update (the first steps pay the compilation; dropout then "
                                    "seeded once a micro-batch and stage)",

@@ -23,27 +23,6 @@ from . import trainer_flags
 from .speech import let_rank_0_speak, speaks
 from .environment import launch
 
-# HF Trainer's and TRL's names for settings aqpipe has under its own: each an alias of the one flag it means, shown
-# beside it in --help; the same setting under two names in one command is refused
-HF_NAMES = {
-    "learning_rate": "optimization.lr",
-    "num_train_epochs": "epochs",
-    "per_device_train_batch_size": "micro_batch_size",
-    "gradient_accumulation_steps": "num_micro_batches",
-    "max_length": "data.seq_len",
-    "max_seq_length": "data.seq_len",  # TRL's older name
-    "max_grad_norm": "optimization.gradient_clipping",
-    "eval_steps": "eval_every",
-    "save_steps": "checkpointing.save_every",
-    "resume_from_checkpoint": "checkpointing.resume",
-    "gradient_checkpointing": "activation_checkpointing",
-    "dataset_name": "data.dataset",
-    "dataset_text_field": "data.text_column",
-    "chat_template_path": "data.chat_template",
-    "model_name_or_path": "model",
-    "lora_r": "lora.rank",
-}
-
 # HF's and TRL's flags for things aqpipe does its own way: accepted, and what aqpipe does instead said in one line
 HF_NOTED = {
     "logging_steps": "aqpipe writes every step's row to metrics.jsonl and the tracker",
@@ -227,12 +206,11 @@ def build_parser(config: type, description: str, prog: str | None = None, shown:
                    help="print the settings as a DeepSpeed-style JSON config (to edit and pass to "
                         "--deepspeed_config) and exit")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    aliases: dict[str, list[str]] = {}
-    for alias, dest in HF_NAMES.items():
-        aliases.setdefault(dest, []).append(f"--{alias}")
     for dest, f, tp in settings(config):
         name, text = f.metadata.get("flag", f.name), f.metadata["help"]
-        names = [f"--{name}", *aliases.get(dest, [])]
+        # HF Trainer's and TRL's names for it (its field's `hf`): aliases of its one flag, shown beside it in --help;
+        # the same setting under two names in one command is refused
+        names = [f"--{name}", *(f"--{alias}" for alias in f.metadata.get("hf", ()))]
         default = value_at(shown, dest) if shown is not None else f.default
         if default not in (None, MISSING) and not isinstance(default, bool) and "default" not in text:
             text += f" (default: {as_typed(default)})"

@@ -26,7 +26,8 @@ class LoraSettings:
                            "every weight: the base frozen in its checkpoint's dtype (a bfloat16 base computes "
                            "under bf16 autocast; a float16 one is held in float32), only the adapters (and a new "
                            "classification head) get gradients, optimizer state and data-parallel traffic; "
-                           "exports <output_dir>/adapter beside the merged model (0: off)", "lora_rank", older=0)
+                           "exports <output_dir>/adapter beside the merged model (0: off)", "lora_rank", older=0,
+                           hf=("lora_r",))
     alpha: float | None = setting(None, "LoRA's scale numerator (the adapters' update is scaled by alpha / rank); "
                                         "default: PEFT's, 8", "lora_alpha", older=None)
     dropout: float | None = setting(None, "dropout on the adapters' input; default: PEFT's, 0", "lora_dropout",

@@ -726,6 +726,21 @@ def test_use_peft_keeps_a_files_lora_settings_and_the_api_takes_it(tmp_path, mon
         finalize("causal_lm", [{}, as_layer({"use_peft": "maybe"})])
 
 
+def test_the_api_takes_hf_and_trl_names_as_the_command_line_does(monkeypatch):
+    """Each field declares its HF and TRL names (`hf`): `finetune(learning_rate=...)` as a Trainer user writes it; both
+    names of one setting at once are refused."""
+    from aqpipe.api import as_layer
+    from aqpipe.settings import finalize
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = finalize("causal_lm", [{}, as_layer({"learning_rate": 2e-4, "max_length": 64, "lora_r": 8,
+                                                "gradient_accumulation_steps": 3})])
+    assert (cfg.optimization.lr, cfg.data.seq_len, cfg.lora.rank, cfg.num_micro_batches) == (2e-4, 64, 8, 3)
+    assert as_layer({"resume_from_checkpoint": True}) == {"checkpointing": {"resume": "latest"}}
+    with pytest.raises(ValueError, match="lr and learning_rate are the same setting"):
+        as_layer({"lr": 1e-3, "learning_rate": 2e-3})
+
+
 @pytest.mark.parametrize("words, value", [(["--packing"], True), (["--packing", "True"], True),
                                           (["--packing=yes"], True), (["--packing", "false"], False),
                                           (["--packing", "0"], False), (["--no_assistant_only_loss"], False),
