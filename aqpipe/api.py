@@ -54,6 +54,9 @@ def finetune(task: str, *, model: str | None = None, dataset: Any = None, config
     if task not in TASKS:
         raise ValueError(f"task {task!r}: expected one of {', '.join(TASKS)}")
     chosen = TASKS[task]
+    also = [name for name in settings_ if flag_destinations().get(name) == "data.dataset"]
+    if dataset is not None and also:
+        raise ValueError(f"dataset and {also[0]} are the same setting: expected one of them")
     named = {"model": model, **({"dataset": dataset} if isinstance(dataset, str) else {})}
     layer = as_layer({**{k: v for k, v in named.items() if v is not None}, **settings_})
     cfg = finalize(chosen.kind, [chosen.defaults, config_file.read(config) if config else {}, layer])

@@ -174,6 +174,10 @@ class AQSGDCodec:
         ids = torch.arange(rows.shape[0])
         self.buffer.store(ids, self.buffer.prepare(ids, rows.detach()))
 
+    def primable(self) -> bool:
+        """Whether `prime` may store every row now: the buffer holds none (protocol.Codec)."""
+        return self.empty()
+
     def empty(self) -> bool:
         """Whether the buffer holds no row yet (the same on both sides: their buffers are alike)."""
         return not bool(self.buffer.seen.any())

@@ -103,6 +103,13 @@ class _Codec:
     def set_dither_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 
+    def primable(self) -> bool:
+        """A dense codec keeps no per-sample rows to prime (protocol.Codec)."""
+        return False
+
+    def prime(self, rows: torch.Tensor) -> None:
+        raise RuntimeError(f"prime: a {self.mode!r} codec keeps no per-sample rows")
+
     def defer_checks(self) -> None:
         """For a caller that encodes only finite values (a pipeline step sends zeros for a NaN) and reads its flags
         together (once, after its schedule): from now on, whether each message's scales are finite (a group's range

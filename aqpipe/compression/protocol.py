@@ -43,6 +43,10 @@ class Codec(Protocol):
 
     def set_dither_state(self, state: torch.Tensor) -> None: ...
 
+    def primable(self) -> bool: ...  # it can take every sample's row at once now (a per-sample codec, no row yet)
+
+    def prime(self, rows: torch.Tensor) -> None: ...  # every sample's row, in id order, as both sides hold it
+
     def end_step(self) -> Any: ...
 
     def take_change(self) -> tuple[float, float]: ...

@@ -281,7 +281,7 @@ def _prime(link: _Link, matrix: torch.Tensor) -> None:
     run's, on both sides alike) is left as it is, and nothing is sent."""
     link.agreed = True
     codec, boundary = link.boundary.forward, link.boundary
-    if not hasattr(codec, "prime") or not codec.empty():
+    if not codec.primable():
         return
     mine = _digest(matrix).view(torch.uint8)  # from the host, compared there
     boundary.send_raw(mine, TIE_BYTES)

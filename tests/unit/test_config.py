@@ -729,7 +729,9 @@ def test_use_peft_keeps_a_files_lora_settings_and_the_api_takes_it(tmp_path, mon
 def test_the_api_takes_hf_and_trl_names_as_the_command_line_does(monkeypatch):
     """Each field declares its HF and TRL names (`hf`): `finetune(learning_rate=...)` as a Trainer user writes it; both
     names of one setting at once are refused."""
-    from aqpipe.api import as_layer
+    from aqpipe.api import as_layer, flag_destinations
+    from aqpipe.config import RunConfig
+    from aqpipe.flags import build_parser, settings
     from aqpipe.settings import finalize
 
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -739,6 +741,15 @@ def test_the_api_takes_hf_and_trl_names_as_the_command_line_does(monkeypatch):
     assert as_layer({"resume_from_checkpoint": True}) == {"checkpointing": {"resume": "latest"}}
     with pytest.raises(ValueError, match="lr and learning_rate are the same setting"):
         as_layer({"lr": 1e-3, "learning_rate": 2e-3})
+    parser = build_parser(RunConfig, "x")  # every name the command line takes for a setting, the API takes alike
+    fields = {dest for dest, _, _ in settings(RunConfig)}
+    named = {o.lstrip("-"): a.dest for a in parser._actions for o in a.option_strings if a.dest in fields}
+    assert {k: v for k, v in named.items() if not k.startswith("no_")}.items() <= flag_destinations().items()
+    assert "learning_rate" in named and "lora_r" in named
+    from aqpipe.api import finetune
+
+    with pytest.raises(ValueError, match="dataset and dataset_name are the same setting"):  # a Dataset object too
+        finetune("causal-lm", dataset=object(), dataset_name="imdb")
 
 
 @pytest.mark.parametrize("words, value", [(["--packing"], True), (["--packing", "True"], True),
