@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks import export_score
 from tests.helpers.files import stored_dtypes, tiny_llama_dir
-from tests.helpers.processes import checkout_env, free_port
+from tests.helpers.processes import checkout_env, free_port, launch_aqpipe
 
 FLAGS = ["--seq_len", "32", "--max_train_samples", "16", "--max_eval_samples", "4", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--max_steps", "4", "--lr", "1e-2", "--lora_rank", "4", "--load_in_4bit",
@@ -33,7 +33,11 @@ def _run(model, out, *flags, fault=""):
 
 def test_a_4_bit_base_trains_adapters_resumes_exactly_and_exports_adapter_and_merged_bf16_model(tmp_path):
     model = tiny_llama_dir(tmp_path / "llama")
-    whole, _ = _run(model, tmp_path / "whole", "--merge")
+    whole_out = tmp_path / "whole"  # the uninterrupted run: what it computes, its ranks forked (launch_aqpipe)
+    proc = launch_aqpipe(["causal-lm", "--model", str(model), *FLAGS, "--output_dir", str(whole_out), "--merge"], 2,
+                         tmp_path / "logs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whole = [json.loads(line) for line in (whole_out / "metrics.jsonl").read_text().splitlines()]
     resumed, err = _run(model, tmp_path / "resumed", fault="kill:1:4")  # dies before step 4: resumes from step 2
     assert "local_rank: 1" in err and "exitcode: -9" in err  # it did die, and came back
     assert err.count("data: train 16") == 2, err[-3000:]  # one restart: the fault fires once

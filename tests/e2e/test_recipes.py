@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from aqpipe import data
 from tests.helpers.files import tiny_gpt2_config
-from tests.helpers.processes import ROOT, checkout_env, free_port
+from tests.helpers.processes import ROOT, checkout_env, free_port, launch_aqpipe
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "32", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2"]
@@ -69,10 +69,12 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
     plans = {"1": "AQ-SGD buffers: none kept: no sample is visited twice in this run's 32 visits",  # nor stored
              "2": "AQ-SGD buffers: rows for 32 of the 32 samples visited again (32 in a replica's shard), 4.1 kB "
                   "each (float16): rank 0 131 kB in memory, rank 1 131 kB in memory"}  # 32 tokens x 64 values
-    for epochs in ("1", "2"):
-        rows = launch(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], "finetune_gpt2.py",
-                      tmp_path / epochs, "--model", tiny_gpt2_config(tmp_path / epochs), "--epochs", epochs,
-                      "--no_entropy_coding", says_once=plans[epochs])  # the codecs' packed sizes, counted below
+    for epochs in ("1", "2"):  # the recipe's job, its 2 ranks forked as torchrun starts them (launch_aqpipe)
+        out = tmp_path / epochs
+        proc = launch_aqpipe(["gpt2", *QUICK, "--output_dir", str(out), "--model", tiny_gpt2_config(out), "--epochs",
+                              epochs, "--no_entropy_coding"], 2, tmp_path / f"logs{epochs}")  # packed sizes, below
+        assert proc.returncode == 0 and (proc.stdout + proc.stderr).count(plans[epochs]) == 1, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((tmp_path / epochs / "summary.json").read_text())
         runs[epochs] = ([r["fwd_bytes"] for r in rows if "loss" in r], summary["config"]["compression"])
     one, first_visits = runs["1"]
@@ -87,11 +89,17 @@ def test_a_one_epoch_run_compresses_its_first_visits_from_step_one(tmp_path):
     assert whole_visits["first_visit"] == "auto" and two[:8] == [whole] * 8 and max(two[8:]) < compressed
 
 
-def test_deepspeed_launch_of_deberta_aqsgd(tmp_path):
-    rows = launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], "finetune_deberta.py",
-                  tmp_path / "ds", "--epochs", "2", "--forward_compress", "aqsgd", "--forward_bits", "2",
-                  "--backward_compress", "direct", "--backward_bits", "4", "--tie_compress", "none",
-                  "--group_size", "16", "--no_entropy_coding")  # the codecs' packed sizes, counted below
+def test_deberta_with_aqsgd_sends_the_bytes_it_should_and_reports_the_merged_models_accuracy(tmp_path):
+    """The DeBERTa recipe's job on 2 stages, its ranks forked as a launcher starts them (launch_aqpipe: the deepspeed
+    launcher itself is tested with the 2 x 2 QAdam job below and in test_spot_warning.py, test_interrupts.py)."""
+    out = tmp_path / "ds"
+    proc = launch_aqpipe(["deberta", *QUICK, "--output_dir", str(out), "--epochs", "2", "--forward_compress", "aqsgd",
+                          "--forward_bits", "2", "--backward_compress", "direct", "--backward_bits", "4",
+                          "--tie_compress", "none", "--group_size", "16", "--no_entropy_coding"], 2,
+                         tmp_path / "logs")  # the codecs' packed sizes, counted below
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_quiet(proc.stdout + proc.stderr, launcher="torchrun")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 2 * 32 // 4  # two epochs of 32 samples, 4 per step
     # a micro-batch: 2 samples x 32 tokens x width 128; first visits in fp32, later ones as 2-bit changes with a

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.helpers.processes import ROOT, checkout_env, free_port
+from tests.helpers.processes import ROOT, checkout_env, free_port, launch_aqpipe
 
 QUICK = ["--seq_len", "32", "--max_train_samples", "64", "--max_eval_samples", "8", "--micro_batch_size", "2",
          "--num_micro_batches", "2", "--epochs", "2"]
@@ -45,11 +45,6 @@ def signalled(launcher: str, out, sig: int = signal.SIGTERM, *flags: str) -> tup
     return proc.returncode, output, time.monotonic() - sent
 
 
-def run(launcher: str, out, *flags: str) -> subprocess.CompletedProcess:
-    cmd = [*LAUNCHERS[launcher](free_port()), *QUICK, "--output_dir", str(out), *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_a_spot_warning_saves_the_step_in_flight_on_every_rank_and_stops(launcher, tmp_path):
     out = tmp_path / "out"
@@ -67,10 +62,12 @@ def test_a_spot_warning_saves_the_step_in_flight_on_every_rank_and_stops(launche
     assert not re.search(r'File "[^"]*/aqpipe/', output), output[-3000:]  # no traceback of ours
     if launcher == "python":
         assert status == 143  # the launchers' own statuses are theirs: torchrun 1, deepspeed's runner its SIGTERM
-    if launcher == "torchrun":  # the next launch: the uninterrupted run's losses, to the last digit
-        resumed = run(launcher, out, "--resume")
+    if launcher == "torchrun":  # the next launch: the uninterrupted run's losses, to the last digit (both launches
+        # of what the run computes, their ranks forked as torchrun starts them: launch_aqpipe)
+        resumed = launch_aqpipe(["gpt2", *QUICK, "--output_dir", str(out), "--resume"], 2, tmp_path / "logs_resumed")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        straight = run(launcher, tmp_path / "straight")
+        straight = launch_aqpipe(["gpt2", *QUICK, "--output_dir", str(tmp_path / "straight")], 2,
+                                 tmp_path / "logs_straight")
         assert straight.returncode == 0, straight.stderr[-3000:]
         assert [s["loss"] for s in steps(out)] == [s["loss"] for s in steps(tmp_path / "straight")]
         assert [s["step"] for s in steps(out)] == list(range(1, 33))  # no step lost or trained twice
