@@ -13,6 +13,7 @@ either kind of forward codec.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable
 
@@ -230,42 +231,38 @@ class AQSGDCodec:
 DENSE_OPTIONS = ("stochastic", "seed", "group_size", "rotation_seed", "adaptive", "scale_dtype")
 
 
-def aqsgd_codec(bits: int, *, num_samples: int, sample_shape: tuple[int, ...], seed: int = 0, **options: Any,
-                ) -> AQSGDCodec:
-    """An AQ-SGD codec from one set of options (each part's own seed derived from `seed`):
+def aqsgd_codec(bits: int, *, num_samples: int, sample_shape: tuple[int, ...], seed: int = 0,
+                group_size: int | None = None, stochastic: bool = True, adaptive: bool = False,
+                scale_dtype: torch.dtype = torch.float32, buffer_dtype: torch.dtype = torch.float16,
+                buffer_bits: int | None = None, buffer_path: str | os.PathLike | None = None,
+                buffer_keep: torch.Tensor | None = None, first_visit: str = "none", transient_visit: str | None = None,
+                first_visit_bits: int | None = None, first_visit_group_size: int | None = None,
+                first_visit_base: str = "none", rotation_seed: int = 0) -> AQSGDCodec:
+    """An AQ-SGD codec (each part's own seed derived from `seed`):
 
-    - the changes: `bits`, `group_size`, `stochastic` (default True), `adaptive`, `scale_dtype`;
+    - the changes: `bits`, `group_size`, `stochastic`, `adaptive`, `scale_dtype`;
     - the buffer: `num_samples` (its rows' ids), `sample_shape` (one sample's activation, e.g. (seq_len, hidden)),
-      `buffer_dtype` (float16), `buffer_bits` (4 or 8: rows quantized), `buffer_path` (a file instead of memory; each
-      side its own), `buffer_keep` (a bool per sample: the samples whose rows are kept; None: all);
+      `buffer_dtype`, `buffer_bits` (4 or 8: rows quantized), `buffer_path` (a file instead of memory; each side its
+      own), `buffer_keep` (a bool per sample: the samples whose rows are kept; None: all);
     - the whole rows: `first_visit` (none, direct, hadamard: how a first visit travels), `transient_visit` (how the
       rows of samples kept out travel; None: as first visits), `first_visit_bits`, `first_visit_group_size`,
       `first_visit_base` (position: compressed rows as changes from the running base), `rotation_seed` (hadamard's
       signs, the same on both sides).
     """
-    o = {"stochastic": True, "scale_dtype": torch.float32, "buffer_dtype": torch.float16, "first_visit": "none",
-         "first_visit_base": "none", "rotation_seed": 0, **options}
-    unknown = set(o) - {"group_size", "stochastic", "adaptive", "scale_dtype", "buffer_dtype", "buffer_bits",
-                        "buffer_path", "buffer_keep", "first_visit", "transient_visit", "first_visit_bits",
-                        "first_visit_group_size", "first_visit_base", "rotation_seed"}
-    if unknown:
-        raise TypeError(f"aqsgd_codec: unknown options {sorted(unknown)}")
-    delta = DenseCodec("direct", bits, stochastic=o["stochastic"], seed=seed, group_size=o.get("group_size"),
-                       adaptive=o.get("adaptive", False), scale_dtype=o["scale_dtype"])
-    buffer = SampleBuffer(num_samples, tuple(sample_shape), o["buffer_dtype"], o.get("buffer_path"),
-                          o.get("buffer_bits"), o.get("buffer_keep"))
+    delta = DenseCodec("direct", bits, stochastic=stochastic, seed=seed, group_size=group_size, adaptive=adaptive,
+                       scale_dtype=scale_dtype)
+    buffer = SampleBuffer(num_samples, tuple(sample_shape), buffer_dtype, buffer_path, buffer_bits, buffer_keep)
 
     def row_codec(mode: str, part: str) -> RowCodec:  # whole rows take no bits in full precision
-        return RowCodec(mode, None if mode == "none" else o.get("first_visit_bits"), o["stochastic"],
-                        derive_seed(seed, part), o.get("first_visit_group_size"), o["rotation_seed"],
-                        scale_dtype=o["scale_dtype"])
+        return RowCodec(mode, None if mode == "none" else first_visit_bits, stochastic, derive_seed(seed, part),
+                        first_visit_group_size, rotation_seed, scale_dtype=scale_dtype)
 
-    first, transient_mode = row_codec(o["first_visit"], "first_visit"), o.get("transient_visit")
+    first, transient_mode = row_codec(first_visit, "first_visit"), transient_visit
     # rows kept out draw the first visits' stream where those draw none (full precision): a run that keeps no row
     # then sends what one with that codec for every row sends
     transient = first if transient_mode in (None, first.mode) else \
         row_codec(transient_mode, "first_visit" if first.mode == "none" else "transient_visit")
-    base = o["first_visit_base"]
+    base = first_visit_base
     if base not in BASES:
         raise ValueError(f"first_visit_base={base!r}: expected one of {', '.join(BASES)}")
     if base != "none" and first.mode == transient.mode == "none":
