@@ -34,9 +34,13 @@ class Dealing:
     rows: int = 0
     launched: int = 0
 
+    def begun_elsewhere(self, epoch: int) -> Dealt | None:
+        """How `epoch` was dealt where it began over another replica count than this run's; else None."""
+        return self.dealt if self.dealt is not None and epoch == self.dealt.epoch else None
+
     def per_epoch(self, epoch: int) -> int:
         """Steps in `epoch`: at the count it began with where that was another."""
-        by = self.dealt if self.dealt is not None and epoch == self.dealt.epoch else None
+        by = self.begun_elsewhere(epoch)
         return datalib.steps_per_epoch(self.train_set, self.micro_batch_size,
                                        by.num_micro_batches if by else self.num_micro_batches,
                                        by.replicas if by else self.place[1], last="keep")  # HF keeps the last batch
@@ -54,16 +58,16 @@ class Dealing:
 
     def batches(self, epoch: int, done: int) -> Iterator[list[dict[str, Any]]]:
         """This replica's micro-batches for the steps of `epoch` after the first `done`."""
-        if self.dealt is not None and epoch == self.dealt.epoch:
-            return regroup.rest_of_epoch(self.train_set, self.micro_batch_size, self.dealt, self.seed, self.place,
-                                         done, datalib.shard_size(len(self.train_set), self.place[1]))
+        if (by := self.begun_elsewhere(epoch)) is not None:
+            return regroup.rest_of_epoch(self.train_set, self.micro_batch_size, by, self.seed, self.place, done,
+                                         datalib.shard_size(len(self.train_set), self.place[1]))
         return itertools.islice(datalib.micro_batches(self.train_set, self.micro_batch_size, self.num_micro_batches,
                                                       epoch=epoch, seed=self.seed, shard=self.place, last="keep"),
                                 done, None)
 
     def note(self, epoch: int) -> dict[str, Any]:
         """What a checkpoint in `epoch` records of the dealing (its manifest's position, beside the epoch and index)."""
-        by = self.dealt if self.dealt is not None and epoch == self.dealt.epoch else None
+        by = self.begun_elsewhere(epoch)
         return {"dealt": [by.replicas, by.num_micro_batches] if by else [self.place[1], self.num_micro_batches],
                 "rows": self.rows, "launched": self.launched}
 

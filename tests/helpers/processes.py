@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -120,8 +121,6 @@ def _aqpipe_rank(argv: list[str], rank: int, world: int, port: int, environ: dic
     """One rank of `launch_aqpipe`: the launcher's environment, its output to files, `aqpipe.cli.main`, exit."""
     from aqpipe.cli import main
 
-    import sys
-
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -172,18 +171,17 @@ def launch_aqpipe(argv: list[str], nproc: int, logs: Path, timeout: float = 300,
         if p.is_alive():
             p.kill()
         p.join()
-    read = lambda name: "".join((logs / f"{name}.{r}").read_text() if (logs / f"{name}.{r}").exists() else ""  # noqa: E731
-                                for r in range(nproc))  # every rank's, by rank
     if hung and failed is None:
-        tails = "\n".join(f"rank {r}: {read_rank(logs, r)[-1500:]}" for r in hung)
+        tails = "\n".join(f"rank {r}: {_log(logs, 'err', r)[-1500:]}" for r in hung)
         raise TimeoutError(f"ranks {hung} still ran after {timeout} s:\n{tails}")
     code = next((p.exitcode for p in procs if p.exitcode != 0), 0)
     first = failed if failed is not None else next((r for r, p in enumerate(procs) if p.exitcode != 0), 0)
     # every rank's words, the failing rank's last: a test's message (stderr[-3000:]) ends with what went wrong
-    err = "".join(read_rank(logs, r) for r in [*(r for r in range(nproc) if r != first), first])
-    return Launched(code, err, read("out"))
+    err = "".join(_log(logs, "err", r) for r in [*(r for r in range(nproc) if r != first), first])
+    return Launched(code, err, "".join(_log(logs, "out", r) for r in range(nproc)))
 
 
-def read_rank(logs: Path, rank: int) -> str:
-    path = logs / f"err.{rank}"
+def _log(logs: Path, name: str, rank: int) -> str:
+    """What rank `rank` wrote to its standard output ("out") or error ("err"); "" where it wrote nothing."""
+    path = logs / f"{name}.{rank}"
     return path.read_text() if path.exists() else ""
