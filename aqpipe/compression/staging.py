@@ -81,6 +81,14 @@ class HostStaging:
             t.copy_(moved)
         return t
 
+    def all_to_all_rows(self, row: torch.Tensor, members: int, group: object | None = None) -> torch.Tensor:
+        """Every member's `row` (1-D) as one matrix, row i from the group's rank i: one all-to-all, each rank's row
+        sent to every other at once, through the transport's device."""
+        moved = self.outgoing(row.reshape(1, -1).expand(members, -1).contiguous())
+        out = torch.empty_like(moved)
+        dist.all_to_all_single(out, moved, group=group)
+        return self.arrived(out, row.device)
+
     def take_seconds(self) -> float:
         """Seconds spent copying since the last call."""
         spent, self.seconds = self.seconds, 0.0

@@ -5,17 +5,18 @@
     probe the links (auto bits, on a decision step)
     run the schedule (step_run.py): the tied weights' rows this step reads, then recv/forward/send and
         recv/backward/send per micro-batch, the followers' tied gradients back to their owner
-    exchange the step table (step_table.py): one small collective, every rank's findings, gradient norm and
-        totals (loss, counts, bytes, times)
+    exchange the step table (step_table.py): one small collective, one round of direct messages (over slow
+        links, one latency): every rank's findings, gradient norm and totals (loss, counts, bytes, times)
     reach the verdict, the same on every rank: a NaN/inf or an activation the AQ-SGD buffer cannot hold rejects
         the step, which is undone (step_guard.py) and raises or, with skip_nonfinite, is skipped everywhere
     accept: the data-parallel algorithm's after_backward, global-norm clipping, the optimizer step, the
         algorithm's after_step, the LR scheduler
 
 Without replicas that collective is the step's only one; with them the norm is taken again after the algorithm
-and its bytes summed. Every stage loads the same micro-batches itself; only boundary activations and their
-gradients cross the pipeline, as codec messages, and a NaN/inf is never sent (zeros go in its place, so the peer
-receives a message of the size it expects and the schedule runs to its end).
+(over the pipeline) and its bytes summed (over the job), each another such round. Every stage loads the same
+micro-batches itself; only boundary activations and their gradients cross the pipeline, as codec messages, and a
+NaN/inf is never sent (zeros go in its place, so the peer receives a message of the size it expects and the
+schedule runs to its end).
 """
 from __future__ import annotations
 
@@ -272,8 +273,8 @@ class PipelineEngine:
         self.optimizer.step()
         if self.data_parallel is not None:
             self.data_parallel.after_step()
-            dp_bytes = torch.tensor([float(self.data_parallel.comm.take_bytes())], dtype=torch.float64)
-            totals.dp_bytes = int(sum_over_job(self.groups, dp_bytes).item())  # known only after the optimizer step
+            sent = float(self.data_parallel.comm.take_bytes())
+            totals.dp_bytes = int(sum_over_job(self.groups, [sent])[0])  # known only after the optimizer step
         self._zero_grads()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.lr_scheduler is not None:
@@ -347,11 +348,9 @@ class PipelineEngine:
     def _clip(self, norm: float | None) -> float:
         """Clips to the global gradient norm if configured; `norm` None: taken here over the pipeline (each tied
         weight counted once), as after a data-parallel algorithm that changed the gradients."""
-        if norm is None:
-            sq = self._owned_squares().cpu()
-            if self.groups.pipeline is not None and self.groups.grid.stages > 1:
-                self.groups.collective(sq, self.groups.pipeline)
-            norm = float(sq.sqrt())
+        if norm is None:  # every stage's share, summed exactly rounded: the same bits wherever the stages sit
+            shares = self.groups.gather(self._owned_squares().cpu().reshape(1), "pipeline")[:, 0].tolist()
+            norm = math.sqrt(math.fsum(shares))
         if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step + 1} after the data-parallel "
                                      f"step (stage {self.groups.stage}, replica {self.groups.replica})")

@@ -1,4 +1,4 @@
-"""The step's one collective: every rank's row, summed over the job so that every rank holds every row.
+"""The step's one collective: every rank's row, gathered over the job so that every rank holds every row.
 
 A row says what the rank found non-finite and where (`Findings`), an activation its AQ-SGD buffer could not hold,
 its gradients' squared norm, and its totals (loss, counts, bytes, times, a link probe). From the table every rank
@@ -141,13 +141,10 @@ class Row:
 FINDINGS, SQUARES, FIRST_TOTAL = slice(0, 4), 4, 5  # the columns of a row
 
 
-def sum_over_job(groups: "Groups", t: torch.Tensor) -> torch.Tensor:
-    """`t` summed over every rank, in place: over the pipeline group, then the data-parallel one (together they
-    span the job; a group of a single rank is skipped)."""
-    for group, size in ((groups.pipeline, groups.grid.stages), (groups.data_parallel, groups.grid.replicas)):
-        if group is not None and size > 1:
-            groups.collective(t, group)
-    return t
+def sum_over_job(groups: "Groups", values: list[float]) -> list[float]:
+    """`values` (counts: exact in any order) summed over every rank."""
+    rows = groups.gather(torch.tensor(values, dtype=torch.float64), "job")
+    return [float(sum(column)) for column in rows.T.tolist()]
 
 
 @dataclass(frozen=True)
@@ -168,10 +165,7 @@ class StepTable:
     @classmethod
     def exchange(cls, groups: "Groups", row: Row) -> "StepTable":
         """The step's one collective."""
-        values = row.values()
-        table = torch.zeros(groups.grid.world_size, len(values), dtype=torch.float64)
-        table[groups.rank] = torch.tensor(values, dtype=torch.float64)
-        return cls(sum_over_job(groups, table), groups)
+        return cls(groups.gather(torch.tensor(row.values(), dtype=torch.float64), "job"), groups)
 
     def totals(self) -> StepTotals:
         """The step's totals over the whole job, summed in (replica, stage) order: the same bits whoever holds

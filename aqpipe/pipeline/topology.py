@@ -107,15 +107,23 @@ class Groups:
 
     pace: Callable[[float, list[int], float, str], None] | None = None  # emulated links' (LinkMatrix.pace)
 
-    def collective(self, t: torch.Tensor, group: object) -> None:
-        """All-reduce (sum) `t` in place over `group`, staged through the transport's device (and paced as emulated
-        links would carry it)."""
+    def gather(self, row: torch.Tensor, over: str) -> torch.Tensor:
+        """Every rank's `row` (1-D) of the job (`over` "job") or of this rank's pipeline ("pipeline"), stacked in
+        global rank order (a pipeline's: its stages' ranks, sorted). One round of direct messages, each rank's row to
+        every other at once: a row is a few hundred bytes, so over slow links its cost is one link's latency, where a
+        ring allreduce waits 2 (k-1) (paced as emulated links would carry it)."""
+        if over not in ("job", "pipeline"):
+            raise ValueError(f"gather over={over!r}: expected 'job' or 'pipeline'")
+        job = over == "job"
+        members = list(range(self.grid.world_size)) if job else sorted(self.grid.pipeline_ranks(self.replica))
+        if len(members) == 1 or not dist.is_initialized():
+            return row.reshape(1, -1).clone()
+        group = None if job else self.pipeline  # the job's: the default group
         started = time.monotonic()
-        HostStaging(self.transport).all_reduce_(t, group)
+        out = HostStaging(self.transport).all_to_all_rows(row, len(members), group)
         if self.pace is not None:
-            members = self.grid.pipeline_ranks(self.replica) if group is self.pipeline else \
-                self.grid.data_parallel_ranks(self.stage)
-            self.pace(started, sorted(members), t.numel() * t.element_size(), "ring")
+            self.pace(started, members, row.numel() * row.element_size(), "peers")
+        return out
 
     def pipeline_rank_of(self, stage: int) -> int:
         return self.grid.rank(stage, self.replica)

@@ -1,7 +1,7 @@
 """The predicted step of a placement: who holds which (stage, replica), and the blocks of each stage.
 
     step = max over replicas (the schedule's makespan + the tied weights' rows)
-           + the step's job-wide tables (a ring over each pipeline, then over each stage's replicas)
+           + the step's job-wide tables (each a round of direct messages: its slowest pair)
            + max over stages (the replicas' sync)
 
 The makespan plays the run's own schedule (pipeline.schedule.makespan) with each stage's compute (its blocks and
@@ -45,6 +45,12 @@ def ring_seconds(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
     """A ring allreduce of `nbytes` over `ranks` (in global-rank order, as gloo rings): 2 (k-1) hops of nbytes / k,
     each as long as the ring's slowest link takes."""
     return collective_seconds(cluster.seconds, ranks, nbytes, "ring")
+
+
+def round_seconds(cluster: Cluster, ranks: list[int], nbytes: float) -> float:
+    """One round of direct messages of `nbytes` among `ranks` (a step's table: each rank's row to every other at
+    once), as long as its slowest pair takes, the job waiting for the last rank to hold every row."""
+    return max((collective_seconds(cluster.seconds, ranks, nbytes, "peers", me) for me in ranks), default=0.0)
 
 
 def stage_memory(work: Workload, stage: int, stages: int, blocks: int) -> float:
@@ -110,9 +116,10 @@ class CostModel:
         pipeline = max(span for span, _ in priced)
         boundaries = {b: max(links[b] for _, links in priced) for b in range(S - 1)}
         groups = [[placement[r * S + s] for r in range(R)] for s in range(S)]
-        syncs = 2 if R > 1 else 1  # the step's table, and with replicas their sync's byte count
-        tables = syncs * (max(ring_seconds(c, list(p), w.table_bytes) for p in pipes) +
-                          max(ring_seconds(c, g, w.table_bytes) for g in groups))
+        tables = round_seconds(c, placement, w.table_bytes)  # the step's table over the job
+        if R > 1:  # with replicas, the norm again after their sync (over each pipeline) and its byte count (the job)
+            tables += max(round_seconds(c, list(p), w.table_bytes) for p in pipes) + \
+                round_seconds(c, placement, w.table_bytes)
         data_parallel = 0.0
         if R > 1:  # each stage's replicas, as their algorithm's collective runs
             data_parallel = max(collective_seconds(c.seconds, groups[s], w.dp_bytes_per_parameter *

@@ -48,7 +48,7 @@ class Workload:
     activation_memory: float  # one micro-batch's activations a block keeps for its backward, bytes
     first_memory: float  # stage 0's and the last stage's besides their blocks
     last_memory: float
-    table_bytes: int = 1024  # the step's job-wide table (step_table.py), summed twice a step with replicas
+    table_bytes: int = 1024  # at most, a message of the step's job-wide rounds (step_table.py: a row, 224 B)
 
     def stage_extra(self, stage: int, stages: int) -> float:
         return (self.first_extra if stage == 0 else 0.0) + (self.last_extra if stage == stages - 1 else 0.0)

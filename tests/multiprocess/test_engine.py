@@ -26,13 +26,17 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
                             EngineSettings(num_samples=SAMPLES, seq_len=SEQ, schedule=schedule, gradient_clipping=1.0,
                                            bf16=bf16),
                             compression=compression, ties=toy_ties(world))
-    log, collectives, all_reduce = [], [], torch.distributed.all_reduce
+    log, collectives = [], []
+    originals = {name: getattr(torch.distributed, name) for name in ("all_reduce", "all_to_all_single")}
 
-    def counted(*args, **kwargs):  # every collective the engine calls goes through dist.all_reduce
-        collectives[-1] += 1
-        return all_reduce(*args, **kwargs)
+    def counting(name):  # every collective the engine calls goes through one of these
+        def counted(*args, **kwargs):
+            collectives[-1] += 1
+            return originals[name](*args, **kwargs)
+        return counted
 
-    torch.distributed.all_reduce = counted
+    for name in originals:
+        setattr(torch.distributed, name, counting(name))
     try:
         for epoch in range(epochs):
             for mbs in toy_batches(SAMPLES, SEQ, MBS, MICRO, epoch + (100 if rank == shuffle_stage else 0)):
@@ -43,7 +47,8 @@ def train(rank, world, compression, epochs, schedule="1f1b", shuffle_stage=None,
         collectives.append(0)
         evaluation = engine.eval_batch(next(toy_batches(SAMPLES, SEQ, MBS, MICRO, 0)))
     finally:
-        torch.distributed.all_reduce = all_reduce  # this worker process's, put back
+        for name, original in originals.items():  # this worker process's, put back
+            setattr(torch.distributed, name, original)
     tied = {k: p.detach().clone() for k, p in stage.tied_parameters().items()}  # after eval: rows it read are current
     return {"log": log, "tied": tied, "eval": evaluation, "collectives": collectives}
 
