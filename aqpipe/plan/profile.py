@@ -1,14 +1,14 @@
 """What `--placement auto` measures at start, on every rank alike: its device on one block of the run's model at the
-run's shape, the memory it has, and each of its links, with messages the size of the run's boundary messages.
+run's shape, the memory it has, and each of its links, with messages sized from the run's boundary messages.
 
 - **The device**: one block alone (a middle stage of three, from the model's config with random weights), its
   forward and backward on one micro-batch of the run's shape from a hidden state, the median of a few after one
   warm-up, frozen where LoRA freezes the base. A machine's ranks take turns (they share its host). An
   emulated slower device (AQPIPE_COMPUTE_SLOWDOWN) is stretched here as in the steps.
 - **The links**: every pair at once in n - 1 rounds of disjoint pairs (a round-robin tournament). A pair's latency
-  is half its fastest round trip of a byte; each direction's rate is a boundary message's one-way time (a round
-  trip with a byte back, less that latency) over its bytes. Emulated links (AQPIPE_LINK_MATRIX) hold each message
-  as the steps' messages are held.
+  is half its fastest round trip of a byte; each direction's rate is the slope between two messages' one-way times
+  (round trips with a byte back): a boundary message and one four times its size (`probe_sizes`). Emulated links
+  (AQPIPE_LINK_MATRIX) hold each message as the steps' messages are held.
 - Every rank's row is gathered, so all hold the same table (`Cluster`), which rank 0 also writes to
   `<output_dir>/cluster.yaml` for `--cluster` and `aqpipe plan`.
 """
@@ -30,7 +30,7 @@ from aqpipe.pipeline.loading import build_stage
 from .cluster import Cluster, Machine
 
 REPEATS = 3  # timed forward-backward passes, and round trips per pair
-SMALLEST, LARGEST = 64 << 10, 4 << 20  # the probe message's bytes: the boundary message's, within these
+SMALLEST, LARGEST = 64 << 10, 4 << 20  # the probes' bytes: a boundary message's and 4x, within these
 
 
 def one_block_config(config: Any) -> Any:
@@ -126,11 +126,12 @@ def _hold(matrix: Any, src: int, nbytes: int) -> None:
         time.sleep(matrix.seconds(src, matrix.me, nbytes))
 
 
-def link_row(me: int, n: int, nbytes: int, matrix: Any = None,
+def link_row(me: int, n: int, nbytes: float, matrix: Any = None,
              device: torch.device = torch.device("cpu")) -> dict[int, tuple[float, float]]:
     """This rank's links as measured: peer -> (latency s, rate bytes/s from this rank to the peer). A pair's
-    latency is half its fastest byte's round trip; a direction's rate, a message's round trip less that (what the
-    latencies and the byte back take) over its bytes."""
+    latency is half its fastest byte's round trip; a direction's rate, the slope between two messages' one-way times
+    (round trips with a byte back): a boundary message's bytes and four times them (`probe_sizes`)."""
+    sizes = probe_sizes(nbytes)
     out: dict[int, tuple[float, float]] = {}
     for pairs in rounds(n):
         pair = next(((a, b) for a, b in pairs if me in (a, b)), None)
@@ -139,18 +140,37 @@ def link_row(me: int, n: int, nbytes: int, matrix: Any = None,
         first = me == pair[0]
         peer = pair[1] if first else pair[0]
         tiny = [_round_trip(peer, 1, first, matrix, device) for _ in range(REPEATS)]
-        sent = 0.0
-        for sender_first in (True, False):  # the first's message out, then the peer's
-            took = _round_trip(peer, nbytes, first == sender_first, matrix, device)
-            sent = took if first == sender_first else sent
+        sent = {}
+        for size in sizes:
+            for sender_first in (True, False):  # the first's message out, then the peer's
+                took = _round_trip(peer, size, first == sender_first, matrix, device)
+                if first == sender_first:
+                    sent[size] = took
         shared = torch.tensor([min(tiny) if first else 0.0], dtype=torch.float64, device=device)
         if first:
             dist.send(shared, peer)
         else:
             dist.recv(shared, peer)
         round_trip = float(shared[0])
-        out[peer] = (round_trip / 2, nbytes / max(sent - round_trip, 1e-9))
+        out[peer] = (round_trip / 2, slope_rate(sizes, (sent[sizes[0]], sent[sizes[1]]), round_trip))
     return out
+
+
+def probe_sizes(message_bytes: float) -> tuple[int, int]:
+    """The two probes' bytes: a boundary message's (within SMALLEST and a quarter of LARGEST), and four times it."""
+    small = int(min(max(message_bytes, SMALLEST), LARGEST // 4))
+    return small, 4 * small
+
+
+def slope_rate(sizes: tuple[int, int], seconds: tuple[float, float], round_trip: float) -> float:
+    """Bytes a second from two messages' round trips (`seconds`, for `sizes` bytes): the slope, which counts only what
+    more bytes cost, not what any message pays once (tc's token bucket sends a 16 kB burst at line rate after an
+    idle moment; a window opens): the rate the replicas' megabytes meet. Where noise made the larger no slower, the
+    larger's bytes over its time less the round trip of a byte."""
+    (a, b), (ta, tb) = sizes, seconds
+    if tb > ta:
+        return (b - a) / (tb - ta)
+    return b / max(tb - round_trip, 1e-9)
 
 
 def measure(cfg: Any, world: Any, model_class: type, config: Any, message_bytes: float) -> tuple[Cluster, float]:
@@ -167,8 +187,8 @@ def measure(cfg: Any, world: Any, model_class: type, config: Any, message_bytes:
         if world.size > 1:
             dist.barrier()
     memory = free_memory(world.device, here.local_world_size)
-    nbytes = int(min(max(message_bytes, SMALLEST), LARGEST))
-    links = link_row(world.rank, world.size, nbytes, world.link_matrix, world.transport) if world.size > 1 else {}
+    links = link_row(world.rank, world.size, message_bytes, world.link_matrix, world.transport) \
+        if world.size > 1 else {}
     rows: list[Any] = [None] * world.size
     mine = {"block_s": block, "memory": memory, "links": links}
     if world.size > 1:

@@ -87,6 +87,11 @@ def test_the_step_is_the_schedule_the_tables_and_the_sync():
     assert inside.boundaries[0] == pytest.approx(4 * 2 * (2e5 / 125e6 + 0.0001))
     assert inside.data_parallel == pytest.approx(ring_seconds(cluster, [0, 1], 4.0 * 4 * 100_000))
     assert crossing.data_parallel == pytest.approx(ring_seconds(cluster, [0, 2], 4.0 * 4 * 100_000))
+    # the step's tables, each one round of direct messages at its slowest pair: the job's table and the sync's byte
+    # count over the job (across the regions either way), the norm after the sync over each pipeline
+    across, near = 1024 / 2.5e6 + 0.02, 1024 / 125e6 + 0.0001
+    assert crossing.tables == pytest.approx(3 * across)
+    assert inside.tables == pytest.approx(2 * across + near)
     assert crossing.step == pytest.approx(crossing.pipeline + crossing.tables + crossing.data_parallel)
     assert crossing.compute == pytest.approx(4 * (4 + 0.5) * 0.01)  # the last stage's head
 
@@ -259,3 +264,19 @@ def test_a_tied_embedding_is_synced_by_the_stage_that_steps_it_alone(tied):
     w = workload.build(cfg, LlamaForCausalLM, config, 1.0)
     assert w.first_trained == (0 if tied else 4096 * 32)
     assert w.last_trained == 4096 * 32 + 32  # the head (the tied weight's owner) and the final norm
+
+
+def test_a_links_rate_is_the_slope_of_two_messages_so_a_token_buckets_burst_does_not_raise_it():
+    """tc's token bucket sends its burst at line rate after an idle moment: a 64 kB message alone over its time reads
+    a 1.4 MB/s link as 1.9 MB/s, which the replicas' megabytes never see; the slope between it and one four times its
+    size reads the rate they do."""
+    from aqpipe.plan.profile import LARGEST, SMALLEST, probe_sizes, slope_rate
+
+    rate, burst, round_trip = 1.4e6, 16384, 0.022
+    sizes = probe_sizes(65536)
+    assert sizes == (65536, 262144)
+    took = tuple(round_trip + max(0, n - burst) / rate for n in sizes)
+    assert slope_rate(sizes, took, round_trip) == pytest.approx(rate)
+    assert sizes[0] / (took[0] - round_trip) > 1.3 * rate  # what one message's time gave
+    assert slope_rate(sizes, (1.0, 0.9), 0.1) == pytest.approx(262144 / 0.8)  # noise: the larger alone
+    assert probe_sizes(100) == (SMALLEST, 4 * SMALLEST) and probe_sizes(10 << 20) == (LARGEST // 4, LARGEST)
