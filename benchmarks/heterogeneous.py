@@ -12,7 +12,8 @@ Every rank is a process on this host. Links: the transport's emulator (AQPIPE_LI
 rate and latency, the boundaries' messages held, the collectives paced). Devices: every compute action stretched by
 waiting (AQPIPE_COMPUTE_SLOWDOWN's stretch) to BASE_SLOWDOWN x the host's own time (2.5 x that for a slow device), so
 that compute is mostly waiting and 8 processes sharing 2 cores do not decide it. No network namespaces here: the
-emulator is one path, the kernel's (tc) is the other (RESULTS.md says which a figure used).
+emulator is one path, the kernel's (tc on a namespace per rank: benchmarks/heterogeneous_netns.py) is the other
+(RESULTS.md says which a figure used).
 
 For each scenario, in one launch of 8 processes: the profile `--placement auto` takes (measured through the
 emulator), the plan from it, and measured steps (median of a few after a warm-up) of:
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -126,8 +128,11 @@ def batches(rng_seed: int, replica: int, vocab: int) -> list[dict[str, torch.Ten
     return out
 
 
-def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shuffles: int, randoms: int) -> dict:
-    """One rank of one scenario: the profile, rank 0's plan and candidates, every candidate's measured steps."""
+def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shuffles: int, randoms: int,
+           kernel: bool = False) -> dict:
+    """One rank of one scenario: the profile, rank 0's plan and candidates, every candidate's measured steps.
+    `kernel`: the links' rates are shaped by tc (benchmarks/heterogeneous_netns.py), the emulator adds only each
+    pair's latency."""
     from aqpipe.data import load_tokenizer
     from aqpipe.models import resolve_model
     from aqpipe.pipeline import CompressionConfig, Grid
@@ -142,7 +147,8 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
     torch.set_num_threads(1)
     table, slowdowns = scenarios()[scenario]
     links = parse(table, scenario, world)
-    here = World(rank, world, rank, torch.device("cpu"), link_matrix=LinkMatrix(rank, links.latency, links.rate),
+    rates = [[math.inf] * world for _ in range(world)] if kernel else links.rate
+    here = World(rank, world, rank, torch.device("cpu"), link_matrix=LinkMatrix(rank, links.latency, rates),
                  compute_slowdown=BASE_SLOWDOWN * slowdowns[rank])
     cfg = build("causal_lm", {**RUN, "model": f"{model_dir}/config.json", "compression": CompressionConfig(),
                               "output_dir": f"{model_dir}/out{rank}"})

@@ -14,6 +14,7 @@ collectives (the data-parallel algorithms', the step's tables) are paced too; un
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -90,6 +91,8 @@ class LinkMatrix:
 
     def __init__(self, me: int, latency: list[list[float]] | tuple, rate: list[list[float]] | tuple) -> None:
         self.me, self.latency, self.rate = me, latency, rate
+        # every rate infinite: another layer (tc on network namespaces) shapes the bytes, this one adds the latency
+        self.latency_only = all(math.isinf(r) for i, row in enumerate(rate) for j, r in enumerate(row) if i != j)
 
     def toward_me(self, src: int) -> tuple[float, float]:
         """(latency s, rate Mbit/s) of the link from `src` to this rank."""
@@ -104,8 +107,10 @@ class LinkMatrix:
         return collective_seconds(self.seconds, ranks, nbytes, kind, self.me)
 
     def pace(self, started: float, ranks: list[int], nbytes: float, kind: str) -> None:
-        """Wait until a collective begun at `started` (time.monotonic) has taken what these links would take."""
-        hold = started + self.collective_seconds(ranks, nbytes, kind) - time.monotonic()
+        """Wait until a collective begun at `started` (time.monotonic) has taken what these links would take; with
+        latency only, its latencies after what the shaped links took."""
+        since = time.monotonic() if self.latency_only else started
+        hold = since + self.collective_seconds(ranks, nbytes, kind) - time.monotonic()
         if hold > 0:
             time.sleep(hold)
 

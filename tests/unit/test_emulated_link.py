@@ -9,7 +9,7 @@ import torch
 from aqpipe.compression import entropy
 from aqpipe.environment import link_mbit
 from aqpipe.pipeline import transport
-from aqpipe.pipeline.emulated_link import EmulatedLink
+from aqpipe.pipeline.emulated_link import EmulatedLink, LinkMatrix
 
 MB = 1_000_000 // 8  # bytes in one megabit
 
@@ -24,6 +24,24 @@ def test_a_rate_serializes_each_peers_messages_and_adds_the_latency():
     assert link.hold(1, MB, 1.0, 5.0) == pytest.approx(1.0 + 0.1 + 0.05 - 5.0)
     # landing unseen: counted from when its wait found it
     assert link.hold(3, 2 * MB, None, 7.0) == pytest.approx(0.25)
+
+
+def test_a_collective_is_paced_from_its_start_or_with_latency_alone_after_the_shaped_links(monkeypatch):
+    """A matrix of rates holds a collective until its links would have carried it, counted from its start (the real
+    transfer on one host is part of that time); a matrix of latencies alone (tc shapes the rates) adds its
+    latencies after whatever the shaped links took."""
+    import math
+
+    slept = []
+    monkeypatch.setattr("aqpipe.pipeline.emulated_link.time.sleep", slept.append)
+    monkeypatch.setattr("aqpipe.pipeline.emulated_link.time.monotonic", lambda: 10.0)
+    latency = [[0.0, 0.05], [0.05, 0.0]]
+    rated = LinkMatrix(0, latency, [[0.0, 1e6], [1e6, 0.0]])
+    bare = LinkMatrix(0, latency, [[0.0, math.inf], [math.inf, 0.0]])
+    assert not rated.latency_only and bare.latency_only
+    rated.pace(9.8, [0, 1], 1e6, "ring")  # 2 hops of 0.5 s and the latency each, begun 0.2 s ago
+    bare.pace(9.8, [0, 1], 1e6, "ring")  # the shaped links took 0.2 s: both hops' latencies more
+    assert slept == [pytest.approx(2 * 0.55 - 0.2), pytest.approx(2 * 0.05)]
 
 
 def test_without_a_rate_every_message_waits_the_latency_alone():
