@@ -228,9 +228,6 @@ class AQSGDCodec:
         self.whole.load_state_dict(state)
 
 
-DENSE_OPTIONS = ("stochastic", "seed", "group_size", "rotation_seed", "adaptive", "scale_dtype")
-
-
 def aqsgd_codec(bits: int, *, num_samples: int, sample_shape: tuple[int, ...], seed: int = 0,
                 group_size: int | None = None, stochastic: bool = True, adaptive: bool = False,
                 scale_dtype: torch.dtype = torch.float32, buffer_dtype: torch.dtype = torch.float16,
@@ -273,22 +270,33 @@ def aqsgd_codec(bits: int, *, num_samples: int, sample_shape: tuple[int, ...], s
 
 
 def forward_codec(mode: str, bits: int | None = None, *, num_samples: int | None = None,
-                  sample_shape: tuple[int, ...] | None = None, **options: Any) -> ForwardCodec | AQSGDCodec:
-    """A forward codec of `mode`: none, direct or hadamard (ForwardCodec: `stochastic`, `seed`, `group_size`,
-    `rotation_seed`, `adaptive`, `scale_dtype`; the buffer's and whole rows' options, which only aqsgd reads, are
-    not used), or aqsgd (`aqsgd_codec`'s options, `num_samples` and `sample_shape` needed)."""
+                  sample_shape: tuple[int, ...] | None = None, seed: int = 0, group_size: int | None = None,
+                  stochastic: bool = True, adaptive: bool = False, scale_dtype: torch.dtype = torch.float32,
+                  rotation_seed: int = 0, buffer_dtype: torch.dtype = torch.float16, buffer_bits: int | None = None,
+                  buffer_path: str | os.PathLike | None = None, buffer_keep: torch.Tensor | None = None,
+                  first_visit: str = "none", transient_visit: str | None = None, first_visit_bits: int | None = None,
+                  first_visit_group_size: int | None = None,
+                  first_visit_base: str = "none") -> ForwardCodec | AQSGDCodec:
+    """A forward codec of `mode`: none, direct or hadamard (ForwardCodec, which reads the rounding's settings:
+    `seed`, `group_size`, `stochastic`, `adaptive`, `scale_dtype`, `rotation_seed`; the buffer's and the whole rows'
+    are aqsgd's alone), or aqsgd (`aqsgd_codec`, `num_samples` and `sample_shape` needed)."""
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(FORWARD_MODES)}")
     if mode == "subspace":
         raise ValueError("mode='subspace' is built with its gradient codec around one basis: subspace_codecs")
     if mode != "aqsgd":
-        dense = {k: v for k, v in options.items() if k in DENSE_OPTIONS}
-        return ForwardCodec(mode, bits, **dense)
+        return ForwardCodec(mode, bits, stochastic=stochastic, seed=seed, group_size=group_size,
+                            rotation_seed=rotation_seed, adaptive=adaptive, scale_dtype=scale_dtype)
     if num_samples is None or sample_shape is None:
         raise ValueError("mode='aqsgd' needs num_samples (dataset size) and sample_shape (one sample's activation)")
     if bits is None:
         raise ValueError("mode='aqsgd' needs bits (1 to 8)")
-    return aqsgd_codec(bits, num_samples=num_samples, sample_shape=sample_shape, **options)
+    return aqsgd_codec(bits, num_samples=num_samples, sample_shape=sample_shape, seed=seed, group_size=group_size,
+                       stochastic=stochastic, adaptive=adaptive, scale_dtype=scale_dtype, buffer_dtype=buffer_dtype,
+                       buffer_bits=buffer_bits, buffer_path=buffer_path, buffer_keep=buffer_keep,
+                       first_visit=first_visit, transient_visit=transient_visit, first_visit_bits=first_visit_bits,
+                       first_visit_group_size=first_visit_group_size, first_visit_base=first_visit_base,
+                       rotation_seed=rotation_seed)
 
 
 __all__ = ["AQSGDCodec", "aqsgd_codec", "forward_codec"]
