@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from .config import RunConfig
+from .pipeline.step_table import TOKEN_METRICS
 from .reporters import reporter
 from .world import World
 
@@ -97,9 +98,9 @@ def evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, prog
         out["eval_perplexity"] = math.exp(min(loss, 50.0))
         targets = sum(r.get("target_tokens", 0) for r in results)
         if targets:  # TRL's, over every token the loss falls on
-            for name in ("mean_token_accuracy", "entropy"):
-                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in results if r.get("target_tokens")) / \
-                    targets
+            counted = [r for r in results if r.get("target_tokens")]
+            for name in (m.name for m in TOKEN_METRICS if all(m.name in r for r in counted)):
+                out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in counted) / targets
             out["eval_num_tokens"] = progress.num_tokens
     else:
         out["eval_accuracy"] = sum(r.get("accuracy", 0.0) for r in results) / len(results)

@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -37,7 +37,7 @@ from .compression_config import CompressionConfig
 from .step_guard import StepGuard
 from .engine_settings import EngineSettings
 from .step_run import StageRuntime, StepRun, causal_lm_labels
-from .step_table import PARAM_GRAD, Row, StepCounters, StepTable, StepTotals, sum_over_job
+from .step_table import PARAM_GRAD, TOKEN_METRICS, Row, StepCounters, StepTable, StepTotals, sum_over_job
 from .ties import Tie, TiedWeights
 from .topology import BOUNDARY, TIE, Groups
 from .transport import Boundary, Wire
@@ -95,7 +95,7 @@ class StepMetrics:
     staging: float | None = None  # of the schedule's time, the fraction its sends and receives spent copying GPU
     # tensors to and from gloo (a copy to the GPU counted as launched; the replicas' sync is outside the schedule)
     target_tokens: int | None = None  # a causal LM's: the tokens its loss fell on, over every replica
-    mean_token_accuracy: float | None = None  # a causal LM's: of those, the share its argmax predicts (TRL's)
+    token_metrics: dict[str, float] = field(default_factory=dict)  # a causal LM's, TRL's: TOKEN_METRICS, by name
     input_tokens: int | None = None  # a causal LM's: its micro-batches' input tokens, over every replica (the
     # trainer sums them into TRL's num_tokens)
     stop: bool = False  # some rank was asked to stop after this step (EngineSettings.stop_asked): every rank alike
@@ -104,8 +104,18 @@ class StepMetrics:
         """A JSON object for metrics.jsonl: a skipped step says why instead of a NaN loss and gradient norm; what a
         step does not have (no staging, no causal-LM tokens) is left out."""
         drop = {"input_tokens", "stop", *(("skipped",) if self.skipped is None else ("loss", "grad_norm"))}
-        return {k: v for k, v in vars(self).items() if k not in drop and not (
-            v is None and k in ("staging", "target_tokens", "mean_token_accuracy"))}
+        record = {}
+        for k, v in vars(self).items():
+            if k == "token_metrics":
+                record.update(v)
+            elif k not in drop and not (v is None and k in ("staging", "target_tokens")):
+                record[k] = v
+        return record
+
+
+def token_metrics(t: StepTotals, training: bool) -> dict[str, float]:
+    """The declared token metrics (TOKEN_METRICS) a step's or an evaluation batch's totals have."""
+    return {m.name: v for m in TOKEN_METRICS if (m.train or not training) and (v := m.value(t)) is not None}
 
 
 def followed_parameters(stage: Stage, ties: dict[str, Tie] | None) -> list[torch.nn.Parameter]:
@@ -317,7 +327,7 @@ class PipelineEngine:
                            fwd_bytes=t.fwd_bytes, bwd_bytes=t.bwd_bytes, tie_bytes=t.tie_bytes, dp_bytes=t.dp_bytes,
                            phase=phase, seconds=time.perf_counter() - start, skipped=skipped, bubble=t.bubble(),
                            fwd_change=t.change(), bits=bits, bits_decision=decision, staging=t.staging(),
-                           target_tokens=t.target_tokens or None, mean_token_accuracy=t.token_accuracy(),
+                           target_tokens=t.target_tokens or None, token_metrics=token_metrics(t, training=True),
                            input_tokens=t.input_tokens or None, stop=t.stop > 0)
 
     def _zero_grads(self) -> None:
@@ -375,8 +385,7 @@ class PipelineEngine:
         if t.counted:
             result["accuracy"] = t.correct / t.counted
         if t.target_tokens:
-            result.update(mean_token_accuracy=t.token_accuracy(), entropy=t.entropy_sum / t.target_tokens,
-                          target_tokens=t.target_tokens)
+            result.update(token_metrics(t, training=False), target_tokens=t.target_tokens)
         elif self.per_token and causal_lm_labels(micro_batches):  # no targets: no loss to report (0/0), no weight
             result.update(loss=float("nan"), target_tokens=0)
         return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -82,6 +82,25 @@ class StepTotals(StepCounters):
     def mean_loss(self, micro_batches: int, replicas: int) -> float:
         """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
         return self.loss_sum / (micro_batches * replicas)
+
+
+@dataclass(frozen=True)
+class TokenMetric:
+    """A mean over the tokens a causal LM's loss falls on, as TRL logs it, declared once: `value` reads it from a
+    step's or an evaluation batch's totals over the job (None: none counted), a training row carries it if `train`
+    (TRL's entropy is evaluation's alone), and an evaluation's row averages its batches' weighted by their target
+    tokens as `eval_<name>`. A new one is its sums (StepTotals' fields, filled where they are computed) and a line
+    in TOKEN_METRICS."""
+
+    name: str
+    value: Callable[[StepTotals], float | None]
+    train: bool = True
+
+
+TOKEN_METRICS = (
+    TokenMetric("mean_token_accuracy", StepTotals.token_accuracy),
+    TokenMetric("entropy", lambda t: t.entropy_sum / t.target_tokens if t.target_tokens else None, train=False),
+)
 
 
 TOTALS = tuple(f.name for f in fields(StepTotals))

@@ -56,3 +56,30 @@ def test_a_steps_row_rates_its_target_tokens_and_a_skipped_step_is_no_loss():
                           bwd_bytes=0, tie_bytes=0, dp_bytes=0, phase="train", seconds=2.0, skipped="non-finite")
     progress.add(skipped, 0, 2, 4.0, 8)
     assert progress.losses == [2.0] and progress.step == 2  # a skipped step counts, its NaN loss does not
+
+
+def test_a_token_metric_is_declared_once_and_every_row_reads_the_declaration(monkeypatch):
+    """TOKEN_METRICS is the one list: a step's row carries those declared for training, an evaluation batch's all of
+    them, the evaluation's row each one's mean; a metric added there (here a stand-in, the share of targets
+    counted) reaches all three with nothing else changed."""
+    from aqpipe import metrics
+    from aqpipe.pipeline import engine, step_table
+    from aqpipe.pipeline.engine import StepMetrics, token_metrics
+    from aqpipe.pipeline.step_table import StepTotals, TokenMetric
+
+    t = StepTotals(target_tokens=40, token_correct=10, accuracy_tokens=40, entropy_sum=80.0)
+    assert token_metrics(t, training=True) == {"mean_token_accuracy": 0.25}  # TRL logs entropy in evaluation
+    assert token_metrics(t, training=False) == {"mean_token_accuracy": 0.25, "entropy": 2.0}
+    assert token_metrics(StepTotals(target_tokens=40), training=True) == {}  # none counted (a fused loss)
+    step = StepMetrics(step=1, epoch=0, loss=1.0, lr=0.1, grad_norm=1.0, fwd_bytes=0, bwd_bytes=0, tie_bytes=0,
+                       dp_bytes=0, phase="train", seconds=1.0, token_metrics=token_metrics(t, training=True))
+    assert step.record()["mean_token_accuracy"] == 0.25 and "token_metrics" not in step.record()
+
+    counted = TokenMetric("counted_share", lambda s: s.accuracy_tokens / s.target_tokens if s.target_tokens else None)
+    declared = (*step_table.TOKEN_METRICS, counted)
+    for module in (step_table, engine, metrics):
+        monkeypatch.setattr(module, "TOKEN_METRICS", declared)
+    assert token_metrics(t, training=True)["counted_share"] == 1.0
+    rows = [{**row(3.0, 10), "counted_share": 1.0}, {**row(5.0, 30), "counted_share": 0.5}]
+    out = _evaluate(_Engine(rows), [[]] * 2, SimpleNamespace(kind="causal_lm"), SimpleNamespace(num_tokens=7))
+    assert out["eval_counted_share"] == (1.0 * 10 + 0.5 * 30) / 40
