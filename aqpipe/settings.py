@@ -97,26 +97,24 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layered(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
-    """The layers merged (each nested: a section's setting by its flag's name, such as seq_len, into its section;
-    later wins; text parsed as its flag parses it), the trainer's optimizer and schedule flags applied to the merged
-    blocks (trainer_flags.py), and DeepSpeed's train_batch_size apart: a key checked against the batch, not a
-    setting."""
+    """The layers merged in one ordered pass (each nested: a section's setting by its flag's name, such as seq_len,
+    into its section; later wins; text parsed as its flag parses it), lowest first: TRL's LoRA defaults where a
+    layer gives --use_peft (the last that gives it decides), the task's defaults (the first layer), the compression
+    preset a layer names, then the others as given. The trainer's optimizer and schedule flags are applied to the
+    merged blocks (trainer_flags.py), and DeepSpeed's train_batch_size kept apart: a key checked against the batch,
+    not a setting."""
     edits: dict[str, Any] = {}
-    use_peft = False  # TRL's switch: LoRA with its defaults; the last layer that gives it decides
+    use_peft, parsed = False, []
     for layer in layers:
-        edits.update(trainer_flags.split(layer)[1])
+        plain, flags = trainer_flags.split({k: v for k, v in layer.items() if k != "use_peft"})
+        edits.update(flags)
         if "use_peft" in layer:
             use_peft = _switch("use_peft", layer["use_peft"])
-    layers = [{k: v for k, v in layer.items() if k != "use_peft"} for layer in layers]
-    parsed = [parse_text(RunConfig, nest(trainer_flags.split(layer)[0])) for layer in layers]
-    # a compression preset: a layer of its own above the task's defaults (the first layer), under all else given
+        parsed.append(parse_text(RunConfig, nest(plain)))
     preset = next((p["compression_preset"] for p in reversed(parsed) if p.get("compression_preset") is not None),
                   None)
-    values = _merge(*parsed[:1], preset_layer(preset), *parsed[1:])
-    if use_peft:  # TRL's LoRA defaults, under every value a layer gives
-        lora = values.setdefault("lora", {})
-        for name, value in USE_PEFT.items():
-            lora.setdefault(name, value)
+    peft = {"lora": dict(USE_PEFT)} if use_peft else {}
+    values = _merge(peft, *parsed[:1], preset_layer(preset), *parsed[1:])
     if edits:
         defaults, optim = RunConfig(task="causal_lm").optimization, values.setdefault("optimization", {})
         optim["optimizer"], optim["scheduler"] = trainer_flags.apply(
