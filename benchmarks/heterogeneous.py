@@ -237,7 +237,44 @@ def summarize(name: str, out: dict[str, Any]) -> dict[str, Any]:
            "model_error_max": max(errors), "profile_s": out["profile_s"], "search_s": out["plan_s"],
            "parameter_split_s": r["plan, parameter split"][0]["measured_s"]}
     row["uneven_split_speedup"] = row["parameter_split_s"] / planned
+    if "tc_measured_mbit" in out:  # the kernel's path (heterogeneous_netns.py): what tc gave, measured after
+        row["tc_measured_mbit"] = out["tc_measured_mbit"]
     return row
+
+
+def chosen(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """The scenarios `--scenarios` names (semicolons between; `all`), or the parser's one-line refusal."""
+    names = list(scenarios()) if text == "all" else [n.strip() for n in text.split(";")]
+    unknown = sorted(set(names) - set(scenarios()))
+    if unknown:
+        p.error(f"--scenarios: unknown {unknown}; expected some of {list(scenarios())}")
+    return names
+
+
+def run_scenarios(names: list[str], run: Any, json_path: str | None) -> list[dict[str, Any]]:
+    """Each scenario by `run(name, model_dir)` (what `worker` returns, rank 0's), summarized and said in a line; the
+    figures written to `json_path` after each (a later one that fails loses nothing measured)."""
+    rows, everything = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp) / "model")
+        for name in names:
+            started = time.perf_counter()
+            out = run(name, Path(tmp) / "model")
+            row = summarize(name, out)
+            rows.append(row)
+            everything[name] = out
+            if json_path:
+                Path(json_path).write_text(json.dumps({"rows": rows, "scenarios": everything}, indent=1))
+            kernel = f"; tc gave {row['tc_measured_mbit']} Mbit/s" if "tc_measured_mbit" in row else ""
+            print(f"{name}: rank order {row['rank_order_s']:.2f} s, plan {row['plan_s']:.2f} s "
+                  f"({row['speedup']:.2f}x), best random measured {row['best_random_measured_s']:.2f} s, "
+                  f"predicted random best/median {row['random_predicted_best_s']:.2f}/"
+                  f"{row['random_predicted_median_s']:.2f} s, plan predicted {row['plan_predicted_s']:.2f} s, "
+                  f"model error median {row['model_error_median']:.1%} (max {row['model_error_max']:.1%}), "
+                  f"parameter split {row['parameter_split_s']:.2f} s ({row['uneven_split_speedup']:.2f}x){kernel}; "
+                  f"profile {row['profile_s']:.1f} s, search {row['search_s']:.1f} s; "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,30 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--randoms", type=int, default=100)
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)
-    names = list(scenarios()) if args.scenarios == "all" else [n.strip() for n in args.scenarios.split(";")]
-    unknown = sorted(set(names) - set(scenarios()))
-    if unknown:
-        p.error(f"--scenarios: unknown {unknown}; expected some of {list(scenarios())}")
-    rows, everything = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp) / "model")
-        for name in names:
-            started = time.perf_counter()
-            out = spawn(worker, 8, name, str(Path(tmp) / "model"), args.steps, args.shuffles, args.randoms,
-                        timeout=3600)[0]
-            row = summarize(name, out)
-            rows.append(row)
-            everything[name] = out
-            print(f"{name}: rank order {row['rank_order_s']:.2f} s, plan {row['plan_s']:.2f} s "
-                  f"({row['speedup']:.2f}x), best random measured {row['best_random_measured_s']:.2f} s, "
-                  f"predicted random best/median {row['random_predicted_best_s']:.2f}/"
-                  f"{row['random_predicted_median_s']:.2f} s, plan predicted {row['plan_predicted_s']:.2f} s, "
-                  f"model error median {row['model_error_median']:.1%} (max {row['model_error_max']:.1%}), "
-                  f"parameter split {row['parameter_split_s']:.2f} s ({row['uneven_split_speedup']:.2f}x); "
-                  f"profile {row['profile_s']:.1f} s, search {row['search_s']:.1f} s; "
-                  f"{time.perf_counter() - started:.0f} s", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "scenarios": everything}, indent=1))
+    run_scenarios(chosen(p, args.scenarios), lambda name, model: spawn(
+        worker, 8, name, str(model), args.steps, args.shuffles, args.randoms, timeout=3600)[0], args.json)
     return 0
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.heterogeneous import scenarios, summarize, worker, write_model
+from benchmarks.heterogeneous import chosen, run_scenarios, scenarios, worker
 from benchmarks.netns import Network, can_build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,28 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0 or can_build():
         p.error("network namespaces and tc need root and iproute2 (without them: python -m benchmarks.heterogeneous, "
                 "the emulator alone)")
-    names = list(scenarios()) if args.scenarios == "all" else [n.strip() for n in args.scenarios.split(";")]
-    unknown = sorted(set(names) - set(scenarios()))
-    if unknown:
-        p.error(f"--scenarios: unknown {unknown}; expected some of {list(scenarios())}")
-    rows, everything = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp) / "model")
-        for name in names:
-            started = time.perf_counter()
-            out = run_scenario(name, Path(tmp) / "model", args)
-            row = summarize(name, out)
-            row["tc_measured_mbit"] = out["tc_measured_mbit"]
-            rows.append(row)
-            everything[name] = out
-            if args.json:  # after every scenario: a later one that fails loses nothing measured
-                Path(args.json).write_text(json.dumps({"rows": rows, "scenarios": everything}, indent=1))
-            print(f"{name} (tc): rank order {row['rank_order_s']:.2f} s, plan {row['plan_s']:.2f} s "
-                  f"({row['speedup']:.2f}x), best random measured {row['best_random_measured_s']:.2f} s, "
-                  f"plan predicted {row['plan_predicted_s']:.2f} s, model error median "
-                  f"{row['model_error_median']:.1%} (max {row['model_error_max']:.1%}), parameter split "
-                  f"{row['parameter_split_s']:.2f} s; tc gave {out['tc_measured_mbit']} Mbit/s; profile "
-                  f"{row['profile_s']:.1f} s; {time.perf_counter() - started:.0f} s", flush=True)
+    run_scenarios(chosen(p, args.scenarios), lambda name, model: run_scenario(name, model, args), args.json)
     return 0
 
 
