@@ -99,7 +99,7 @@ def evaluate(engine: PipelineEngine, batches: list[list[dict]], task: Task, prog
         targets = sum(r.get("target_tokens", 0) for r in results)
         if targets:  # TRL's, over every token the loss falls on
             counted = [r for r in results if r.get("target_tokens")]
-            for name in (m.name for m in TOKEN_METRICS if all(m.name in r for r in counted)):
+            for name in (m.name for m in TOKEN_METRICS if any(m.name in r for r in counted)):  # in all, or raise
                 out[f"eval_{name}"] = sum(r[name] * r["target_tokens"] for r in counted) / targets
             out["eval_num_tokens"] = progress.num_tokens
     else:

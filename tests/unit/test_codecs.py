@@ -546,3 +546,19 @@ def test_adaptive_codecs_change_bits_on_both_sides_and_resume_with_the_current_o
         pair()[0].set_bits(4, None)
     with pytest.raises(ValueError, match="adaptive: checkpoint False vs codec True"):
         again[0].load_state_dict(pair()[0].state_dict())
+
+
+def test_forward_codec_takes_every_keyword_of_the_codecs_it_builds_with_their_defaults():
+    """forward_codec spells out aqsgd_codec's and ForwardCodec's keywords (no options bag): an option added to either
+    and not to it, or a default that drifts, fails here."""
+    import inspect
+
+    from aqpipe.compression import ForwardCodec, aqsgd_codec
+
+    mine = inspect.signature(forward_codec).parameters
+    for built in (aqsgd_codec, ForwardCodec):
+        for name, param in inspect.signature(built).parameters.items():
+            if name in ("self", "mode", "bits"):
+                continue
+            required = param.default is inspect.Parameter.empty  # num_samples, sample_shape: checked for aqsgd
+            assert name in mine and (required or mine[name].default == param.default), (built.__name__, name)

@@ -77,7 +77,7 @@ def test_a_token_metric_is_declared_once_and_every_row_reads_the_declaration(mon
 
     counted = TokenMetric("counted_share", lambda s: s.accuracy_tokens / s.target_tokens if s.target_tokens else None)
     declared = (*step_table.TOKEN_METRICS, counted)
-    for module in (step_table, engine, metrics):
+    for module in (engine, metrics):  # where the declaration is read
         monkeypatch.setattr(module, "TOKEN_METRICS", declared)
     assert token_metrics(t, training=True)["counted_share"] == 1.0
     rows = [{**row(3.0, 10), "counted_share": 1.0}, {**row(5.0, 30), "counted_share": 0.5}]
