@@ -6,8 +6,8 @@ run's shape, the memory it has, and each of its links, with messages sized from 
   warm-up, frozen where LoRA freezes the base. A machine's ranks take turns (they share its host). An
   emulated slower device (AQPIPE_COMPUTE_SLOWDOWN) is stretched here as in the steps.
 - **The links**: every pair at once in n - 1 rounds of disjoint pairs (a round-robin tournament). A pair's latency
-  is half its fastest round trip of a byte; each direction's rate is the slope between two messages' one-way times
-  (round trips with a byte back): a boundary message and one four times its size (`probe_sizes`). Emulated links
+  is half its fastest round trip of a byte; each direction's rate: a boundary message and one four times its size
+  sent back to back, the second's bytes over the gap between their arrivals (`second_rate`). Emulated links
   (AQPIPE_LINK_MATRIX) hold each message as the steps' messages are held.
 - Every rank's row is gathered, so all hold the same table (`Cluster`), which rank 0 also writes to
   `<output_dir>/cluster.yaml` for `--cluster` and `aqpipe plan`.
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from aqpipe.buffer_plan import available_memory
 from aqpipe.environment import launch
 from aqpipe.pipeline import emulated_device
+from aqpipe.pipeline.emulated_link import EmulatedLink, Landing
 from aqpipe.pipeline.loading import build_stage
 
 from .cluster import Cluster, Machine
@@ -120,6 +121,30 @@ def _round_trip(peer: int, nbytes: int, sending: bool, matrix: Any, device: torc
     return 0.0
 
 
+def _two_messages(peer: int, sizes: tuple[int, int], sending: bool, matrix: Any, device: torch.device) -> float:
+    """Two messages of `sizes` bytes back to back: on the receiver's side, the seconds between their arrivals (0 on
+    the sender's). The second crosses right behind the first, so that gap is its own bytes' time on the link, with
+    no round trip in it; it is taken where they land (a byte back to the sender would queue behind the second on
+    gloo's pair). Under emulated links each is held as the steps' messages are (`EmulatedLink`: from when it
+    landed, behind the one before it)."""
+    first, second = (torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes)
+    ready = torch.zeros(1, dtype=torch.uint8, device=device)
+    if sending:
+        dist.recv(ready, peer)  # the peer's receives are posted
+        _synchronize(device)
+        for work in [dist.isend(first, peer), dist.isend(second, peer)]:
+            work.wait()
+        return 0.0
+    works = [dist.irecv(first, peer), dist.irecv(second, peer)]
+    marks = [Landing(work, blocking=device.type == "cpu") for work in works]  # gloo's complete only when waited on
+    dist.send(ready, peer)
+    landed = [mark.wait() for mark in marks]
+    if matrix is not None:  # when the emulated link would have delivered each
+        link = EmulatedLink(matrix=matrix)
+        landed = [at + link.hold(peer, n, at, at) for at, n in zip(landed, sizes)]
+    return landed[1] - landed[0]
+
+
 def _hold(matrix: Any, src: int, nbytes: int) -> None:
     """An emulated link's delivery of `nbytes` from `src`, landed just now (nothing without a matrix)."""
     if matrix is not None:
@@ -129,8 +154,8 @@ def _hold(matrix: Any, src: int, nbytes: int) -> None:
 def link_row(me: int, n: int, nbytes: float, matrix: Any = None,
              device: torch.device = torch.device("cpu")) -> dict[int, tuple[float, float]]:
     """This rank's links as measured: peer -> (latency s, rate bytes/s from this rank to the peer). A pair's
-    latency is half its fastest byte's round trip; a direction's rate, the slope between two messages' one-way times
-    (round trips with a byte back): a boundary message's bytes and four times them (`probe_sizes`)."""
+    latency is half its fastest byte's round trip; a direction's rate, from a boundary message and one four times
+    its size sent back to back, read where they land and handed back (`probe_sizes`, `second_rate`)."""
     sizes = probe_sizes(nbytes)
     out: dict[int, tuple[float, float]] = {}
     for pairs in rounds(n):
@@ -140,19 +165,21 @@ def link_row(me: int, n: int, nbytes: float, matrix: Any = None,
         first = me == pair[0]
         peer = pair[1] if first else pair[0]
         tiny = [_round_trip(peer, 1, first, matrix, device) for _ in range(REPEATS)]
-        sent = {}
-        for size in sizes:
-            for sender_first in (True, False):  # the first's message out, then the peer's
-                took = _round_trip(peer, size, first == sender_first, matrix, device)
-                if first == sender_first:
-                    sent[size] = took
+        gap = 0.0  # the peer's messages to this rank, then this rank's to the peer
+        for sender_first in (True, False):
+            gap += _two_messages(peer, sizes, first != sender_first, matrix, device)
+        inbound = torch.tensor([second_rate(sizes[1], gap)], dtype=torch.float64, device=device)
+        outbound = torch.zeros(1, dtype=torch.float64, device=device)  # what the peer read of this rank's messages
         shared = torch.tensor([min(tiny) if first else 0.0], dtype=torch.float64, device=device)
         if first:
             dist.send(shared, peer)
+            dist.send(inbound, peer)
+            dist.recv(outbound, peer)
         else:
             dist.recv(shared, peer)
-        round_trip = float(shared[0])
-        out[peer] = (round_trip / 2, slope_rate(sizes, (sent[sizes[0]], sent[sizes[1]]), round_trip))
+            dist.recv(outbound, peer)
+            dist.send(inbound, peer)
+        out[peer] = (float(shared[0]) / 2, float(outbound[0]))
     return out
 
 
@@ -162,15 +189,12 @@ def probe_sizes(message_bytes: float) -> tuple[int, int]:
     return small, 4 * small
 
 
-def slope_rate(sizes: tuple[int, int], seconds: tuple[float, float], round_trip: float) -> float:
-    """Bytes a second from two messages' round trips (`seconds`, for `sizes` bytes): the slope, which counts only what
-    more bytes cost, not what any message pays once (tc's token bucket sends a 16 kB burst at line rate after an
-    idle moment; a window opens): the rate the replicas' megabytes meet. Where noise made the larger no slower, the
-    larger's bytes over its time less the round trip of a byte."""
-    (a, b), (ta, tb) = sizes, seconds
-    if tb > ta:
-        return (b - a) / (tb - ta)
-    return b / max(tb - round_trip, 1e-9)
+def second_rate(nbytes: int, gap: float) -> float:
+    """Bytes a second of a link from two messages sent back to back, the second of `nbytes`, landing `gap` seconds
+    apart: what its bytes cost and nothing a message pays once (a round trip; tc's token bucket sends a 16 kB burst
+    at line rate after an idle moment, which the first spends; a window opening): the rate the replicas' megabytes
+    meet."""
+    return nbytes / max(gap, 1e-6)
 
 
 def measure(cfg: Any, world: Any, model_class: type, config: Any, message_bytes: float) -> tuple[Cluster, float]:

@@ -266,17 +266,17 @@ def test_a_tied_embedding_is_synced_by_the_stage_that_steps_it_alone(tied):
     assert w.last_trained == 4096 * 32 + 32  # the head (the tied weight's owner) and the final norm
 
 
-def test_a_links_rate_is_the_slope_of_two_messages_so_a_token_buckets_burst_does_not_raise_it():
+def test_a_links_rate_is_read_from_two_messages_back_to_back_so_a_token_buckets_burst_does_not_raise_it():
     """tc's token bucket sends its burst at line rate after an idle moment: a 64 kB message alone over its time reads
-    a 1.4 MB/s link as 1.9 MB/s, which the replicas' megabytes never see; the slope between it and one four times its
-    size reads the rate they do."""
-    from aqpipe.plan.profile import LARGEST, SMALLEST, probe_sizes, slope_rate
+    a 1.4 MB/s link as 1.9 MB/s, which the replicas' megabytes never see. Sent right behind it, a message four times
+    its size lands its own bytes' time later: that gap reads the rate they do, with no round trip in it."""
+    from aqpipe.plan.profile import LARGEST, SMALLEST, probe_sizes, second_rate
 
-    rate, burst, round_trip = 1.4e6, 16384, 0.022
-    sizes = probe_sizes(65536)
-    assert sizes == (65536, 262144)
-    took = tuple(round_trip + max(0, n - burst) / rate for n in sizes)
-    assert slope_rate(sizes, took, round_trip) == pytest.approx(rate)
-    assert sizes[0] / (took[0] - round_trip) > 1.3 * rate  # what one message's time gave
-    assert slope_rate(sizes, (1.0, 0.9), 0.1) == pytest.approx(262144 / 0.8)  # noise: the larger alone
+    rate, burst, latency = 1.4e6, 16384, 0.011
+    small, large = probe_sizes(65536)
+    assert (small, large) == (65536, 262144)
+    first = latency + (small - burst) / rate  # the burst spent on the first
+    second = first + large / rate
+    assert second_rate(large, second - first) == pytest.approx(rate)
+    assert small / (first - latency) > 1.3 * rate  # what one message's time gave
     assert probe_sizes(100) == (SMALLEST, 4 * SMALLEST) and probe_sizes(10 << 20) == (LARGEST // 4, LARGEST)
