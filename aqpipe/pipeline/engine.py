@@ -189,7 +189,7 @@ class PipelineEngine:
         side = "send" if here == index else "recv"
         peer = self.groups.pipeline_rank_of(index + 1 if side == "send" else index)
         path = None
-        if c.buffer_dir and c.forward == "aqsgd":
+        if c.buffer_dir:  # a codec with per-sample rows keeps them there (the others take no file)
             path = os.path.join(c.buffer_dir, f"boundary{index}_{side}_replica{self.groups.replica}.buf")
         bits = {d: self.auto_bits.bits(index, d) if c.auto(d) else getattr(c, f"{d}_bits") for d in DIRECTIONS}
         forward, backward = self.factory.boundary(index, (seq_len, self.stage.hidden_size), bits, self.num_samples,
@@ -208,7 +208,7 @@ class PipelineEngine:
 
     def _runtime(self) -> StageRuntime:
         """What this step's actions may touch (step_run.py)."""
-        buffered = self.compression.forward == "aqsgd" and (self.prev is not None or self.next is not None)
+        buffered = any(b.forward.buffer is not None for b in (self.prev, self.next) if b is not None)
         return StageRuntime(stage=self.stage, prev=self.prev, next=self.next, tied=self.tied, wire=self.wire,
                             wire_dtype=self.wire_dtype, device=self.device, autocast=self.autocast, seed=self.seed,
                             replica=self.groups.replica, step=self.global_step, num_samples=self.num_samples,
