@@ -68,6 +68,8 @@ class CostModel:
         self.cluster, self.work, self.stages, self.replicas = cluster, work, stages, replicas
         self.schedules = [train_schedule(work.schedule, s, stages, work.micro_batches) for s in range(stages)]
         self.block_s = [cluster.block_seconds(r, work.block_flops) for r in range(len(cluster))]
+        # a round of the step's tables over the whole job: every placement's is this one
+        self.job_round = round_seconds(cluster, list(range(len(cluster))), work.table_bytes)
         self._pipes: dict[tuple, tuple[float, dict[int, float]]] = {}
 
     # ------------------------------------------------------------------ parts
@@ -116,10 +118,9 @@ class CostModel:
         pipeline = max(span for span, _ in priced)
         boundaries = {b: max(links[b] for _, links in priced) for b in range(S - 1)}
         groups = [[placement[r * S + s] for r in range(R)] for s in range(S)]
-        tables = round_seconds(c, placement, w.table_bytes)  # the step's table over the job
+        tables = self.job_round  # the step's table over the job
         if R > 1:  # with replicas, the norm again after their sync (over each pipeline) and its byte count (the job)
-            tables += max(round_seconds(c, list(p), w.table_bytes) for p in pipes) + \
-                round_seconds(c, placement, w.table_bytes)
+            tables += max(round_seconds(c, list(p), w.table_bytes) for p in pipes) + self.job_round
         data_parallel = 0.0
         if R > 1:  # each stage's replicas, as their algorithm's collective runs
             data_parallel = max(collective_seconds(c.seconds, groups[s], w.dp_bytes_per_parameter *
