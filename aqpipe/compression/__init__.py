@@ -14,11 +14,10 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 from .buffers import BUFFER_BITS, BufferRangeError, SampleBuffer, row_nbytes
 from .sample_ids import SampleIds
 from .codecs import (BACKWARD_MODES, DENSE_MODES, FIRST_VISIT_MODES, FORWARD_MODES, BackwardCodec, DenseCodec,
-                     ForwardCodec, Message)
+                     ForwardCodec, Message, plain_codecs)
 from .aqsgd import AQSGDCodec, aqsgd_codec, forward_codec
 from .seeds import derive_seed
 from .protocol import Codec
-from .codecs import plain_codecs
 from .subspace import Subspace, SubspaceCodec, SubspaceGradCodec, subspace_codecs
 from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
