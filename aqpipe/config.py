@@ -217,6 +217,9 @@ class DistributedSettings:
                                      "file `aqpipe plan` wrote", resume=FREE)
     cluster: str | None = setting(None, "--placement auto: the machines' speeds and links from this file (YAML or "
                                         "JSON: aqpipe/plan/cluster.py) instead of measuring them", resume=FREE)
+    placement_trials: int = setting(3, "--placement auto: of the placements the model prices within its error (15%%) "
+                                       "of its best, this many are each played for two steps at start and the "
+                                       "fastest measured is taken (1: the model's best alone)", resume=FREE)
     backend: str = setting("auto", "torch.distributed backend: nccl (one GPU per process), gloo (CPUs, or GPUs "
                                  "shared by several stages with tensors staged through host memory; TCP, the robust "
                                  "choice over a WAN) or auto (nccl where each process has a GPU of its own, else gloo)",
@@ -238,6 +241,7 @@ class DistributedSettings:
                              "2,2")
         if not isinstance(self.placement, str) or not self.placement:
             raise ValueError(f"placement={self.placement!r}: expected rank, auto or a plan file")
+        check_int("placement_trials", self.placement_trials, 1)
         if self.cluster is not None and self.placement != "auto":
             raise ValueError(f"cluster={self.cluster!r} with placement={self.placement!r}: expected --placement auto "
                              "(the cluster file is what it plans from)")

@@ -20,7 +20,10 @@ emulator), the plan from it, and measured steps (median of a few after a warm-up
 - rank order as a rendezvous gives it: 10 shuffled numberings (a machine per rank at random), each with the blocks
   `--partition auto` gives rank order (by parameter count); their median is "rank order";
 - 100 random placements, predicted only (best and median), and the 3 the model predicts fastest, measured;
-- the plan, and with slow devices the plan's placement with the parameter split (what the uneven split buys).
+- the plan as `--placement auto` takes it: the model's best few of other kinds priced within 15% of its best, played
+  for two steps each (plan/trials.py, `--placement_trials 3`), the fastest so measured; and the model's best
+  alone ("model's best"), where the trials took another;
+- with slow devices, the plan's placement with the parameter split (what the uneven split buys).
 The model's error: |predicted - measured| / measured for every measured placement, the median per scenario.
 
     python -m benchmarks.heterogeneous --steps 2 --json heterogeneous.json     # all 12: ~70 min on 2 cores
@@ -44,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+TRIALS = 3  # --placement_trials' default
 BASE_SLOWDOWN = 10.0  # every device: its compute stretched to this many times the host's own
 SLOW = 2.5  # a slow device, against the others
 GBIT = 10.0  # a scenario's Gbit/s as this many Mbit/s here
@@ -137,7 +141,7 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
     from aqpipe.models import resolve_model
     from aqpipe.pipeline import CompressionConfig, Grid
     from aqpipe.pipeline.emulated_link import LinkMatrix
-    from aqpipe.plan import CostModel, parse, plan, profile, workload
+    from aqpipe.plan import CostModel, parse, plan, profile, trials, workload
     from aqpipe.settings import build
     from aqpipe.storage import broadcast
     from aqpipe.train import build_engine
@@ -157,9 +161,16 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
     work = workload.build(cfg, spec.model_class, spec.config, 1.0)
     measured, took = profile.measure(cfg, here, spec.model_class, spec.config, work.forward_bytes)
     S, R = RUN["pipeline_stages"], RUN["replicas"]
-    candidates = None
+    candidates = chosen = None
     if rank == 0:
         chosen = plan(measured, work, S, R)
+    chosen = broadcast(chosen, here)
+    began = time.perf_counter()  # the trials, as `--placement auto` plays them (every rank)
+    played = trials.run(chosen.candidates[:TRIALS], work, S, here, cfg, spec.model_class, spec.config) \
+        if len(chosen.candidates) > 1 else list(chosen.candidates)
+    trials_s = time.perf_counter() - began
+    taken = min(played, key=lambda c: c.measured if c.measured is not None else 0.0)
+    if rank == 0:
         model = CostModel(measured, work, S, R)
         rng = random.Random(1)
         by_params = tuple(_parameter_split(spec, S))
@@ -170,10 +181,12 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
             split = model.balance(p)
             randoms_priced.append((model.predict(p, split).step, p, split))
         randoms_priced.sort(key=lambda x: x[0])
-        candidates = {"plan": [(chosen.placement, tuple(chosen.partition))],
+        candidates = {"plan": [(taken.placement, tuple(taken.partition))],
+                      "model's best": [(chosen.placement, tuple(chosen.partition))] if taken.placement !=
+                      chosen.placement or taken.partition != chosen.partition else [],
                       "rank order": [(p, by_params) for p in shuffled],
                       "best random": [(p, s) for _, p, s in randoms_priced[:3]],
-                      "plan, parameter split": [(chosen.placement, by_params)],
+                      "plan, parameter split": [(taken.placement, by_params)],
                       "predicted random": [t for t, _, _ in randoms_priced],
                       "profile_s": took, "plan_s": chosen.seconds,
                       "table": measured.to_dict()}
@@ -181,7 +194,7 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
     results: dict[str, list[dict[str, Any]]] = {}
     model = CostModel(measured, work, S, R)
     vocab = len(tokenizer)
-    for kind in ("plan", "plan, parameter split", "best random", "rank order"):
+    for kind in ("plan", "model's best", "plan, parameter split", "best random", "rank order"):
         for placement, split in candidates[kind]:
             here.grid = Grid.for_world(world, S, placement)
             run_cfg = build("causal_lm", {**RUN, "model": f"{model_dir}/config.json",
@@ -201,7 +214,8 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
                                                  "predicted_s": predicted.step, "parts": predicted.parts()})
             del engine
     return {"results": results, "predicted_random": candidates["predicted random"],
-            "profile_s": candidates["profile_s"], "plan_s": candidates["plan_s"], "table": candidates["table"]}
+            "profile_s": candidates["profile_s"], "plan_s": candidates["plan_s"], "table": candidates["table"],
+            "trials": [c.to_dict() for c in played], "trials_s": trials_s}
 
 
 def _parameter_split(spec: Any, stages: int) -> list[int]:
@@ -235,7 +249,9 @@ def summarize(name: str, out: dict[str, Any]) -> dict[str, Any]:
            "random_predicted_median_s": statistics.median(out["predicted_random"]),
            "plan_predicted_s": r["plan"][0]["predicted_s"], "model_error_median": statistics.median(errors),
            "model_error_max": max(errors), "profile_s": out["profile_s"], "search_s": out["plan_s"],
-           "parameter_split_s": r["plan, parameter split"][0]["measured_s"]}
+           "parameter_split_s": r["plan, parameter split"][0]["measured_s"],
+           "model_best_s": r["model's best"][0]["measured_s"] if r.get("model's best") else planned,
+           "trials": len(out["trials"]), "trials_s": out["trials_s"]}
     row["uneven_split_speedup"] = row["parameter_split_s"] / planned
     if "tc_measured_mbit" in out:  # the kernel's path (heterogeneous_netns.py): what tc gave, measured after
         row["tc_measured_mbit"] = out["tc_measured_mbit"]
@@ -272,6 +288,7 @@ def run_scenarios(names: list[str], run: Any, json_path: str | None) -> list[dic
                   f"{row['random_predicted_median_s']:.2f} s, plan predicted {row['plan_predicted_s']:.2f} s, "
                   f"model error median {row['model_error_median']:.1%} (max {row['model_error_max']:.1%}), "
                   f"parameter split {row['parameter_split_s']:.2f} s ({row['uneven_split_speedup']:.2f}x){kernel}; "
+                  f"model's best {row['model_best_s']:.2f} s, {row['trials']} played in {row['trials_s']:.1f} s; "
                   f"profile {row['profile_s']:.1f} s, search {row['search_s']:.1f} s; "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
     return rows

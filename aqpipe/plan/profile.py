@@ -47,33 +47,55 @@ def one_block_config(config: Any) -> Any:
     return small
 
 
+class OneBlock:
+    """One block of the run's model alone (stage 1 of three, random weights) on `device`, with a micro-batch of the
+    run's shape: what the profile times and the trials (trials.py) run as many times as a stage holds blocks. Frozen
+    where LoRA freezes the base (`frozen`): its backward is then the input's gradient alone."""
+
+    def __init__(self, cfg: Any, model_class: type, config: Any, device: torch.device, frozen: bool = False) -> None:
+        self.device, self.bf16 = device, cfg.bf16
+        self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        self.stage, _, _ = build_stage(model_class, one_block_config(config), 1, 3, seed=cfg.seed, dtype=self.dtype,
+                                       device=device)
+        if frozen or cfg.lora.enabled:
+            self.stage.requires_grad_(False)
+        self.shape = (cfg.micro_batch_size, cfg.data.seq_len, self.stage.hidden_size)
+        vocab = int(getattr(config, "vocab_size", 2) or 2)
+        rows, seq = self.shape[:2]
+        self.batch = {"input_ids": torch.randint(0, vocab, (rows, seq), device=device),
+                      "attention_mask": torch.ones(rows, seq, dtype=torch.long, device=device)}
+
+    def hidden(self) -> torch.Tensor:
+        """A hidden state that takes a gradient, as a stage's input does."""
+        return torch.randn(*self.shape, device=self.device, dtype=self.dtype, requires_grad=True)
+
+    def forward(self, hidden: torch.Tensor, times: int = 1) -> torch.Tensor:
+        """The block `times` over, as a stage of that many blocks runs its micro-batch."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for _ in range(times):
+                hidden = self.stage(hidden, self.batch)
+        return hidden
+
+
 def block_seconds(cfg: Any, model_class: type, config: Any, device: torch.device, slowdown: float = 1.0) -> float:
     """One block's forward and backward of one micro-batch at the run's shape, on `device` (median of REPEATS, after
     a warm-up): the block alone, from a hidden state that takes a gradient (the input's only where LoRA freezes the
     base), stretched by an emulated slowdown."""
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    stage, _, _ = build_stage(model_class, one_block_config(config), 1, 3, seed=cfg.seed, dtype=dtype, device=device)
-    if cfg.lora.enabled:
-        stage.requires_grad_(False)
-    rows, seq = cfg.micro_batch_size, cfg.data.seq_len
-    vocab = int(getattr(config, "vocab_size", 2) or 2)
-    batch = {"input_ids": torch.randint(0, vocab, (rows, seq), device=device),
-             "attention_mask": torch.ones(rows, seq, dtype=torch.long, device=device)}
+    block = OneBlock(cfg, model_class, config, device)
     times = []
     for _ in range(REPEATS + 1):
-        hidden = torch.randn(rows, seq, stage.hidden_size, device=device, dtype=dtype, requires_grad=True)
-        _synchronize(device)
+        hidden = block.hidden()
+        synchronize(device)
         started = emulated_device.began()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            out = stage(hidden, batch)
+        out = block.forward(hidden)
         out.backward(torch.randn_like(out))
-        _synchronize(device)
+        synchronize(device)
         own = emulated_device.own_seconds(started, device) if slowdown > 1 else time.perf_counter() - started[0]
         times.append(own * slowdown)
     return statistics.median(times[1:])
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -106,16 +128,16 @@ def _round_trip(peer: int, nbytes: int, sending: bool, matrix: Any, device: torc
     reply = torch.zeros(1, dtype=torch.uint8, device=device)
     if sending:  # the peer says it is ready first (not held), so the clock starts with its receive posted
         dist.recv(reply, peer)
-        _synchronize(device)
+        synchronize(device)
         started = time.monotonic()
         dist.send(message, peer)
         dist.recv(reply, peer)
-        _synchronize(device)
+        synchronize(device)
         _hold(matrix, peer, 1)
         return time.monotonic() - started
     dist.send(reply, peer)
     dist.recv(message, peer)
-    _synchronize(device)
+    synchronize(device)
     _hold(matrix, peer, nbytes)
     dist.send(reply, peer)
     return 0.0
@@ -131,7 +153,7 @@ def _two_messages(peer: int, sizes: tuple[int, int], sending: bool, matrix: Any,
     ready = torch.zeros(1, dtype=torch.uint8, device=device)
     if sending:
         dist.recv(ready, peer)  # the peer's receives are posted
-        _synchronize(device)
+        synchronize(device)
         for work in [dist.isend(first, peer), dist.isend(second, peer)]:
             work.wait()
         return 0.0

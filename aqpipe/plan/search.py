@@ -7,7 +7,9 @@ stage whose members are well linked (the replicas' sync runs inside a group), th
 the activations take that costs least (an open-loop path over the groups), the replicas are threaded through
 consecutive groups by their best links, and a local search then swaps ranks while the predicted step falls. Both
 keep the best placement the model predicts; blocks per stage follow each placement's speeds (CostModel.balance)
-unless the run fixes them.
+unless the run fixes them. Both also keep the best few of other kinds (`_Search.kind`: not the same placement with
+alike machines swapped) that the model prices within its error of the best (`MARGIN`): the candidates a run
+measures at start (trials.py), since the model cannot tell them apart.
 """
 from __future__ import annotations
 
@@ -24,6 +26,22 @@ from .workload import Workload
 
 EXACT_UP_TO = 8
 RANDOM_STARTS = 3  # besides rank order and the two constructions
+KEPT = 8  # candidates kept besides the best
+MARGIN = 0.15  # the model's error this far (RESULTS.md): a candidate priced within it of the best is worth measuring
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A placement, its blocks, what the model predicts of it, and (once trials.py has played it) its measured step."""
+
+    placement: list[int]
+    partition: list[int]
+    predicted: Prediction
+    measured: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"placement": self.placement, "partition": self.partition, "predicted_step_s": self.predicted.step,
+                "measured_step_s": self.measured}
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,8 @@ class Plan:
     method: str  # "exact" or "search"
     evaluated: int = 0
     seconds: float = 0.0
+    candidates: tuple[Candidate, ...] = ()  # the best first, then those priced within MARGIN of it, none alike
+    measured: bool = False  # the placement is the candidates' fastest measured (trials.py), not the model's best
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": self.stages, "replicas": self.replicas, "placement": self.placement,
@@ -46,7 +66,71 @@ class Plan:
                 "predicted_step_s": self.predicted.step, "rank_order_step_s": self.rank_order.step,
                 "parts": {"pipeline": self.predicted.pipeline, "compute": self.predicted.compute,
                           "boundaries": {str(b): t for b, t in self.predicted.boundaries.items()},
-                          "tables": self.predicted.tables, "data_parallel": self.predicted.data_parallel}}
+                          "tables": self.predicted.tables, "data_parallel": self.predicted.data_parallel},
+                "measured": self.measured, "candidates": [c.to_dict() for c in self.candidates]}
+
+
+ALIKE = 0.2  # two machines within this of each other in every figure are taken as interchangeable (measured noise)
+
+
+def _alike(a: float | None, b: float | None, floor: float = 0.0) -> bool:
+    if a is None or b is None or math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= ALIKE * max(abs(a), abs(b)) + floor
+
+
+def interchangeable(cluster: Cluster) -> list[int]:
+    """Each rank's class: machines alike (within ALIKE) in speed, memory, and their links to every other rank and
+    between themselves, so that which of them holds what changes the step by no more than the table's noise."""
+    n, m, rate, lat = len(cluster), cluster.machines, cluster.rate, cluster.latency
+
+    def link(i: int, j: int, k: int, q: int) -> bool:  # i -> j against k -> q
+        return _alike(rate[i][j], rate[k][q]) and _alike(lat[i][j], lat[k][q], 5e-4)
+
+    def alike(i: int, j: int) -> bool:
+        return (_alike(cluster.block_seconds(i, 1e12), cluster.block_seconds(j, 1e12)) and
+                _alike(m[i].memory_bytes, m[j].memory_bytes) and link(i, j, j, i) and
+                all(link(i, k, j, k) and link(k, i, k, j) for k in range(n) if k not in (i, j)))
+
+    firsts: list[int] = []
+    classes = []
+    for i in range(n):
+        match = next((c for c, f in enumerate(firsts) if alike(f, i)), None)
+        if match is None:
+            match = len(firsts)
+            firsts.append(i)
+        classes.append(match)
+    return classes
+
+
+def renamings(cluster: Cluster, classes: list[int], most: int = 6) -> list[tuple[int, ...]]:
+    """The renamings of classes that leave the cluster as it was (two regions alike, swapped): each class to one of
+    its size, speed and memory, every link between classes to one alike. Only the identity beyond `most` classes."""
+    k = max(classes) + 1
+    members = [[i for i, c in enumerate(classes) if c == x] for x in range(k)]
+    rep = [ms[0] for ms in members]
+
+    def within(x: int) -> tuple[float, float] | None:
+        return (cluster.rate[rep[x]][members[x][1]], cluster.latency[rep[x]][members[x][1]]) \
+            if len(members[x]) > 1 else None
+
+    def same(x: int, y: int) -> bool:
+        a, b = within(x), within(y)
+        return len(members[x]) == len(members[y]) and \
+            _alike(cluster.block_seconds(rep[x], 1e12), cluster.block_seconds(rep[y], 1e12)) and \
+            _alike(cluster.machines[rep[x]].memory_bytes, cluster.machines[rep[y]].memory_bytes) and \
+            (a is None) == (b is None) and (a is None or (_alike(a[0], b[0]) and _alike(a[1], b[1], 5e-4)))
+
+    if k > most:
+        return [tuple(range(k))]
+    out = []
+    for perm in itertools.permutations(range(k)):
+        if all(same(x, perm[x]) for x in range(k)) and all(
+                _alike(cluster.rate[rep[x]][rep[y]], cluster.rate[rep[perm[x]]][rep[perm[y]]]) and
+                _alike(cluster.latency[rep[x]][rep[y]], cluster.latency[rep[perm[x]]][rep[perm[y]]], 5e-4)
+                for x in range(k) for y in range(k) if x != y):
+            out.append(perm)
+    return out
 
 
 class _Search:
@@ -54,6 +138,35 @@ class _Search:
         self.model, self.fixed = model, partition
         self.evaluated = 0
         self._splits: dict[tuple, tuple[int, ...]] = {}
+        self._classes = interchangeable(model.cluster)
+        self._renamings = renamings(model.cluster, self._classes)
+        self.kept: dict[tuple, Candidate] = {}  # the best few priced, one of each kind (`kind`)
+
+    def kind(self, placement: list[int], partition: tuple[int, ...]) -> tuple:
+        """What a placement is, up to which of interchangeable machines holds what, renumbered replicas, and a
+        renaming of classes that leaves the cluster as it was."""
+        S = self.model.stages
+        labels = [self._classes[r] for r in placement]
+        return min((tuple(sorted(tuple(perm[x] for x in labels[i:i + S]) for i in range(0, len(labels), S))),
+                    partition) for perm in self._renamings)
+
+    def _keep(self, placement: list[int], partition: tuple[int, ...], predicted: Prediction) -> None:
+        """Keep a priced placement among the best few of their kinds."""
+        kept, step = self.kept, predicted.step
+        if not math.isfinite(step) or (len(kept) > KEPT and step >= max(c.predicted.step for c in kept.values())):
+            return
+        kind = self.kind(placement, partition)
+        if kind in kept and kept[kind].predicted.step <= step:
+            return
+        kept[kind] = Candidate(list(placement), list(partition), predicted)
+        if len(kept) > KEPT + 1:
+            del kept[max(kept, key=lambda k: kept[k].predicted.step)]
+
+    def candidates(self, best: Candidate) -> tuple[Candidate, ...]:
+        """`best`, then the kept placements of other kinds priced within MARGIN of it, fastest first."""
+        kind = self.kind(best.placement, tuple(best.partition))
+        others = sorted((c for k, c in self.kept.items() if k != kind), key=lambda c: c.predicted.step)
+        return (best, *(c for c in others if c.predicted.step <= best.predicted.step * (1 + MARGIN)))
 
     def split(self, placement: list[int]) -> tuple[int, ...]:
         if self.fixed is not None:
@@ -70,7 +183,9 @@ class _Search:
     def price(self, placement: list[int]) -> tuple[Prediction, tuple[int, ...]]:
         self.evaluated += 1
         partition = self.split(placement)
-        return self.model.predict(placement, partition), partition
+        predicted = self.model.predict(placement, partition)
+        self._keep(placement, partition, predicted)
+        return predicted, partition
 
 
 def plan(cluster: Cluster, work: Workload, stages: int, replicas: int, *, partition: list[int] | None = None,
@@ -99,7 +214,7 @@ def plan(cluster: Cluster, work: Workload, stages: int, replicas: int, *, partit
         short = _shortfall(model, search.split(order))
         raise ValueError(f"no placement of {stages} stages x {replicas} replicas fits the machines' memory: {short}")
     return Plan(stages, replicas, placement, list(split), predicted, rank_order, method, search.evaluated,
-                time.perf_counter() - started)
+                time.perf_counter() - started, search.candidates(Candidate(placement, list(split), predicted)))
 
 
 def _shortfall(model: CostModel, partition: tuple[int, ...]) -> str:

@@ -4,7 +4,8 @@
   (auto: by parameter count);
 - `auto`: the machines measured (profile.py) or read from `--cluster`, and the placement the cost model predicts
   fastest (search.py), blocks in proportion to speed unless `--partition` fixes them (a resumed run keeps its
-  checkpoint's);
+  checkpoint's); where the model prices others within its error of it, up to `--placement_trials` of them are
+  played for two steps on every rank (trials.py) and the fastest measured is taken, in a second line;
 - a plan file `aqpipe plan` wrote: its placement and blocks.
 
 Rank 0 reads the files (with no shared filesystem, its machine's copy) and plans, and every rank takes its answer
@@ -25,9 +26,9 @@ from aqpipe.pipeline.loading import meta_model
 from aqpipe.pipeline.partitioning import stage_block_counts
 from aqpipe.storage import broadcast
 
-from . import profile, workload
+from . import profile, trials, workload
 from .cluster import Cluster, read
-from .search import Plan, plan
+from .search import Candidate, Plan, plan
 
 PLACEMENTS = ("rank", "auto")  # or a plan file's path
 
@@ -102,8 +103,25 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     chosen = broadcast(chosen, world)
     if isinstance(chosen, str):
         raise ValueError(chosen)
+    count = min(cfg.distributed.placement_trials, len(getattr(chosen, "candidates", ())))
+    if count > 1:  # every rank plays the same candidates, and all take the fastest measured
+        chosen = measured(chosen, trials.run(chosen.candidates[:count], work, stages, world, cfg, model_class, config),
+                          world.rank == 0)
     blocks = cfg if fixed is not None else _with_blocks(cfg, list(chosen.partition))
     return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
+
+
+def measured(chosen: Plan, played: list[Candidate], say: bool) -> Plan:
+    """The plan with the fastest measured candidate's placement and blocks, the played candidates recorded; said in
+    one line (`say`)."""
+    best = min(played, key=lambda c: c.measured)
+    if say:
+        seen = "; ".join(f"{c.placement} blocks {c.partition}: {c.measured:.3g} s (predicted {c.predicted.step:.3g})"
+                         for c in played)
+        print(f"placement auto: the model's best {len(played)} measured, {trials.STEPS} steps each: {seen}; took "
+              f"{best.placement}", file=sys.stderr)
+    return replace(chosen, placement=best.placement, partition=best.partition, predicted=best.predicted,
+                   candidates=tuple(played), measured=True)
 
 
 def _rank_zeros(cfg: Any, world: Any, stages: int, how: str, fixed: list[int] | None, work: Any, cluster: Any,

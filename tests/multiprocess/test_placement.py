@@ -180,3 +180,69 @@ def gathered(rank: int, world: int) -> list[int]:
 def test_an_allgather_returns_the_replicas_in_their_order_not_the_ranks():
     """torch numbers a group's members by global rank; the algorithms index what they gather by replica."""
     assert spawn(gathered, 2) == [[11, 10], [11, 10]]
+
+
+# what a cluster file says: every link alike but ranks 0 <-> 1, which look the fastest; what the links are: 0 <-> 1
+# the slowest by far
+SAID = {"machines": [{"name": f"m{i}", "block_ms": 5.0} for i in range(4)],
+        "links": [{"from": a, "to": b, "mbit": 1600, "latency_ms": 0.5} for a, b in ((0, 1), (1, 0))],
+        "default_link": {"mbit": 800, "latency_ms": 1.0}}
+TRUE_LATENCY = [[0.0 if i == j else (0.04 if {i, j} == {0, 1} else 0.001) for j in range(4)] for i in range(4)]
+TRUE_RATE = [[0.0 if i == j else (5e5 if {i, j} == {0, 1} else 1e8) for j in range(4)] for i in range(4)]
+
+
+def tried(rank: int, world: int, directory: str, said: str) -> dict:
+    """The plan from a cluster file that misstates one link, once as the model has it (one trial) and once with the
+    model's best few played on the links as they are."""
+    import os
+
+    from aqpipe.data import load_tokenizer
+    from aqpipe.models import resolve_model
+    from aqpipe.pipeline import CompressionConfig
+    from aqpipe.plan.seat import seat
+    from aqpipe.settings import build
+    from aqpipe.world import World
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    spec = None
+    out = {}
+    for trials in (1, 8):
+        cfg = build("causal_lm", {"model": directory, "seq_len": 16, "pipeline_stages": 2, "replicas": 2,
+                                  "micro_batch_size": 2, "num_micro_batches": 4, "placement": "auto", "cluster": said,
+                                  "placement_trials": trials, "compression": CompressionConfig(),
+                                  "output_dir": f"{directory}/../out{rank}"})
+        spec = spec or resolve_model(directory, "llama", "causal_lm", load_tokenizer(directory), 16, None)
+        here = World(rank, world, rank, torch.device("cpu"), link_matrix=LinkMatrix(rank, TRUE_LATENCY, TRUE_RATE))
+        grid, _, chosen = seat(cfg, here, spec.model_class, spec.config)
+        out[trials] = {"placement": grid.placement, "plan": chosen.to_dict()}
+    return out
+
+
+def apart(placement: list[int], a: int, b: int) -> bool:
+    """Whether ranks a and b are neither neighbouring stages of one replica nor replicas of one stage (2 x 2)."""
+    (sa, ra), (sb, rb) = ((p % 2, p // 2) for p in (placement.index(a), placement.index(b)))
+    return sa != sb and ra != rb
+
+
+def test_the_model_s_best_few_are_measured_and_the_fastest_taken(tmp_path):
+    """The model, misled into pricing the slowest link as the fastest, puts ranks 0 and 1 together; played on the
+    links as they are, the candidates show it, and the run takes one that keeps them apart."""
+    import json
+
+    from tests.helpers.files import tiny_llama_dir
+
+    directory = str(tiny_llama_dir(tmp_path / "llama", blocks=4))
+    said = tmp_path / "said.json"
+    said.write_text(json.dumps(SAID))
+    ranks = spawn(tried, 4, directory, str(said))
+    first = ranks[0]
+    assert all(r == first for r in ranks)  # every rank played the same candidates and took the same one
+    assert not apart(first[1]["placement"], 0, 1), first[1]  # the model alone is misled
+    played = first[8]["plan"]["candidates"]
+    assert len(played) >= 3 and all(c["measured_step_s"] is not None for c in played), played
+    assert first[8]["plan"]["measured"] and apart(first[8]["placement"], 0, 1), first[8]
+    fastest = min(played, key=lambda c: c["measured_step_s"])
+    assert fastest["placement"] == first[8]["placement"], played
+    together = [c["measured_step_s"] for c in played if not apart(c["placement"], 0, 1)]
+    assert together and min(together) > 2 * fastest["measured_step_s"], played

@@ -280,3 +280,28 @@ def test_a_links_rate_is_read_from_two_messages_back_to_back_so_a_token_buckets_
     assert second_rate(large, second - first) == pytest.approx(rate)
     assert small / (first - latency) > 1.3 * rate  # what one message's time gave
     assert probe_sizes(100) == (SMALLEST, 4 * SMALLEST) and probe_sizes(10 << 20) == (LARGEST // 4, LARGEST)
+
+
+def test_the_candidates_to_measure_are_near_the_best_and_no_two_alike():
+    """A measured table of four regions alike, two machines each (every figure off by up to 5%, as measurements are):
+    the candidates a run plays at start are the best, then others the model prices within 15% of it, and none is
+    another with alike machines swapped or the regions' roles swapped (playing it would measure the noise)."""
+    rng = random.Random(3)
+    regions = "abcdabcd"
+    noisy = [[rng.uniform(0.95, 1.05) for _ in regions] for _ in regions]
+    cluster = parse({"machines": [{"region": r, "block_ms": 10 * rng.uniform(0.95, 1.05)} for r in regions],
+                     "links": [{"from": i, "to": j, "mbit": (1000 if a == b else 20) * noisy[i][j],
+                                "latency_ms": (0.1 if a == b else 20) * noisy[j][i]}
+                               for i, a in enumerate(regions) for j, b in enumerate(regions) if i != j]})
+    chosen = plan(cluster, replace(WORK, block_trained=20_000, forward_bytes=2e4, backward_bytes=2e4), 4, 2)
+    found = chosen.candidates
+    assert found[0].placement == chosen.placement and len(found) >= 4, found
+    steps = [c.predicted.step for c in found]
+    assert steps[1:] == sorted(steps[1:]) and steps[0] == min(steps) and steps[-1] <= 1.15 * steps[0], steps
+
+    def kind(placement: list[int], partition: list[int]) -> tuple:  # up to renamed regions
+        return min((tuple(sorted(tuple(name[regions[r]] for r in placement[i:i + 4]) for i in (0, 4))),
+                    tuple(partition)) for name in (dict(zip("abcd", p)) for p in itertools.permutations("abcd")))
+
+    kinds = [kind(c.placement, c.partition) for c in found]
+    assert len(set(kinds)) == len(kinds), kinds
