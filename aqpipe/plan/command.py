@@ -18,7 +18,7 @@ from aqpipe.tasks import TASKS
 
 from . import workload
 from .cluster import read
-from .search import Plan, plan
+from .search import MARGIN, Plan, plan
 from .seat import first_share, fixed_blocks
 
 USAGE = "usage: aqpipe plan [TASK] --cluster cluster.yaml [run flags] [--plan_file plan.json]"
@@ -48,6 +48,11 @@ def report(chosen: Plan) -> str:
     p, o = chosen.predicted, chosen.rank_order
     lines.append(f"predicted step {p.step:.4g} s: {p.parts()}")
     lines.append(f"rank order: {o.step:.4g} s ({o.parts()}); the plan is {o.step / p.step:.2f}x faster")
+    others = chosen.candidates[1:]
+    if others:  # what `--placement auto` would play at start: the model cannot tell these from its best
+        lines.append(f"priced within {MARGIN:.0%} of it (a run with --placement auto plays the best "
+                     "--placement_trials of these and its best, and takes the fastest measured): " +
+                     "; ".join(f"{c.placement} blocks {c.partition} {c.predicted.step:.4g} s" for c in others))
     return "\n".join(lines)
 
 

@@ -233,6 +233,9 @@ regions: {a: {a: {mbit: 1000, latency_ms: 0.1}, b: {mbit: 20, latency_ms: 30}}, 
     assert regions[0] == regions[1] and regions[2] == regions[3]
     slow = written["placement"].index(3) % 2
     assert written["partition"][slow] < written["partition"][1 - slow]  # the slow machine's stage, fewer blocks
+    others = written["candidates"][1:]  # what a run would play at start besides the plan
+    assert written["candidates"][0]["placement"] == written["placement"] and others
+    assert all(f"{c['placement']} blocks {c['partition']}" in out.split("priced within 15%")[1] for c in others), out
     assert main(["plan", "--model", "x"]) == 2 and "--cluster is required" in capsys.readouterr().err
 
 
