@@ -19,6 +19,11 @@ its weights:
 The job-wide table round is every placement's alike and is left out. Every rank plays every candidate (the
 candidates share the machines); a candidate's step is its slowest rank's, the faster of `STEPS` (the first meets
 cold links and allocations).
+
+The messages travel on the job's default group, told apart by their tags, so that a candidate costs no process
+groups but its replicas' (a group over a WAN costs round trips to the store). That takes gloo: NCCL ignores tags and
+runs a pair's messages on one stream in issue order (pipeline/topology.py's channels), so under NCCL the run takes
+the model's best unplayed (seat.py).
 """
 from __future__ import annotations
 
