@@ -50,8 +50,8 @@ def report(chosen: Plan) -> str:
     lines.append(f"rank order: {o.step:.4g} s ({o.parts()}); the plan is {o.step / p.step:.2f}x faster")
     others = chosen.candidates[1:]
     if others:  # what `--placement auto` would play at start: the model cannot tell these from its best
-        lines.append(f"priced within {MARGIN:.0%} of it (a run with --placement auto plays the best "
-                     "--placement_trials of these and its best, and takes the fastest measured): " +
+        lines.append(f"priced within {MARGIN:.0%} of it (a run with --placement auto plays the plan and the first "
+                     "of these, --placement_trials in all, and takes the fastest measured): " +
                      "; ".join(f"{c.placement} blocks {c.partition} {c.predicted.step:.4g} s" for c in others))
     return "\n".join(lines)
 

@@ -142,20 +142,21 @@ class _Search:
         self._renamings = renamings(model.cluster, self._classes)
         self.kept: dict[tuple, Candidate] = {}  # the best few priced, one of each kind (`kind`)
 
-    def kind(self, placement: list[int], partition: tuple[int, ...]) -> tuple:
+    def kind(self, placement: list[int]) -> tuple:
         """What a placement is, up to which of interchangeable machines holds what, renumbered replicas, and a
-        renaming of classes that leaves the cluster as it was."""
+        renaming of classes that leaves the cluster as it was. Its blocks are not part of it: the split follows the
+        machines' speeds, so alike machines' noise alone can move a block."""
         S = self.model.stages
         labels = [self._classes[r] for r in placement]
-        return min((tuple(sorted(tuple(perm[x] for x in labels[i:i + S]) for i in range(0, len(labels), S))),
-                    partition) for perm in self._renamings)
+        return min(tuple(sorted(tuple(perm[x] for x in labels[i:i + S]) for i in range(0, len(labels), S)))
+                   for perm in self._renamings)
 
     def _keep(self, placement: list[int], partition: tuple[int, ...], predicted: Prediction) -> None:
         """Keep a priced placement among the best few of their kinds."""
         kept, step = self.kept, predicted.step
         if not math.isfinite(step) or (len(kept) > KEPT and step >= max(c.predicted.step for c in kept.values())):
             return
-        kind = self.kind(placement, partition)
+        kind = self.kind(placement)
         if kind in kept and kept[kind].predicted.step <= step:
             return
         kept[kind] = Candidate(list(placement), list(partition), predicted)
@@ -164,7 +165,7 @@ class _Search:
 
     def candidates(self, best: Candidate) -> tuple[Candidate, ...]:
         """`best`, then the kept placements of other kinds priced within MARGIN of it, fastest first."""
-        kind = self.kind(best.placement, tuple(best.partition))
+        kind = self.kind(best.placement)
         others = sorted((c for k, c in self.kept.items() if k != kind), key=lambda c: c.predicted.step)
         return (best, *(c for c in others if c.predicted.step <= best.predicted.step * (1 + MARGIN)))
 

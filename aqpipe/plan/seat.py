@@ -28,7 +28,7 @@ from aqpipe.storage import broadcast
 
 from . import profile, trials, workload
 from .cluster import Cluster, read
-from .search import Candidate, Plan, plan
+from .search import MARGIN, Candidate, Plan, plan
 
 PLACEMENTS = ("rank", "auto")  # or a plan file's path
 
@@ -106,9 +106,9 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     count = min(cfg.distributed.placement_trials, len(getattr(chosen, "candidates", ())))
     if count > 1 and world.transport.type != "cpu":  # NCCL: one stream a pair, no tags (trials.py)
         if world.rank == 0:
-            print(f"placement auto: {len(chosen.candidates)} placements priced within 15% of the plan are not "
-                  "played under nccl (the trials' messages need gloo's tags); the model's best is taken",
-                  file=sys.stderr)
+            print(f"placement auto: {len(chosen.candidates) - 1} other placement(s) priced within {MARGIN:.0%} of "
+                  "the plan are not played under nccl (the trials' messages need gloo's tags); the model's best is "
+                  "taken", file=sys.stderr)
         count = 1
     if count > 1:  # every rank plays the same candidates, and all take the fastest measured
         chosen = measured(chosen, trials.run(chosen.candidates[:count], work, stages, world, cfg, model_class, config),

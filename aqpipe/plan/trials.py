@@ -45,8 +45,7 @@ from .search import Candidate
 from .workload import Workload
 
 STEPS = 2
-TABLE_BYTES = 224  # a step table's row (step_table.py)
-ACTIVATION, GRADIENT, TIE, TABLE, SYNC = range(1, 6)  # the trial's message tags, one per kind
+ACTIVATION, GRADIENT, TIE, TABLE = range(1, 5)  # the trial's message tags, one per kind
 
 
 def run(candidates: tuple[Candidate, ...], work: Workload, stages: int, world: Any, cfg: Any, model_class: type,
@@ -54,8 +53,9 @@ def run(candidates: tuple[Candidate, ...], work: Workload, stages: int, world: A
     """Every candidate played on every rank (call on every rank at once, with the same candidates), with its measured
     step: its slowest rank's, the faster of STEPS. The same list on all."""
     block = OneBlock(cfg, model_class, config, world.device, frozen=work.schedule == "zb1")
+    # its messages are made where the backend moves them from: no departures' thread (pipeline/departures.py)
     wire = Wire(latency_s=world.link_latency_s, transport=world.transport, mbit=world.link_mbit, device=world.device,
-                matrix=world.link_matrix)
+                defer=False, matrix=world.link_matrix)
     out = []
     for candidate in candidates:
         grid = Grid.for_world(world.size, stages, candidate.placement)
@@ -69,6 +69,8 @@ def run(candidates: tuple[Candidate, ...], work: Workload, stages: int, world: A
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             times.append(float(took.item()))
         out.append(replace(candidate, measured=min(times)))
+        if comm.group is not None:  # every rank is past its last use (the all_reduce above): its sockets closed
+            dist.destroy_process_group(comm.group)
     return out
 
 
@@ -121,21 +123,21 @@ def _step(grid: Grid, candidate: Candidate, work: Workload, world: Any, block: O
     wire.flush()
     pipeline = grid.pipeline_ranks(replica)
     if work.tie_bytes and S > 1 and stage in (0, S - 1):
-        _swap(wire, pipeline[-1] if stage == 0 else pipeline[0], max(1, round(work.tie_bytes / 2)), TIE)
+        _swap(wire, pipeline[-1] if stage == 0 else pipeline[0], max(1, round(work.tie_bytes / 2)), device)
     for peer in pipeline:  # the step's table over the pipeline: each rank's row to every other at once
         if peer != me:
-            wire.send(torch.zeros(TABLE_BYTES, dtype=torch.uint8, device=device), peer, tag=TABLE)
-    waits = [wire.post(TABLE_BYTES, peer, device, tag=TABLE) for peer in pipeline if peer != me]
+            wire.send(torch.zeros(work.table_bytes, dtype=torch.uint8, device=device), peer, tag=TABLE)
+    waits = [wire.post(work.table_bytes, peer, device, tag=TABLE) for peer in pipeline if peer != me]
     for incoming in waits:
         incoming.wait()
     wire.flush()
     _sync(comm, work, work.dp_bytes_per_parameter * work.stage_trained(stage, S, candidate.partition[stage]), device)
 
 
-def _swap(wire: Wire, peer: int, nbytes: int, tag: int) -> None:
-    """`nbytes` each way between this rank and `peer`."""
-    incoming = wire.post(nbytes, peer, torch.device(wire.staging.transport), tag=tag)
-    wire.send(torch.zeros(nbytes, dtype=torch.uint8, device=wire.staging.transport), peer, tag=tag)
+def _swap(wire: Wire, peer: int, nbytes: int, device: torch.device) -> None:
+    """The tied rows: `nbytes` each way between this rank and `peer`."""
+    incoming = wire.post(nbytes, peer, device, tag=TIE)
+    wire.send(torch.zeros(nbytes, dtype=torch.uint8, device=device), peer, tag=TIE)
     incoming.wait()
     wire.flush()
 

@@ -245,4 +245,5 @@ def test_the_model_s_best_few_are_measured_and_the_fastest_taken(tmp_path):
     fastest = min(played, key=lambda c: c["measured_step_s"])
     assert fastest["placement"] == first[8]["placement"], played
     together = [c["measured_step_s"] for c in played if not apart(c["placement"], 0, 1)]
-    assert together and min(together) > 2 * fastest["measured_step_s"], played
+    # a placement that keeps 0 and 1 together crosses their link at least twice a step: 40 ms each way, at least
+    assert together and min(together) > fastest["measured_step_s"] + 0.08, played
