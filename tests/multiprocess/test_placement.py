@@ -247,3 +247,46 @@ def test_the_model_s_best_few_are_measured_and_the_fastest_taken(tmp_path):
     together = [c["measured_step_s"] for c in played if not apart(c["placement"], 0, 1)]
     # a placement that keeps 0 and 1 together crosses their link at least twice a step: 40 ms each way, at least
     assert together and min(together) > fastest["measured_step_s"] + 0.08, played
+
+
+def played(rank: int, world: int, directory: str) -> dict:
+    """Two placements of 2 stages x 2 replicas played under each schedule, over links of 30 ms each way."""
+    import os
+
+    from aqpipe.data import load_tokenizer
+    from aqpipe.models import resolve_model
+    from aqpipe.pipeline import CompressionConfig
+    from aqpipe.plan import Prediction, trials, workload
+    from aqpipe.plan.search import Candidate
+    from aqpipe.settings import build
+    from aqpipe.world import World
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    latency = [[0.0 if i == j else 0.03 for j in range(4)] for i in range(4)]
+    rate = [[0.0 if i == j else 1e9 for j in range(4)] for i in range(4)]
+    here = World(rank, world, rank, torch.device("cpu"), link_matrix=LinkMatrix(rank, latency, rate))
+    spec = None
+    out = {}
+    for schedule in ("gpipe", "zb1"):  # 1F1B: the test above
+        cfg = build("causal_lm", {"model": directory, "seq_len": 16, "pipeline_stages": 2, "replicas": 2,
+                                  "micro_batch_size": 2, "num_micro_batches": 3, "schedule": schedule,
+                                  "compression": CompressionConfig(), "output_dir": f"{directory}/../out{rank}"})
+        spec = spec or resolve_model(directory, "llama", "causal_lm", load_tokenizer(directory), 16, None)
+        work = workload.build(cfg, spec.model_class, spec.config, 1.0)
+        guess = Prediction(1.0, 1.0, 1.0)
+        candidates = (Candidate([0, 1, 2, 3], [2, 2], guess), Candidate([3, 0, 1, 2], [3, 1], guess))
+        out[schedule] = [c.measured for c in trials.run(candidates, work, 2, here, cfg, spec.model_class, spec.config)]
+    return out
+
+
+def test_a_trial_plays_every_schedule_to_its_end_through_the_links(tmp_path):
+    """Under gpipe and zero-bubble as under 1F1B, every rank's part of a trial step completes (each receive meets its
+    send), all ranks read one step, and it holds at least what the links make it wait: an activation forward and
+    its gradient back, the pipeline's table round and the replicas' ring of 2 hops, 30 ms each, in turn."""
+    from tests.helpers.files import tiny_llama_dir
+
+    ranks = spawn(played, 4, str(tiny_llama_dir(tmp_path / "llama", blocks=4)))
+    assert all(r == ranks[0] for r in ranks), ranks
+    for schedule, steps in ranks[0].items():
+        assert len(steps) == 2 and all(0.03 * 4 <= s < 5.0 for s in steps), (schedule, steps)
