@@ -79,18 +79,28 @@ def _alike(a: float | None, b: float | None, floor: float = 0.0) -> bool:
     return abs(a - b) <= ALIKE * max(abs(a), abs(b)) + floor
 
 
+def _same_machine(cluster: Cluster, i: int, j: int) -> bool:
+    """Machines i and j alike in speed and memory (within ALIKE)."""
+    a, b = cluster.machines[i], cluster.machines[j]
+    return _alike(cluster.block_seconds(i, 1e12), cluster.block_seconds(j, 1e12)) and \
+        _alike(a.memory_bytes, b.memory_bytes)
+
+
+def _same_link(cluster: Cluster, one: tuple[int, int], other: tuple[int, int]) -> bool:
+    """The link `one` (from, to) alike `other` in rate and latency (within ALIKE; latencies within 0.5 ms too)."""
+    (i, j), (k, q) = one, other
+    return _alike(cluster.rate[i][j], cluster.rate[k][q]) and _alike(cluster.latency[i][j], cluster.latency[k][q], 5e-4)
+
+
 def interchangeable(cluster: Cluster) -> list[int]:
     """Each rank's class: machines alike (within ALIKE) in speed, memory, and their links to every other rank and
     between themselves, so that which of them holds what changes the step by no more than the table's noise."""
-    n, m, rate, lat = len(cluster), cluster.machines, cluster.rate, cluster.latency
-
-    def link(i: int, j: int, k: int, q: int) -> bool:  # i -> j against k -> q
-        return _alike(rate[i][j], rate[k][q]) and _alike(lat[i][j], lat[k][q], 5e-4)
+    n = len(cluster)
 
     def alike(i: int, j: int) -> bool:
-        return (_alike(cluster.block_seconds(i, 1e12), cluster.block_seconds(j, 1e12)) and
-                _alike(m[i].memory_bytes, m[j].memory_bytes) and link(i, j, j, i) and
-                all(link(i, k, j, k) and link(k, i, k, j) for k in range(n) if k not in (i, j)))
+        return _same_machine(cluster, i, j) and _same_link(cluster, (i, j), (j, i)) and \
+            all(_same_link(cluster, (i, k), (j, k)) and _same_link(cluster, (k, i), (k, j))
+                for k in range(n) if k not in (i, j))
 
     firsts: list[int] = []
     classes = []
@@ -110,27 +120,17 @@ def renamings(cluster: Cluster, classes: list[int], most: int = 6) -> list[tuple
     members = [[i for i, c in enumerate(classes) if c == x] for x in range(k)]
     rep = [ms[0] for ms in members]
 
-    def within(x: int) -> tuple[float, float] | None:
-        return (cluster.rate[rep[x]][members[x][1]], cluster.latency[rep[x]][members[x][1]]) \
-            if len(members[x]) > 1 else None
-
-    def same(x: int, y: int) -> bool:
-        a, b = within(x), within(y)
-        return len(members[x]) == len(members[y]) and \
-            _alike(cluster.block_seconds(rep[x], 1e12), cluster.block_seconds(rep[y], 1e12)) and \
-            _alike(cluster.machines[rep[x]].memory_bytes, cluster.machines[rep[y]].memory_bytes) and \
-            (a is None) == (b is None) and (a is None or (_alike(a[0], b[0]) and _alike(a[1], b[1], 5e-4)))
+    def same(x: int, y: int) -> bool:  # a class for another: as many machines, alike, alike linked among themselves
+        if len(members[x]) != len(members[y]) or not _same_machine(cluster, rep[x], rep[y]):
+            return False
+        return len(members[x]) == 1 or _same_link(cluster, (rep[x], members[x][1]), (rep[y], members[y][1]))
 
     if k > most:
         return [tuple(range(k))]
-    out = []
-    for perm in itertools.permutations(range(k)):
-        if all(same(x, perm[x]) for x in range(k)) and all(
-                _alike(cluster.rate[rep[x]][rep[y]], cluster.rate[rep[perm[x]]][rep[perm[y]]]) and
-                _alike(cluster.latency[rep[x]][rep[y]], cluster.latency[rep[perm[x]]][rep[perm[y]]], 5e-4)
-                for x in range(k) for y in range(k) if x != y):
-            out.append(perm)
-    return out
+    return [perm for perm in itertools.permutations(range(k))
+            if all(same(x, perm[x]) for x in range(k)) and
+            all(_same_link(cluster, (rep[x], rep[y]), (rep[perm[x]], rep[perm[y]]))
+                for x in range(k) for y in range(k) if x != y)]
 
 
 class _Search:
