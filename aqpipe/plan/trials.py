@@ -122,23 +122,20 @@ def _step(grid: Grid, candidate: Candidate, work: Workload, world: Any, block: O
                 emulated_device.stretch(began, world.compute_slowdown, world.device)
     wire.flush()
     pipeline = grid.pipeline_ranks(replica)
-    if work.tie_bytes and S > 1 and stage in (0, S - 1):
-        _swap(wire, pipeline[-1] if stage == 0 else pipeline[0], max(1, round(work.tie_bytes / 2)), device)
-    for peer in pipeline:  # the step's table over the pipeline: each rank's row to every other at once
-        if peer != me:
-            wire.send(torch.zeros(work.table_bytes, dtype=torch.uint8, device=device), peer, tag=TABLE)
-    waits = [wire.post(work.table_bytes, peer, device, tag=TABLE) for peer in pipeline if peer != me]
-    for incoming in waits:
-        incoming.wait()
-    wire.flush()
+    if work.tie_bytes and S > 1 and stage in (0, S - 1):  # the tied rows, between the first and the last stage
+        _exchange(wire, [pipeline[-1] if stage == 0 else pipeline[0]], max(1, round(work.tie_bytes / 2)), TIE, device)
+    # the step's table over the pipeline: each rank's row to every other at once
+    _exchange(wire, [peer for peer in pipeline if peer != me], work.table_bytes, TABLE, device)
     _sync(comm, work, work.dp_bytes_per_parameter * work.stage_trained(stage, S, candidate.partition[stage]), device)
 
 
-def _swap(wire: Wire, peer: int, nbytes: int, device: torch.device) -> None:
-    """The tied rows: `nbytes` each way between this rank and `peer`."""
-    incoming = wire.post(nbytes, peer, device, tag=TIE)
-    wire.send(torch.zeros(nbytes, dtype=torch.uint8, device=device), peer, tag=TIE)
-    incoming.wait()
+def _exchange(wire: Wire, peers: list[int], nbytes: int, tag: int, device: torch.device) -> None:
+    """`nbytes` each way between this rank and each of `peers`, all at once."""
+    incoming = [wire.post(nbytes, peer, device, tag=tag) for peer in peers]
+    for peer in peers:
+        wire.send(torch.zeros(nbytes, dtype=torch.uint8, device=device), peer, tag=tag)
+    for message in incoming:
+        message.wait()
     wire.flush()
 
 
