@@ -21,7 +21,7 @@ emulator), the plan from it, and measured steps (median of a few after a warm-up
   `--partition auto` gives rank order (by parameter count); their median is "rank order";
 - 100 random placements, predicted only (best and median), and the 3 the model predicts fastest, measured;
 - the plan as `--placement auto` takes it: the model's best few of other kinds priced within 15% of its best, played
-  for two steps each (plan/trials.py, `--placement_trials 3`), the fastest so measured; and the model's best
+  for two steps each (plan/trials.py, `--placement_trials`' default 3), the fastest so measured; and the model's best
   alone ("model's best"), where the trials took another;
 - with slow devices, the plan's placement with the parameter split (what the uneven split buys).
 The model's error: |predicted - measured| / measured for every measured placement, the median per scenario.
@@ -47,7 +47,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TRIALS = 3  # --placement_trials' default
 BASE_SLOWDOWN = 10.0  # every device: its compute stretched to this many times the host's own
 SLOW = 2.5  # a slow device, against the others
 GBIT = 10.0  # a scenario's Gbit/s as this many Mbit/s here
@@ -141,7 +140,8 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
     from aqpipe.models import resolve_model
     from aqpipe.pipeline import CompressionConfig, Grid
     from aqpipe.pipeline.emulated_link import LinkMatrix
-    from aqpipe.plan import CostModel, parse, plan, profile, trials, workload
+    from aqpipe.plan import CostModel, parse, plan, profile, workload
+    from aqpipe.plan.seat import play
     from aqpipe.settings import build
     from aqpipe.storage import broadcast
     from aqpipe.train import build_engine
@@ -166,10 +166,9 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
         chosen = plan(measured, work, S, R)
     chosen = broadcast(chosen, here)
     began = time.perf_counter()  # the trials, as `--placement auto` plays them (every rank)
-    played = trials.run(chosen.candidates[:TRIALS], work, S, here, cfg, spec.model_class, spec.config) \
-        if len(chosen.candidates) > 1 else list(chosen.candidates)
+    taken = play(chosen, cfg, here, work, S, spec.model_class, spec.config)
     trials_s = time.perf_counter() - began
-    taken = min(played, key=lambda c: c.measured if c.measured is not None else 0.0)
+    played = taken.candidates if taken.measured else ()
     if rank == 0:
         model = CostModel(measured, work, S, R)
         rng = random.Random(1)

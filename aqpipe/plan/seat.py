@@ -103,18 +103,27 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     chosen = broadcast(chosen, world)
     if isinstance(chosen, str):
         raise ValueError(chosen)
-    count = min(cfg.distributed.placement_trials, len(getattr(chosen, "candidates", ())))
-    if count > 1 and world.transport.type != "cpu":  # NCCL: one stream a pair, no tags (trials.py)
+    if getattr(chosen, "candidates", ()):  # a plan made here (a plan file's is taken as it is)
+        chosen = play(chosen, cfg, world, work, stages, model_class, config)
+    blocks = cfg if fixed is not None else _with_blocks(cfg, list(chosen.partition))
+    return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
+
+
+def play(chosen: Plan, cfg: Any, world: Any, work: Any, stages: int, model_class: type, config: Any) -> Plan:
+    """The plan after its candidates are played (up to `--placement_trials`, trials.py) and the fastest measured
+    taken (call on every rank at once, with the same plan); as it was where there is one candidate or one trial, or
+    under NCCL (one stream a pair, no tags), said in one line."""
+    count = min(cfg.distributed.placement_trials, len(chosen.candidates))
+    if count > 1 and world.transport.type != "cpu":
         if world.rank == 0:
             print(f"placement auto: {len(chosen.candidates) - 1} other placement(s) priced within {MARGIN:.0%} of "
                   "the plan are not played under nccl (the trials' messages need gloo's tags); the model's best is "
                   "taken", file=sys.stderr)
-        count = 1
-    if count > 1:  # every rank plays the same candidates, and all take the fastest measured
-        chosen = measured(chosen, trials.run(chosen.candidates[:count], work, stages, world, cfg, model_class, config),
-                          world.rank == 0)
-    blocks = cfg if fixed is not None else _with_blocks(cfg, list(chosen.partition))
-    return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
+        return chosen
+    if count < 2:
+        return chosen
+    return measured(chosen, trials.run(chosen.candidates[:count], work, stages, world, cfg, model_class, config),
+                    world.rank == 0)
 
 
 def measured(chosen: Plan, played: list[Candidate], say: bool) -> Plan:
