@@ -213,3 +213,62 @@ def test_sequential_batches_cover_every_sample_once_in_order_with_short_tails():
     assert torch.cat([mb["sample_id"] for step in steps for mb in step]).tolist() == list(range(11))
     with pytest.raises(ValueError, match="micro_batch_size=0"):
         list(data.sequential_batches(ds, 0, 2))
+
+
+def indices(batches) -> list[list[int]]:
+    """Each step's dataset indices (a shard's sample ids are positions in it)."""
+    return [[int(i) // 4 for mb in step for i in mb["input_ids"][:, 0]] for step in batches]
+
+
+# (samples, micro-batch size, shares): a faster replica taking 3 micro-batches a step to the other's 1; three
+# replicas; a last global batch too small for a sample a replica (48 + 2 = 50 over 3 + 2 + 1 micro-batches of 8)
+SHARES = [(50, 2, (3, 1)), (101, 4, (5, 3)), (200, 3, (1, 2, 5)), (8, 1, (2, 1)), (98, 8, (3, 2, 1))]
+
+
+@pytest.mark.parametrize("n, mb, shares", SHARES)
+def test_unequal_shares_deal_every_sample_once_an_epoch_each_replica_its_share(n, mb, shares):
+    ds, count = toy(n), len(shares)
+    runs = [[indices(data.micro_batches(ds, mb, 1, epoch, 7, (r, count), last="keep", shares=shares))
+             for r in range(count)] for epoch in (0, 1)]
+    steps = data.steps_per_epoch(ds, mb, 1, count, last="keep", shares=shares)
+    for epoch in runs:
+        assert [len(replica) for replica in epoch] == [steps] * count  # every replica steps alike
+        for replica, share in zip(epoch, shares):  # every step but the last: its share of micro-batches
+            assert all(len(step) == mb * share for step in replica[:-1]) and 1 <= len(replica[-1]) <= mb * share
+        seen = [i for replica in epoch for step in replica for i in step]
+        assert len(seen) == len(set(seen))  # no sample twice
+        left_out = n - len(seen)
+        assert left_out < count + mb * sum(shares)  # at most the remainder and a last batch too small to split
+    shards = [sorted(i for step in replica for i in step) for replica in runs[0]]
+    assert shards == [sorted(i for step in replica for i in step) for replica in runs[1]]  # shards stay put
+    assert [len(s) for s in shards] == [len(set(s)) for s in shards]
+
+
+def test_equal_shares_given_as_a_list_deal_as_the_replica_count_alone():
+    ds = toy(53)
+    for r in range(3):
+        assert order(data.micro_batches(ds, 2, 2, 1, 5, (r, 3), last="keep", shares=[2, 2, 2])) == \
+            order(data.micro_batches(ds, 2, 2, 1, 5, (r, 3), last="keep"))
+
+
+def test_visit_counts_under_unequal_shares_count_each_replicas_own_visits():
+    ds, shares, steps = toy(60), (3, 1), 11  # 60 = 7 steps of 8, and a last of 4: 11 steps end mid-epoch 1
+    for r in range(2):
+        seen = np.zeros(data.visit_counts(ds, 2, 1, 3, 2, steps, last="keep", shares=shares, index=r).shape, int)
+        positions = [int(i) for epoch in (0, 1) for step in data.micro_batches(ds, 2, 1, epoch, 3, (r, 2),
+                                                                                 last="keep", shares=shares)
+                     for mb in step for i in mb["sample_id"]]
+        per_epoch = data.steps_per_epoch(ds, 2, 1, 2, last="keep", shares=shares)
+        took = [p for e in (0, 1) for k, step in enumerate(data.micro_batches(ds, 2, 1, e, 3, (r, 2), last="keep",
+                                                                               shares=shares))
+                if e * per_epoch + k < steps for mb in step for p in mb["sample_id"].tolist()]
+        np.add.at(seen, took, 1)
+        assert len(positions) > len(took)  # the run ends inside the second epoch
+        assert np.array_equal(seen, data.visit_counts(ds, 2, 1, 3, 2, steps, last="keep", shares=shares, index=r))
+
+
+def test_unequal_shares_that_do_not_fit_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"micro_batch_shares=\[3, 1\]: expected 3 counts"):
+        data.micro_batches(toy(50), 2, 1, 0, 0, (0, 3), last="keep", shares=(3, 1))
+    with pytest.raises(ValueError, match="expected last='keep'"):
+        data.steps_per_epoch(toy(50), 2, 1, 2, last="drop", shares=(3, 1))

@@ -68,3 +68,27 @@ def test_a_last_step_too_small_for_the_new_replicas_is_refused_in_one_line():
     with pytest.raises(ValueError, match="regrouped epoch 0: its last step has 2 samples, fewer than the 4 replicas"):
         rest_of_epoch(toy(50), 2, Dealt(0, 2, 2), 1, (0, 4), 6, 25)
     assert list(rest_of_epoch(toy(50), 2, Dealt(0, 2, 2), 1, (0, 4), 7, 25)) == []  # the epoch ended: nothing left
+
+
+# (samples, micro-batch size, how the epoch began, the new count, its shares (None: equal), steps done): an epoch
+# begun over unequal shares regrouped over one replica and over three; an equal one over two unequal replicas
+SHARED = [(50, 2, Dealt(1, 2, 2, (3, 1)), 1, None, 2), (52, 2, Dealt(1, 2, 2, (3, 1)), 3, (2, 1, 1), 1),
+          (48, 2, Dealt(1, 1, 4), 2, (3, 1), 1), (61, 3, Dealt(1, 2, 3, (5, 1)), 2, (1, 5), 0)]
+
+
+@pytest.mark.parametrize("n, mb, dealt, now, shares, done", SHARED)
+def test_an_epoch_begun_or_going_on_over_unequal_shares_trains_every_sample_once(n, mb, dealt, now, shares, done):
+    ds, seed = toy(n), 4
+    before = [list(data.micro_batches(ds, mb, dealt.num_micro_batches, 1, seed, (r, dealt.replicas), last="keep",
+                                      shares=dealt.shares)) for r in range(dealt.replicas)]
+    epoch = sorted(i for steps in before for i in trained(steps))
+    taken = [i for steps in before for i in trained(steps[:done])]
+    rest = [list(rest_of_epoch(ds, mb, dealt, seed, (r, now), done, 1000, shares)) for r in range(now)]
+    assert sorted(taken + [i for steps in rest for i in trained(steps)]) == epoch and len(set(epoch)) == len(epoch)
+    weights = shares or (1,) * now
+    for k in range(len(before[0]) - done):
+        began_with = sorted(i for steps in before for i in trained(steps[done + k:done + k + 1]))
+        parts = [trained(steps[k:k + 1]) for steps in rest]
+        assert sorted(i for part in parts for i in part) == began_with  # the global batch the epoch began with
+        if k < len(before[0]) - done - 1:  # each replica its share of it (the last, partial one as split_by cuts)
+            assert [len(p) for p in parts] == [len(began_with) * w // sum(weights) for w in weights]
