@@ -12,6 +12,7 @@ class AllReduce(Algorithm):
 
     name = "allreduce"
     OPTIONS = ()
+    WEIGHTS = True  # a mean of gradients (scaled to their shares first): unequal shares weigh exactly
 
     def after_backward(self) -> None:
         if self.comm.size > 1 and self.params:

@@ -29,6 +29,10 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 class Algorithm:
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[tuple[str, ...]] = ()  # the options `DataParallelConfig.create` passes it
+    # whether it averages the replicas' gradients (each first scaled by the engine to its share of the step's
+    # micro-batches or tokens), so replicas may take unequal shares; one that averages models or their changes after
+    # the optimizer's step (which Adam makes blind to a gradient's scale) cannot weight them
+    WEIGHTS: ClassVar[bool] = False
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, **options: Any) -> None:
         if options:

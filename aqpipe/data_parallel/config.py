@@ -23,6 +23,13 @@ class DataParallelConfig:
                                      "= world size / pipeline_stages (an elastic launch: as many as the machines "
                                      "that came hold); a resume may change it (the rest of the epoch is dealt over "
                                      "the new count, the global batch kept)", "replicas", resume=RESHAPES)
+    shares: list[int] | str = setting("auto", "micro-batches each replica takes a step, comma-separated (their sum "
+                                            "replicas x num_micro_batches: the global batch), so that a faster "
+                                            "replica takes more and the average weighs each by its share; equal, or "
+                                            "auto (the plan's under --placement auto or a plan file, else equal); "
+                                            "an algorithm that averages models keeps equal shares; a resume on as "
+                                            "many replicas keeps the checkpoint's", "micro_batch_shares",
+                                      resume=KEPT, older="equal")
     algorithm: str = setting("allreduce", "replica sync: allreduce, decentralized, low_precision_decentralized, qadam, "
                                         "qsparse_local_sgd, cocktail_sgd", "dp_algorithm",
                                   choices=REGISTRY)
@@ -46,6 +53,16 @@ class DataParallelConfig:
         if self.replicas != "auto":
             check_int("replicas", self.replicas, 1, what="an int >= 1 or auto")
         check_choices(self)
+        if self.shares not in ("auto", "equal") and not (
+                isinstance(self.shares, list) and self.shares and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                      and v >= 1 for v in self.shares)):
+            raise ValueError(f"micro_batch_shares={self.shares!r}: expected auto, equal, or micro-batch counts >= 1 "
+                             "like 5,3")
+        if isinstance(self.shares, list) and not REGISTRY[self.algorithm].WEIGHTS:
+            raise ValueError(f"micro_batch_shares={','.join(map(str, self.shares))} with dp_algorithm="
+                             f"{self.algorithm}: it averages the replicas' models (or their changes) with equal "
+                             "weights, so unequal shares would bias the run; expected equal (or auto) shares, or "
+                             "dp_algorithm allreduce or qadam")
         check_int("dp_bits", self.bits, 1, 8)
         check_int("dp_local_steps", self.local_steps, 1)
         check_int("dp_interval", self.interval, 1)
@@ -64,6 +81,13 @@ class DataParallelConfig:
         if pairs and self.replicas != "auto" and self.replicas > 1 and self.replicas % 2:
             raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "
                              "expected an even count")
+
+    def each(self, num_micro_batches: int) -> list[int] | None:
+        """Every replica's micro-batches a step where the shares are unequal; None where they are equal (or not yet
+        resolved: auto)."""
+        if not isinstance(self.shares, list) or len(set(self.shares)) == 1:
+            return None
+        return list(self.shares)
 
     def warmup_for(self, total_steps: int) -> int:
         """QAdam's warm-up in steps: as given, or for "auto" a tenth of the run (at least 1), like the LR

@@ -251,6 +251,7 @@ class QAdam(Algorithm):
 
     name = "qadam"
     OPTIONS = ("warmup_steps", "bits", "seed")
+    WEIGHTS = True  # gradients (warm-up) and momenta are means, linear in the gradients scaled to their shares
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, warmup_steps: int = 100, bits: int = 8,
                  seed: int = 0, group_size: int = DEFAULT_GROUP_SIZE, **options: Any) -> None:

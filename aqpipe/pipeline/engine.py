@@ -270,8 +270,8 @@ class PipelineEngine:
         """An accepted step's update: the replicas' algorithm, clipping, the optimizer and the LR schedule; returns
         the learning rate it stepped with and the gradient norm before clipping (`totals` gets the dp bytes)."""
         norm = None  # the algorithm may change the gradients: their norm is taken again after it
-        share = self._token_share(table, totals)
-        if share != 1.0:  # this replica's micro-batches held another share of the step's targets than 1 / replicas
+        share = self._share(table, totals)
+        if share != 1.0:  # this replica held another share of the step's targets (or micro-batches) than 1 / replicas
             grads = [p.grad for p in owned_parameters(self.stage, self.ties) if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, share)
@@ -292,20 +292,22 @@ class PipelineEngine:
         self.global_step += 1
         return lr, grad_norm
 
-    def _token_share(self, table: StepTable, totals: StepTotals) -> float:
-        """What this replica's gradients are multiplied by to make the step's per-token mean: each replica's last
-        stage divided its token sums by its own count (exact 1 / micro-batches where they hold equal counts), so
-        this is replicas x its count / the job's (1 where replicas hold equal counts: LM blocks, one replica)."""
-        if not self.per_token or not totals.target_tokens:
+    def _share(self, table: StepTable, totals: StepTotals) -> float:
+        """What this replica's gradients are multiplied by so that the replicas' equal average is the step's mean: each
+        replica's last stage divided by its own count (of target tokens per token, else of micro-batches), so this is
+        replicas x its count / the job's (exactly 1 where replicas hold equal counts: LM blocks, equal shares of
+        micro-batches, one replica)."""
+        column = "target_tokens" if self.per_token and totals.target_tokens else "micro_batches"
+        whole = getattr(totals, column)
+        if not whole:
             return 1.0
-        mine = table.replica_sum("target_tokens", self.groups.replica)
-        return self.groups.grid.replicas * mine / totals.target_tokens
+        return self.groups.grid.replicas * table.replica_sum(column, self.groups.replica) / whole
 
-    def _loss(self, t: StepTotals, micro_batches: int) -> float:
+    def _loss(self, t: StepTotals) -> float:
         """The step's loss: per token over the step (`tokens`, a causal LM) or the mean of micro-batch means."""
         if self.per_token and t.target_tokens:
             return t.token_loss_sum / t.target_tokens
-        return t.mean_loss(micro_batches, self.groups.grid.replicas)
+        return t.mean_loss()
 
     def _decide_bits(self, table: StepTable, accepted: bool, micro_batches: list[dict]) -> dict[str, Any] | None:
         """Auto bits after the step: its compute observed (not a rejected step's: it may have stopped short), and on a
@@ -322,7 +324,7 @@ class PipelineEngine:
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  bits: dict[str, int] | None, decision: dict[str, Any] | None,
                  skipped: str | None = None) -> StepMetrics:
-        loss = float("nan") if skipped is not None else self._loss(t, m)
+        loss = float("nan") if skipped is not None else self._loss(t)
         return StepMetrics(step=self.global_step, epoch=epoch, loss=loss, lr=lr, grad_norm=grad_norm,
                            fwd_bytes=t.fwd_bytes, bwd_bytes=t.bwd_bytes, tie_bytes=t.tie_bytes, dp_bytes=t.dp_bytes,
                            phase=phase, seconds=time.perf_counter() - start, skipped=skipped, bubble=t.bubble(),
@@ -380,7 +382,7 @@ class PipelineEngine:
         actions = sched.forward_only(self.groups.stage, self.groups.grid.stages, len(micro_batches))
         run = StepRun(self._runtime(), micro_batches, "eval", False, None).run(actions)
         t = StepTable.exchange(self.groups, Row(run.guard.findings, 0.0, run.totals())).totals()
-        loss = self._loss(t, len(micro_batches))
+        loss = self._loss(t)
         result = {"loss": loss if not t.nonfinite else float("nan")}  # some stage saw NaN/inf (zeros were sent)
         if t.counted:
             result["accuracy"] = t.correct / t.counted

@@ -185,7 +185,8 @@ class StepRun:
     def totals(self, link: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> StepTotals:
         """This rank's share of the step's totals (`link`: its probe of the links)."""
         change = self.part.change  # its AQ-SGD sender's squares
-        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, token_loss_sum=self.token_loss_sum,
+        return StepTotals(**vars(self.counters), loss_sum=self.loss_sum, micro_batches=len(self.losses),
+                          token_loss_sum=self.token_loss_sum,
                           target_tokens=self.target_tokens, token_correct=self.token_correct,
                           accuracy_tokens=self.accuracy_tokens,
                           entropy_sum=self.entropy_sum, input_tokens=self.input_tokens,

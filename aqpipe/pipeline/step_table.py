@@ -41,6 +41,7 @@ class StepTotals(StepCounters):
     them, computing (forwards and backwards)."""
 
     loss_sum: float = 0.0
+    micro_batches: int = 0  # the losses loss_sum adds: each replica's last stage, one a micro-batch
     token_loss_sum: float = 0.0  # the sum of each causal-LM micro-batch's loss times its target tokens
     target_tokens: int = 0  # the tokens the causal-LM loss fell on (labels other than -100 after the first position)
     token_correct: int = 0  # of them, those the argmax predicts (TRL's mean_token_accuracy = this / accuracy_tokens)
@@ -79,9 +80,10 @@ class StepTotals(StepCounters):
         prediction was counted: a fused loss builds no logits, and TRL logs none with it either)."""
         return self.token_correct / self.accuracy_tokens if self.accuracy_tokens else None
 
-    def mean_loss(self, micro_batches: int, replicas: int) -> float:
-        """The mean micro-batch loss: every replica's last stage adds one loss per micro-batch."""
-        return self.loss_sum / (micro_batches * replicas)
+    def mean_loss(self) -> float:
+        """The mean micro-batch loss over the job: every replica's last stage adds one loss a micro-batch (replicas
+        may take unequal shares of them)."""
+        return self.loss_sum / self.micro_batches if self.micro_batches else math.nan
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """A causal LM's loss per target token over the whole step (HF Trainer's `num_items_in_batch`): 2 stages x 2 replicas
 with chat-like labels, whose micro-batches hold unequal target counts, against one process running the whole model
 on the whole batch: the same loss, gradient norm and updated weights. LM blocks (equal counts) train bit for bit as
-with the mean of micro-batch means."""
+with the mean of micro-batch means. Replicas taking unequal shares of the step's micro-batches (4 and 2: a faster
+replica taking more) train the same step, both per token and as the mean of micro-batch means."""
 import pytest
 import torch
 
@@ -32,8 +33,9 @@ def pipeline_steps(rank, world):
     grid = Grid.for_world(world, 2)
     groups = build_groups(grid, rank)
     out = {}
-    for chat in (True, False):
-        for average in ("tokens", "micro_batches"):
+    for chat, average, shares in [(c, a, (3, 3)) for c in (True, False) for a in ("tokens", "micro_batches")] + \
+            [(True, "tokens", (4, 2)), (True, "micro_batches", (4, 2))]:
+        if True:
             stage = toy_stages(2)[groups.stage]
             owned = owned_parameters(stage, toy_ties(2))
             algo = data_parallel.create("allreduce", owned, data_parallel.Comm(
@@ -43,21 +45,22 @@ def pipeline_steps(rank, world):
                                                    loss_average=average),
                                     compression=CompressionConfig(), ties=toy_ties(2), data_parallel=algo)
             batches = step_batches(chat)
-            per_replica = len(batches) // grid.replicas
-            metrics = engine.train_batch(batches[groups.replica * per_replica:(groups.replica + 1) * per_replica])
-            out["chat" if chat else "lm", average] = {
+            first = sum(shares[:groups.replica])
+            metrics = engine.train_batch(batches[first:first + shares[groups.replica]])
+            out["chat" if chat else "lm", average, *(() if shares == (3, 3) else (shares,))] = {
                 "loss": metrics.loss, "grad_norm": metrics.grad_norm, "tokens": metrics.target_tokens,
                 "params": [p.detach().clone() for p in owned]}
     return out
 
 
-def reference(chat: bool) -> dict:
-    """The whole model in one process over the whole batch: the sum of every target token's loss over their count."""
+def reference(chat: bool, per_token: bool = True) -> dict:
+    """The whole model in one process over the whole batch: the sum of every target token's loss over their count
+    (`per_token`), or the mean of the micro-batches' means."""
     model = toy_stages(1)[0]
     total, count = 0.0, 0
     for mb in step_batches(chat):
         out = model(None, mb)
-        n = int((mb["labels"][:, 1:] != -100).sum())
+        n = int((mb["labels"][:, 1:] != -100).sum()) if per_token else 1
         total, count = total + out.loss * n, count + n
     loss = total / count
     loss.backward()
@@ -98,3 +101,18 @@ def test_lm_blocks_train_bit_for_bit_as_with_the_mean_of_micro_batch_means(runs)
         assert a["tokens"] == b["tokens"] == SAMPLES * (SEQ - 1)
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+@pytest.mark.parametrize("average", ["tokens", "micro_batches"])
+def test_replicas_taking_unequal_shares_of_micro_batches_train_the_whole_batch_step(runs, average):
+    """Replica 0 takes 4 of the step's 6 micro-batches, replica 1 the other 2: its gradient is weighed by its share
+    before the replicas' average, so the step is the whole batch's, as one process takes it."""
+    ref = reference(chat=True, per_token=average == "tokens")
+    model = ref["model"]
+    stage0, stage1 = list(model.blocks[:2].parameters()), [model.embed, *model.blocks[2:].parameters()]
+    for rank, out in enumerate(runs):
+        run = out["chat", average, (4, 2)]
+        assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        for got, want in zip(run["params"], stage0 if rank % 2 == 0 else stage1):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
