@@ -136,6 +136,8 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
             continue
         if key in mine and key not in theirs and "older" in f.metadata:  # written before the setting existed
             theirs[key] = mine[key] if f.metadata["older"] is THIS_RUN else _json(f.metadata["older"])
+        if key == SHARES and theirs.get(REPLICAS, 1) != cfg.replicas:
+            continue  # the shares of another replica count: this run's own (_regrouped)
         if f.metadata.get("resume") in (KEPT, RESHAPES) and mine.get(key) == "auto" and \
                 theirs.get(key) not in (None, "auto"):
             mine[key] = theirs[key]  # resolved when its run started (a QAdam warm-up's steps): kept, whatever the
@@ -150,7 +152,7 @@ def check_compatible(directory: Path, cfg: "RunConfig") -> "RunConfig":
     return cfg
 
 
-REPLICAS, MICRO_BATCHES = "data_parallel.replicas", "num_micro_batches"
+REPLICAS, MICRO_BATCHES, SHARES = "data_parallel.replicas", "num_micro_batches", "data_parallel.shares"
 
 
 def _regrouped(cfg: "RunConfig", manifest: dict[str, Any], mine: dict[str, Any],
@@ -163,6 +165,8 @@ def _regrouped(cfg: "RunConfig", manifest: dict[str, Any], mine: dict[str, Any],
     if old != new and not position:
         raise ValueError(f"resume on {new} replicas: the checkpoint, {old} replicas, was written before checkpoints "
                          f"recorded their data position; expected replicas={old} (then save once and resume at {new})")
+    if old != new:  # each replica's share is this run's (the rest of the epoch is cut as they weigh it)
+        mine.pop(SHARES, None)
     whole = theirs[MICRO_BATCHES] * old  # micro-batches in a global batch
     # the count this run's flags give is the checkpoint's, or the one its launch was given before a regroup rescaled
     # it (an elastic restart passes the first launch's flags again): both mean the checkpoint's global batch

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from . import data as datalib
@@ -23,7 +23,8 @@ from .data.regroup import Dealt
 class Dealing:
     """This replica's dealing: `place` (replica, replicas); `dealt`: the epoch begun over another replica count, or
     None; `rows`: the AQ-SGD rows its sample ids index; `launched`: num_micro_batches as this launch was given it
-    (before a regroup rescaled it: checkpoint._regrouped)."""
+    (before a regroup rescaled it: checkpoint._regrouped); `shares`: every replica's micro-batches a step where they
+    differ (None: num_micro_batches each)."""
 
     train_set: Any
     micro_batch_size: int
@@ -33,17 +34,34 @@ class Dealing:
     dealt: Dealt | None = None
     rows: int = 0
     launched: int = 0
+    shares: tuple[int, ...] | None = None
+    every_rows: tuple[int, ...] = ()  # every replica's `rows` (they differ where shares do)
+
+    def this_run(self, epoch: int) -> Dealt:
+        """How this run deals `epoch` (from its start)."""
+        return Dealt(epoch, self.place[1], self.num_micro_batches, self.shares)
+
+    def dealt_as(self, epoch: int) -> Dealt:
+        """How `epoch` is dealt: as it began elsewhere, or as this run deals it."""
+        return self.begun_elsewhere(epoch) or self.this_run(epoch)
 
     def begun_elsewhere(self, epoch: int) -> Dealt | None:
         """How `epoch` was dealt where it began over another replica count than this run's; else None."""
         return self.dealt if self.dealt is not None and epoch == self.dealt.epoch else None
 
     def per_epoch(self, epoch: int) -> int:
-        """Steps in `epoch`: at the count it began with where that was another."""
-        by = self.begun_elsewhere(epoch)
-        return datalib.steps_per_epoch(self.train_set, self.micro_batch_size,
-                                       by.num_micro_batches if by else self.num_micro_batches,
-                                       by.replicas if by else self.place[1], last="keep")  # HF keeps the last batch
+        """Steps in `epoch`: at the count it began with where that was another (HF keeps an epoch's last batch)."""
+        by = self.dealt_as(epoch)
+        return datalib.steps_per_epoch(self.train_set, self.micro_batch_size, by.num_micro_batches, by.replicas,
+                                       last="keep", shares=by.shares)
+
+    def step_samples(self, epoch: int, index: int) -> int:
+        """Samples step `index` (1-based) of `epoch` trains over every replica: a global batch, the last one of the
+        epoch what is left of it."""
+        each = self.dealt_as(epoch).each()
+        sizes, steps = datalib.shard_sizes(len(self.train_set), self.micro_batch_size, each)
+        whole = self.micro_batch_size * sum(each)
+        return whole if index < steps else sum(sizes) - (steps - 1) * whole
 
     def total_steps(self, epochs: int, max_steps: int | None, position: dict[str, Any] | None, step: int) -> int:
         """The run's length: from a checkpoint at `step` and `position`, the steps taken, the rest of its epoch and
@@ -60,16 +78,22 @@ class Dealing:
         """This replica's micro-batches for the steps of `epoch` after the first `done`."""
         if (by := self.begun_elsewhere(epoch)) is not None:
             return regroup.rest_of_epoch(self.train_set, self.micro_batch_size, by, self.seed, self.place, done,
-                                         datalib.shard_size(len(self.train_set), self.place[1]))
+                                         self.shard(), self.shares)
         return itertools.islice(datalib.micro_batches(self.train_set, self.micro_batch_size, self.num_micro_batches,
-                                                      epoch=epoch, seed=self.seed, shard=self.place, last="keep"),
-                                done, None)
+                                                      epoch=epoch, seed=self.seed, shard=self.place, last="keep",
+                                                      shares=self.shares), done, None)
+
+    def shard(self, replica: int | None = None) -> int:
+        """A replica's shard size (default this one's): the AQ-SGD rows its own samples index."""
+        return datalib.shard_sizes(len(self.train_set), self.micro_batch_size,
+                                   self.this_run(0).each())[0][self.place[0] if replica is None else replica]
 
     def note(self, epoch: int) -> dict[str, Any]:
         """What a checkpoint in `epoch` records of the dealing (its manifest's position, beside the epoch and index)."""
-        by = self.begun_elsewhere(epoch)
-        return {"dealt": [by.replicas, by.num_micro_batches] if by else [self.place[1], self.num_micro_batches],
-                "rows": self.rows, "launched": self.launched}
+        by = self.dealt_as(epoch)
+        return {"dealt": [by.replicas, by.num_micro_batches, *([list(by.shares)] if by.shares else [])],
+                "rows": list(self.every_rows) if len(set(self.every_rows)) > 1 else self.rows,
+                "launched": self.launched}
 
 
 def dealing(cfg: Any, train_set: Any, place: tuple[int, int], manifest: dict[str, Any], regroups: bool,
@@ -84,14 +108,33 @@ def dealing(cfg: Any, train_set: Any, place: tuple[int, int], manifest: dict[str
     dealt = None
     if position is not None and position.get("dealt") is not None and position["dealt"][0] != replicas:
         dealt = Dealt(position["epoch"], *position["dealt"])
-    rows = datalib.shard_size(len(train_set), replicas) + (regroup.rows(train_set, dealt) if dealt else 0)
-    if position is not None and not regroups and position.get("rows"):
-        rows = position["rows"]  # the codecs carried hold this many
-    made = Dealing(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, place, dealt, rows, launched)
+    shares = cfg.data_parallel.each(cfg.num_micro_batches)
+    made = Dealing(train_set, cfg.micro_batch_size, shares[place[0]] if shares else cfg.num_micro_batches, cfg.seed,
+                   place, dealt, 0, launched, tuple(shares) if shares else None)
+    extra = regroup.rows(train_set, dealt, cfg.micro_batch_size) if dealt else 0
+    rows = [made.shard(r) + extra for r in range(replicas)]
+    if position is not None and not regroups and position.get("rows"):  # the codecs carried hold this many
+        rows = position["rows"] if isinstance(position["rows"], list) else [position["rows"]] * replicas
+    made = replace(made, rows=rows[place[0]], every_rows=tuple(rows))
     if dealt is not None and speaks and position["index"] < made.per_epoch(dealt.epoch):
         print(f"data: epoch {dealt.epoch}, begun over {dealt.replicas} replica{'s' if dealt.replicas > 1 else ''}, "
               f"goes on over {replicas} to its step {made.per_epoch(dealt.epoch)}: each step's global batch is the "
-              f"one it began with ({dealt.replicas} x {dealt.num_micro_batches} micro-batches of "
-              f"{cfg.micro_batch_size}), {cfg.num_micro_batches} micro-batches a replica; no sample trained twice or "
-              "left out", file=sys.stderr, flush=True)
+              f"one it began with ({_began(dealt)} micro-batches of "
+              f"{cfg.micro_batch_size}), {_each(shares, cfg.num_micro_batches)}; no sample trained twice or left out",
+              file=sys.stderr, flush=True)
+    if shares and speaks:
+        sizes = datalib.shard_sizes(len(train_set), cfg.micro_batch_size, shares)[0]
+        print(f"data: replicas take {','.join(map(str, shares))} micro-batches a step (micro_batch_shares), each from "
+              f"a shard sized to its share ({', '.join(map(str, sizes))} samples), the average weighed to match; "
+              f"{len(train_set) - sum(sizes)} samples left out", file=sys.stderr, flush=True)
     return made
+
+
+def _began(dealt: Dealt) -> str:
+    return f"{dealt.replicas} x {dealt.num_micro_batches}" if dealt.shares is None else \
+        f"{dealt.replicas} replicas taking {','.join(map(str, dealt.shares))}"
+
+
+def _each(shares: list[int] | None, num_micro_batches: int) -> str:
+    return f"micro-batches {','.join(map(str, shares))} by replica" if shares else \
+        f"{num_micro_batches} micro-batches a replica"

@@ -84,6 +84,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     partition = cfg.distributed.partition
     if isinstance(partition, list) and len(partition) != stages:
         raise ValueError(f"partition={partition}: expected {stages} block counts, one per stage")
+    shares = cfg.data_parallel.shares
+    if isinstance(shares, list) and (len(shares) != cfg.replicas or
+                                     sum(shares) != cfg.replicas * cfg.num_micro_batches):
+        raise ValueError(f"micro_batch_shares={','.join(map(str, shares))}: expected {cfg.replicas} counts, one per "
+                         f"replica, summing to replicas x num_micro_batches = "
+                         f"{cfg.replicas * cfg.num_micro_batches} (the global batch)")
     return cfg
 
 

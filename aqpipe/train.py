@@ -235,15 +235,20 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
     c, grid = cfg.compression, world.grid
     if c.forward != "aqsgd" or grid.stages == 1:
         return None
-    stage = grid.coords(world.rank)[0]
-    counts = datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
-                                  total_steps, last="keep")  # regrouped: as if the run had these shards throughout
+    stage, replica = grid.coords(world.rank)
+    shares = cfg.data_parallel.each(cfg.num_micro_batches)
+
+    def visits(r: int) -> np.ndarray:  # regrouped: as if the run had these shards throughout
+        return datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
+                                    total_steps, last="keep", shares=shares, index=r)
+    counts = visits(replica)
     counts = np.concatenate([counts, np.ones(rows - len(counts), dtype=counts.dtype)])
+    everyone = np.concatenate([visits(r) for r in range(grid.replicas)]) if shares else None
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
     resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None
     plan = buffer_plan.plan(cfg, world, counts, int(stage > 0) + int(stage < grid.stages - 1), row, form,
-                            checkpoint.saved_buffer_plan(resumed) if keep_saved else None)
+                            checkpoint.saved_buffer_plan(resumed) if keep_saved else None, replica, everyone)
     if plan.line:
         print(plan.line, file=sys.stderr)
     return plan
@@ -396,7 +401,7 @@ def _train(task: Task, cfg: RunConfig, world: World, data: Any = None,
                 break
             injector.before_step(progress.step + 1)
             m = engine.train_batch(mbs, epoch)  # host batches: the step stages them (micro_batch.py)
-            samples = sum(len(mb["sample_id"]) for mb in mbs) * replicas
+            samples = deals.step_samples(epoch, index + 1)
             progress.add(m, epoch, index + 1, time.perf_counter() - started, samples)
             record = step_record(m, samples, progress.num_tokens)
             if cfg.eval_every and progress.step % cfg.eval_every == 0 and eval_batches:

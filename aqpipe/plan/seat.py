@@ -8,9 +8,13 @@
   played for two steps on every rank (trials.py) and the fastest measured is taken, in a second line;
 - a plan file `aqpipe plan` wrote: its placement and blocks.
 
+With `--micro_batch_shares auto` the replicas take the plan's shares of the step's micro-batches (equal under rank
+order, or where the algorithm cannot weigh them); the settings come back with them resolved, which a checkpoint
+records and a resume on as many replicas keeps (its shards hold the AQ-SGD rows).
+
 Rank 0 reads the files (with no shared filesystem, its machine's copy) and plans, and every rank takes its answer
 (the search keeps to a time budget, so two ranks could reach two answers). Returns the grid and the settings with
-`partition` resolved to the blocks the run takes.
+`partition` resolved to the blocks the run takes and `micro_batch_shares` to the shares.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from aqpipe.data_parallel import REGISTRY
 from aqpipe.pipeline import Grid
 from aqpipe.pipeline.loading import meta_model
 from aqpipe.pipeline.partitioning import stage_block_counts
@@ -71,8 +76,10 @@ def describe(chosen: Plan, source: str, took: float | None) -> str:
     """The start line of a planned run."""
     where = f"measured in {took:.1f} s" if took is not None else f"from {source}"
     speedup = chosen.rank_order.step / chosen.predicted.step if chosen.predicted.step else 1.0
+    shares = chosen.shares
+    each = f", micro-batches by replica {','.join(map(str, shares))}" if len(set(shares)) > 1 else ""
     return (f"placement auto ({where}): ranks by (stage, replica) {chosen.placement}, blocks per stage "
-            f"{chosen.partition}; predicted step {chosen.predicted.step:.3g} s ({chosen.predicted.parts()}), rank "
+            f"{chosen.partition}{each}; predicted step {chosen.predicted.step:.3g} s ({chosen.predicted.parts()}), rank "
             f"order's {chosen.rank_order.step:.3g} s ({speedup:.2f}x); {chosen.method} search over "
             f"{chosen.evaluated} placements in {chosen.seconds:.1f} s")
 
@@ -81,7 +88,7 @@ def rank_order(cfg: Any, world_size: int) -> tuple[Grid, Any]:
     """The launcher's numbering, and the settings' blocks (auto: by parameter count)."""
     blocks = cfg.distributed.partition
     return Grid.for_world(world_size, cfg.distributed.pipeline_stages), \
-        _with_blocks(cfg, "parameters" if blocks == "auto" else blocks)
+        _with_shares(_with_blocks(cfg, "parameters" if blocks == "auto" else blocks), None)
 
 
 def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, Any, Plan | None]:
@@ -106,7 +113,7 @@ def seat(cfg: Any, world: Any, model_class: type, config: Any) -> tuple[Grid, An
     if getattr(chosen, "candidates", ()):  # a plan made here (a plan file's is taken as it is)
         chosen = play(chosen, cfg, world, work, stages, model_class, config)
     blocks = cfg if fixed is not None else _with_blocks(cfg, list(chosen.partition))
-    return Grid.for_world(world.size, stages, chosen.placement), blocks, chosen
+    return Grid.for_world(world.size, stages, chosen.placement), _with_shares(blocks, chosen.shares), chosen
 
 
 def play(chosen: Plan, cfg: Any, world: Any, work: Any, stages: int, model_class: type, config: Any) -> Plan:
@@ -149,9 +156,11 @@ def _rank_zeros(cfg: Any, world: Any, stages: int, how: str, fixed: list[int] | 
             raise ValueError(f"placement={how!r}: its blocks per stage {data['partition']} are not this run's "
                              f"partition={cfg.distributed.partition!r} ({fixed}); expected a plan made with that "
                              "partition (a resumed run keeps its checkpoint's blocks)")
+        shares = _plan_shares(data, cfg, how)
+        each = f", micro-batches by replica {','.join(map(str, shares))}" if len(set(shares or [0])) > 1 else ""
         print(f"placement {how}: ranks by (stage, replica) {data['placement']}, blocks per stage "
-              f"{data['partition']}", file=sys.stderr)
-        return SimpleNamespace(placement=list(data["placement"]), partition=list(data["partition"]))
+              f"{data['partition']}{each}", file=sys.stderr)
+        return SimpleNamespace(placement=list(data["placement"]), partition=list(data["partition"]), shares=shares)
     if cluster is None:
         cluster = read(cfg.distributed.cluster, world.size)
     chosen = plan(cluster, work, stages, cfg.replicas, partition=fixed, seed=cfg.seed)
@@ -163,6 +172,30 @@ def _rank_zeros(cfg: Any, world: Any, stages: int, how: str, fixed: list[int] | 
 
 def _with_blocks(cfg: Any, blocks: Any) -> Any:
     return replace(cfg, distributed=replace(cfg.distributed, partition=blocks))
+
+
+def _with_shares(cfg: Any, shares: list[int] | None) -> Any:
+    """cfg with `auto` shares resolved: the plan's where they differ, else equal (a run's own list stays)."""
+    if cfg.data_parallel.shares != "auto":
+        return cfg
+    resolved = list(shares) if shares and len(set(shares)) > 1 else "equal"
+    return replace(cfg, data_parallel=replace(cfg.data_parallel, shares=resolved))
+
+
+def _plan_shares(data: dict[str, Any], cfg: Any, path: str) -> list[int] | None:
+    """A plan file's micro-batch shares (None where it has none), checked against this run's global batch and
+    algorithm; ValueError in one line."""
+    shares = data.get("shares")
+    if not shares or len(set(shares)) == 1 or cfg.data_parallel.shares != "auto":
+        return None  # none, equal, or the run's own (a resume keeps its checkpoint's)
+    whole = cfg.replicas * cfg.num_micro_batches
+    if len(shares) != cfg.replicas or sum(shares) != whole:
+        raise ValueError(f"placement={path!r}: its micro-batch shares {','.join(map(str, shares))} are not this "
+                         f"run's global batch of {cfg.replicas} x {cfg.num_micro_batches} micro-batches; expected a "
+                         "plan made with this run's --num_micro_batches")
+    if not REGISTRY[cfg.data_parallel.algorithm].WEIGHTS:
+        return None  # the algorithm cannot weigh them: equal shares
+    return list(shares)
 
 
 def _write_table(cluster: Cluster, cfg: Any) -> None:

@@ -95,7 +95,8 @@ def _step(grid: Grid, candidate: Candidate, work: Workload, world: Any, block: O
     after = grid.rank(stage + 1, replica) if stage < S - 1 else None
     times = max(1, round(candidate.partition[stage] + work.stage_extra(stage, S)))
     forward, backward = max(1, round(work.forward_bytes)), max(1, round(work.backward_bytes))
-    actions = train_schedule(work.schedule, stage, S, work.micro_batches)
+    shares = candidate.predicted.shares  # this replica's micro-batches, as the candidate deals them
+    actions = train_schedule(work.schedule, stage, S, shares[replica] if shares else work.micro_batches)
     posted = {(a.op, a.micro_batch): wire.post(forward, before, device, tag=ACTIVATION) if a.op == RECV_ACT else
               wire.post(backward, after, device, tag=GRADIENT)
               for a in actions if a.op in (RECV_ACT, RECV_GRAD)}

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from aqpipe.compression import QuantizedTensor
+from aqpipe.data_parallel import REGISTRY
 from aqpipe.pipeline.loading import meta_model
 from aqpipe.pipeline.partitioning import model_family, numel
 from aqpipe.pipeline.stages.base import present
@@ -49,6 +50,15 @@ class Workload:
     first_memory: float  # stage 0's and the last stage's besides their blocks
     last_memory: float
     table_bytes: int = 1024  # at most, a message of the step's job-wide rounds (step_table.py: a row, 224 B)
+    shares: tuple[int, ...] | None = None  # each replica's micro-batches a step, as the settings fix them (None: the
+    # plan's choice where `weighs`, else micro_batches each)
+    weighs: bool = False  # the replicas' algorithm averages gradients, so replicas may take unequal shares
+
+    def fixed_shares(self, replicas: int) -> tuple[int, ...] | None:
+        """The shares every placement is priced with; None where the plan chooses them for each."""
+        if self.shares is not None:
+            return self.shares
+        return None if self.weighs and replicas > 1 else (self.micro_batches,) * replicas
 
     def stage_extra(self, stage: int, stages: int) -> float:
         return (self.first_extra if stage == 0 else 0.0) + (self.last_extra if stage == stages - 1 else 0.0)
@@ -115,6 +125,9 @@ def build(cfg: Any, model_class: type, config: Any, first_share: float) -> Workl
     tie_bits = c.tie_bits if c.tie not in ("none",) else 32
     tie_bytes = 2 * tie_rows * (width * tie_bits / 8 + 8) if ties_train else 0.0
     dp_bytes, dp_kind = DP_TRAFFIC[cfg.data_parallel.algorithm](cfg.data_parallel)
+    shares = cfg.data_parallel.shares
+    fixed = tuple(shares) if isinstance(shares, list) else None if shares == "auto" else \
+        (m,) * max(1, cfg.replicas if isinstance(cfg.replicas, int) else 1)
     state_bytes = 16 if not lora else 0  # float32 weight's gradient and Adam's moments (weights counted apart)
     weight_bytes = 4 if not lora else 2
     return Workload(
@@ -128,7 +141,8 @@ def build(cfg: Any, model_class: type, config: Any, first_share: float) -> Workl
         block_memory=block_params * weight_bytes + trained_block * state_bytes,
         activation_memory=16.0 * tokens * width * wire.itemsize,
         first_memory=first * (weight_bytes + (0 if lora else state_bytes)),
-        last_memory=last * (weight_bytes + (0 if lora else state_bytes)) + 2 * vocab * tokens * 4)
+        last_memory=last * (weight_bytes + (0 if lora else state_bytes)) + 2 * vocab * tokens * 4,
+        shares=fixed, weighs=REGISTRY[cfg.data_parallel.algorithm].WEIGHTS)
 
 
 def _adapter_parameters(cfg: Any, config: Any, width: int) -> int:

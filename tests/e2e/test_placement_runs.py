@@ -28,7 +28,9 @@ def losses(out):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("placement")
     plan = root / "plan.json"
-    plan.write_text(json.dumps({"stages": 2, "replicas": 2, "placement": MOVED, "partition": [2, 2]}))
+    # its shares would deal other shards than the checkpoint's: a resume keeps the checkpoint's (equal)
+    plan.write_text(json.dumps({"stages": 2, "replicas": 2, "placement": MOVED, "partition": [2, 2],
+                                "shares": [3, 1]}))
     straight = gpt2(root / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
     # its checkpoint at step 2 (a restart lands on machines the rendezvous numbered otherwise), under the plan
@@ -40,7 +42,7 @@ def runs(tmp_path_factory):
 
 def test_a_run_resumed_under_another_placement_trains_as_the_rank_ordered_one_to_the_bit(runs):
     root, said = runs
-    assert f"placement {root / 'plan.json'}: ranks by (stage, replica) {MOVED}" in said
+    assert f"placement {root / 'plan.json'}: ranks by (stage, replica) {MOVED}, blocks per stage [2, 2]\n" in said
     straight, moved = losses(root / "straight"), losses(root / "moved")
     assert len(straight) == 4 and moved == straight[2:]  # steps 3 and 4 under the plan: the same bits
     manifest = json.loads((root / "moved" / "checkpoints" / "step_00000004" / "manifest.json").read_text())

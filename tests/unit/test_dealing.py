@@ -5,9 +5,10 @@ from types import SimpleNamespace
 import torch
 
 from aqpipe import data
+from aqpipe.data_parallel.config import DataParallelConfig
 from aqpipe.dealing import dealing
 
-CFG = SimpleNamespace(micro_batch_size=2, num_micro_batches=2, seed=1)
+CFG = SimpleNamespace(micro_batch_size=2, num_micro_batches=2, seed=1, data_parallel=DataParallelConfig())
 
 
 def toy(n: int) -> data.TensorDictDataset:
@@ -27,7 +28,7 @@ def test_a_run_is_as_long_as_its_steps_taken_the_rest_of_its_epoch_and_the_later
     ds = toy(49)
     fresh = dealing(CFG, ds, (0, 2), {}, False, False)
     assert fresh.total_steps(2, None, None, 0) == 12 and fresh.dealt is None and fresh.rows == 24
-    shrunk_cfg = SimpleNamespace(micro_batch_size=2, num_micro_batches=4, seed=1)
+    shrunk_cfg = SimpleNamespace(micro_batch_size=2, num_micro_batches=4, seed=1, data_parallel=DataParallelConfig())
     shrunk = dealing(shrunk_cfg, ds, (0, 1), manifest(2, 0, 2, [2, 2]), True, False)
     assert shrunk.per_epoch(0) == 6 and shrunk.per_epoch(1) == 7
     assert shrunk.total_steps(2, None, manifest(2, 0, 2, [2, 2])["position"], 2) == 13
@@ -39,7 +40,7 @@ def test_a_run_is_as_long_as_its_steps_taken_the_rest_of_its_epoch_and_the_later
 
 def test_a_resume_at_the_same_count_carries_the_rows_and_an_epoch_begun_elsewhere():
     ds = toy(49)
-    cfg = SimpleNamespace(micro_batch_size=2, num_micro_batches=4, seed=1)
+    cfg = SimpleNamespace(micro_batch_size=2, num_micro_batches=4, seed=1, data_parallel=DataParallelConfig())
     later = manifest(10, 1, 4, [1, 4], rows=97, launched=2)
     again = dealing(cfg, ds, (0, 1), later, False, False)
     assert (again.rows, again.dealt, again.launched) == (97, None, 2)  # the codecs carried hold 97 rows

@@ -233,6 +233,9 @@ regions: {a: {a: {mbit: 1000, latency_ms: 0.1}, b: {mbit: 20, latency_ms: 30}}, 
     assert regions[0] == regions[1] and regions[2] == regions[3]
     slow = written["placement"].index(3) % 2
     assert written["partition"][slow] < written["partition"][1 - slow]  # the slow machine's stage, fewer blocks
+    held = written["placement"].index(3) // 2  # and its replica fewer of the step's 8 micro-batches
+    assert sum(written["shares"]) == 8 and written["shares"][held] < written["shares"][1 - held]
+    assert f"{written['shares'][held]} (replica {held})" in out.split("micro-batches a step by replica:")[1]
     others = written["candidates"][1:]  # what a run would play at start besides the plan
     assert written["candidates"][0]["placement"] == written["placement"] and others
     assert all(f"{c['placement']} blocks {c['partition']}" in out.split("priced within 15%")[1] for c in others), out
@@ -308,3 +311,50 @@ def test_the_candidates_to_measure_are_near_the_best_and_no_two_alike():
 
     kinds = [kind(c.placement) for c in found]
     assert len(set(kinds)) == len(kinds), kinds
+
+
+def compositions(total: int, parts: int):
+    """Every way to give `parts` replicas at least one micro-batch each, `total` in all."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+@pytest.mark.parametrize("stages,replicas", [(2, 2), (1, 3), (2, 3)])
+def test_replicas_of_unequal_speed_take_the_shares_that_make_the_step_shortest(stages, replicas):
+    """Where the algorithm weighs gradients, a placement's shares are the ones of every possible split of the global
+    batch whose slowest replica is fastest; they sum to it, and the step is never longer than with equal shares."""
+    rng = random.Random(stages + 10 * replicas)
+    weighed = replace(WORK, weighs=True)
+    for _ in range(4):
+        cluster = random_cluster(rng, stages * replicas)
+        model, equal = CostModel(cluster, weighed, stages, replicas), CostModel(cluster, WORK, stages, replicas)
+        placement = rng.sample(range(stages * replicas), stages * replicas)
+        split = model.balance(placement)
+        pipes = [tuple(placement[r * stages:(r + 1) * stages]) for r in range(replicas)]
+        shares = model.shares(pipes, split)
+        assert sum(shares) == replicas * WORK.micro_batches and min(shares) >= 1
+
+        def slowest(each):
+            return max(model.pipeline(p, split, m)[0] for p, m in zip(pipes, each))
+        best = min(slowest(c) for c in compositions(replicas * WORK.micro_batches, replicas))
+        assert slowest(shares) == pytest.approx(best, rel=1e-12)
+        predicted = model.predict(placement, split)
+        assert predicted.shares == tuple(shares)
+        assert predicted.step <= equal.predict(placement, split).step * (1 + 1e-12)
+
+
+def test_a_replica_on_slower_machines_takes_fewer_micro_batches_where_the_algorithm_weighs_them():
+    """Two fast machines and two 2.5x slower, one stage each, all well linked: each machine a replica; the slow ones
+    take fewer of the 16 micro-batches, the step falls by more than a third; an algorithm that averages models
+    keeps equal shares."""
+    cluster = parse({"machines": [{"block_ms": ms} for ms in (10, 25, 10, 25)], "default_link": {"mbit": 10000}})
+    weighed = plan(cluster, replace(WORK, weighs=True), 1, 4)
+    equal = plan(cluster, WORK, 1, 4)
+    assert sorted(weighed.shares) == [2, 2, 6, 6] and equal.shares == [4, 4, 4, 4]
+    assert [weighed.shares[weighed.placement.index(r)] for r in range(4)] == [6, 2, 6, 2]  # the fast ranks more
+    assert weighed.predicted.step < 0.65 * equal.predicted.step
+    assert plan(cluster, replace(WORK, weighs=True, shares=(4, 4, 4, 4)), 1, 4).shares == [4, 4, 4, 4]  # fixed

@@ -57,7 +57,7 @@ RULES = {
     "compression.auto_bits_slack": (SAME, 0.05), "compression.link_mbit": (SAME, [100.0]),
     "data_parallel.replicas": (RESHAPES, 2), "data_parallel.algorithm": (SAME, "qadam"),
     "data_parallel.bits": (SAME, 4),
-    "data_parallel.warmup_steps": (KEPT, 5), "data_parallel.local_steps": (SAME, 2),
+    "data_parallel.warmup_steps": (KEPT, 5), "data_parallel.shares": (KEPT, [5, 3]), "data_parallel.local_steps": (SAME, 2),
     "data_parallel.topk_ratio": (SAME, 0.05), "data_parallel.random_ratio": (SAME, 0.2),
     "data_parallel.topology": (SAME, "ring"), "data_parallel.peer_selection": (SAME, "all"),
     "data_parallel.interval": (SAME, 2),
@@ -69,6 +69,7 @@ NEEDS = {dest: {"lora.rank": 8} for dest in ("lora.alpha", "lora.dropout", "lora
                                           "lora.use_bnb_nested_quant")}  # valid only beside another value
 NEEDS["lora.use_bnb_nested_quant"]["lora.load_in_4bit"] = True
 NEEDS["distributed.cluster"] = {"distributed.placement": "auto"}
+NEEDS["data_parallel.shares"] = {"data_parallel.replicas": 2}
 
 
 def flag(dest: str) -> str:
@@ -209,3 +210,18 @@ def test_a_checkpoint_that_does_not_record_its_blocks_keeps_its_shape(tmp_path):
     for dest, value in (("distributed.pipeline_stages", 2), ("distributed.partition", [1, 1, 1, 1])):
         with pytest.raises(ValueError, match=f"{flag(dest)}="):
             checkpoint.check_compatible(saved(tmp_path, base, shape=False), with_values(base, {dest: value}))
+
+
+def test_unequal_shares_stay_on_as_many_replicas_and_are_the_new_runs_own_on_another_count(tmp_path):
+    """A checkpoint of replicas taking 5 and 3 micro-batches: `auto` keeps them on two replicas (the shards hold the
+    AQ-SGD rows), another list is refused; on one replica or four the run's own shares deal the rest of the epoch."""
+    two = with_values(RunConfig(task="causal_lm"), {"data_parallel.replicas": 2, "num_micro_batches": 4,
+                                                    "data_parallel.shares": [5, 3]})
+    ckpt = saved(tmp_path, two)
+    auto = with_values(two, {"data_parallel.shares": "auto"})
+    assert checkpoint.check_compatible(ckpt, auto).data_parallel.shares == [5, 3]
+    with pytest.raises(ValueError, match=r"micro_batch_shares=\[5, 3\] in the checkpoint, \[4, 4\] in this run"):
+        checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.shares": [4, 4]}))
+    for replicas, each in ((1, 8), (4, 2)):
+        cfg = checkpoint.check_compatible(ckpt, with_values(auto, {"data_parallel.replicas": replicas}))
+        assert (cfg.replicas, cfg.num_micro_batches, cfg.data_parallel.shares) == (replicas, each, "auto")
