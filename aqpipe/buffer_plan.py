@@ -139,7 +139,10 @@ def plan(cfg: RunConfig, world: World, counts: np.ndarray, sides: int, row: int,
     verdict: Any = None
     if everyone is not None:
         try:
-            verdict = agree_replicas(everyone, row, saved)
+            verdict = agree_replicas(everyone, row, saved) if visits is not None else \
+                agree(everyone, row, wanted, saved)
+            if isinstance(verdict, int):  # equal shares: one count, the fewest any rank holds
+                verdict = [verdict] * (max(b.replica for b in everyone) + 1)
             if isinstance(verdict, list):
                 verdict = (verdict, describe(cfg, everyone, counts, wanted, verdict, row, form, saved))
         except Exception as exc:  # said on every rank, not left for the others to wait out
@@ -155,10 +158,12 @@ def plan(cfg: RunConfig, world: World, counts: np.ndarray, sides: int, row: int,
 
 
 def agree_replicas(budgets: list[RankBudget], row: int, saved: dict[str, Any] | None = None) -> list[int] | str:
-    """Each replica's agreed rows (`agree` over its ranks), or why the ranks cannot agree."""
+    """Each replica's agreed rows (`agree` over its ranks: replicas of unequal shares hold shards of other sizes, and
+    both sides of a boundary are in one replica), or why the ranks cannot agree."""
     replicas = max(b.replica for b in budgets) + 1
     kept = (saved or {}).get("rows")
-    kept = kept if isinstance(kept, list) and len(kept) == replicas else [kept] * replicas
+    kept = kept if isinstance(kept, list) and len(kept) == replicas else [None if isinstance(kept, list) else kept] * \
+        replicas
     out = []
     for r in range(replicas):
         mine = [b for b in budgets if b.replica == r]
@@ -201,7 +206,8 @@ def describe(cfg: RunConfig, budgets: list[RankBudget], counts: np.ndarray, want
             place = f"on disk under {buffer_directory(cfg)}" if budget.on_disk(row, rows) else "in memory"
             where.append(f"rank {rank} {size(budget.sides * rows * row)} {place}")
     if len(set(wants)) == 1 and len(set(by_replica)) == 1:
-        kept = f"rows for {by_replica[0]:,} of the {wanted:,} samples visited again ({len(counts):,} in a replica's shard)"
+        kept = (f"rows for {by_replica[0]:,} of the {wanted:,} samples visited again ({len(counts):,} in a replica's "
+                "shard)")
     else:
         kept = "rows for " + ", ".join(f"{rows:,} of replica {r}'s {want:,} samples visited again"
                                        for r, (rows, want) in enumerate(zip(by_replica, wants)))

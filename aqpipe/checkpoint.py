@@ -178,6 +178,11 @@ def _regrouped(cfg: "RunConfig", manifest: dict[str, Any], mine: dict[str, Any],
                          f"({theirs[MICRO_BATCHES]} x {old} replicas) does not split over {new}; expected a replica "
                          f"count dividing {whole}")
     mine[MICRO_BATCHES] = theirs[MICRO_BATCHES]
+    shares = cfg.data_parallel.shares
+    if isinstance(shares, list) and sum(shares) != whole:
+        raise ValueError(f"resume on {new} replicas: micro_batch_shares={','.join(map(str, shares))} sum to "
+                         f"{sum(shares)} micro-batches, the checkpoint's global batch {whole} ({theirs[MICRO_BATCHES]} "
+                         f"x {old} replicas); expected shares summing to {whole}, or auto")
     return _with(cfg, MICRO_BATCHES, whole // new)
 
 

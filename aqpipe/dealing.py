@@ -39,7 +39,9 @@ class Dealing:
 
     def this_run(self, epoch: int) -> Dealt:
         """How this run deals `epoch` (from its start)."""
-        return Dealt(epoch, self.place[1], self.num_micro_batches, self.shares)
+        replicas = self.place[1]
+        return Dealt(epoch, replicas, sum(self.shares) // replicas if self.shares else self.num_micro_batches,
+                     self.shares)
 
     def dealt_as(self, epoch: int) -> Dealt:
         """How `epoch` is dealt: as it began elsewhere, or as this run deals it."""
@@ -105,12 +107,14 @@ def dealing(cfg: Any, train_set: Any, place: tuple[int, int], manifest: dict[str
     # num_micro_batches as the first launch was given it, which every later one's flags give again
     launched = cfg.num_micro_batches if not manifest else (position or {}).get(
         "launched", manifest["fingerprint"].get("num_micro_batches", cfg.num_micro_batches))
-    dealt = None
-    if position is not None and position.get("dealt") is not None and position["dealt"][0] != replicas:
-        dealt = Dealt(position["epoch"], *position["dealt"])
-    shares = cfg.data_parallel.each(cfg.num_micro_batches)
+    shares = cfg.data_parallel.unequal_shares()
     made = Dealing(train_set, cfg.micro_batch_size, shares[place[0]] if shares else cfg.num_micro_batches, cfg.seed,
-                   place, dealt, 0, launched, tuple(shares) if shares else None)
+                   place, None, 0, launched, tuple(shares) if shares else None)
+    dealt = None
+    if position is not None and position.get("dealt") is not None:  # the epoch in progress, dealt otherwise
+        began = Dealt(position["epoch"], *position["dealt"])  # (a replica count, or shares of one, this run's not)
+        dealt = began if began.each() != made.this_run(began.epoch).each() else None
+    made = replace(made, dealt=dealt)
     extra = regroup.rows(train_set, dealt, cfg.micro_batch_size) if dealt else 0
     rows = [made.shard(r) + extra for r in range(replicas)]
     if position is not None and not regroups and position.get("rows"):  # the codecs carried hold this many

@@ -236,7 +236,7 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
     if c.forward != "aqsgd" or grid.stages == 1:
         return None
     stage, replica = grid.coords(world.rank)
-    shares = cfg.data_parallel.each(cfg.num_micro_batches)
+    shares = cfg.data_parallel.unequal_shares()
 
     def visits(r: int) -> np.ndarray:  # regrouped: as if the run had these shards throughout
         return datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,

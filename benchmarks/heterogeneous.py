@@ -3,10 +3,11 @@
 Yuan et al.'s five scenarios (NeurIPS 2022, "Decentralized Training of Foundation Models in Heterogeneous
 Environments"), scaled to 8 ranks as 4 stages x 2 replicas, then the same with two kinds of device (the second half
 of the machines 2.5x slower), and a datacenter with one device 2.5x slower; first, a uniform cluster (every pair at
-the datacenter's fast rate), where a plan should cost nothing. Their rates and latencies are theirs
-(measured between AWS regions; published with their scheduler, DS3Lab/DT-FM scheduler/generate_sim_com_matrices.py),
-the rates scaled by 1/100 (their Gbit/s as our 10 Mbit/s: the model here is small, so the links decide as they did
-for theirs), the latencies as measured.
+the datacenter's fast rate), where a plan should cost nothing; last, the datacenter's two kinds of device as 8
+replicas of the whole model (data parallel alone: the replicas' shares are all a plan chooses). Their rates and
+latencies are theirs (measured between AWS regions; published with their scheduler, DS3Lab/DT-FM
+scheduler/generate_sim_com_matrices.py), the rates scaled by 1/100 (their Gbit/s as our 10 Mbit/s: the model here
+is small, so the links decide as they did for theirs), the latencies as measured.
 
 Every rank is a process on this host. Links: the transport's emulator (AQPIPE_LINK_MATRIX's LinkMatrix: each pair's
 rate and latency, the boundaries' messages held, the collectives paced). Devices: every compute action stretched by
@@ -23,10 +24,13 @@ emulator), the plan from it, and measured steps (median of a few after a warm-up
 - the plan as `--placement auto` takes it: the model's best few of other kinds priced within 15% of its best, played
   for two steps each (plan/trials.py, `--placement_trials`' default 3), the fastest so measured; and the model's best
   alone ("model's best"), where the trials took another;
-- with slow devices, the plan's placement with the parameter split (what the uneven split buys).
+- with slow devices, the plan's placement with the parameter split (what the uneven split buys);
+- the plan the model makes with the replicas' shares of micro-batches held equal ("plan, equal shares": what the
+  shares buy). Rank order takes equal shares, as a run under `--placement rank` does; every other placement its
+  shares as the model fits them (cost.CostModel.shares), each replica running its share of micro-batches a step.
 The model's error: |predicted - measured| / measured for every measured placement, the median per scenario.
 
-    python -m benchmarks.heterogeneous --steps 2 --json heterogeneous.json     # all 12: ~70 min on 2 cores
+    python -m benchmarks.heterogeneous --steps 2 --json heterogeneous.json     # all 13: ~80 min on 2 cores
     python -m benchmarks.heterogeneous --scenarios "world-wide;uniform" --steps 2   # some (world-wide: 14 min)
     python -m benchmarks.heterogeneous --scenarios two-datacenters --shuffles 3 --steps 2     # one, quick (2 min)
 """
@@ -41,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +60,14 @@ MODEL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 512, "num_h
          "tie_word_embeddings": True}
 RUN = {"seq_len": 64, "micro_batch_size": 2, "num_micro_batches": 4, "pipeline_stages": 4, "replicas": 2,
        "lr": 1e-3, "scheduler": None}
+# scenarios of another shape than RUN's 4 stages x 2 replicas: (stages, replicas)
+SHAPES = {"datacenter, two devices, data parallel": (1, 8)}
+
+
+def settings(scenario: str) -> dict[str, Any]:
+    """RUN in `scenario`'s shape."""
+    stages, replicas = SHAPES.get(scenario, (RUN["pipeline_stages"], RUN["replicas"]))
+    return {**RUN, "pipeline_stages": stages, "replicas": replicas}
 
 # Yuan et al.'s measurements between AWS regions: (latency ms, Gbit/s), both ways alike
 CITIES = {
@@ -113,19 +126,23 @@ def scenarios() -> dict[str, dict[str, Any]]:
     plain = {name: (table, [1.0] * 8) for name, table in out.items()}
     mixed = {f"{name}, two devices": (table, [1.0] * 4 + [SLOW] * 4) for name, table in out.items()}
     one = {"datacenter, one slow device": (out["datacenter"], [1.0] * 7 + [SLOW])}
-    return {**uniform, **plain, **mixed, **one}
+    # eight machines of two kinds, each a replica of the whole model (SHAPES): the replicas' shares of micro-batches
+    # are all a plan can choose
+    whole = {"datacenter, two devices, data parallel": (out["datacenter"], [1.0] * 4 + [SLOW] * 4)}
+    return {**uniform, **plain, **mixed, **one, **whole}
 
 
 def _pairs(names: list[str]) -> list[tuple[str, str]]:
     return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
 
 
-def batches(rng_seed: int, replica: int, vocab: int) -> list[dict[str, torch.Tensor]]:
+def batches(rng_seed: int, replica: int, vocab: int, shares: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    """Replica `replica`'s micro-batches of a step: its share of them (`shares`, every replica's)."""
     g = torch.Generator().manual_seed(rng_seed * 7 + replica)
-    out = []
-    for k in range(RUN["num_micro_batches"]):
+    out, each = [], shares
+    for k in range(each[replica]):
         ids = torch.randint(3, vocab, (RUN["micro_batch_size"], RUN["seq_len"]), generator=g)
-        base = (replica * RUN["num_micro_batches"] + k) * RUN["micro_batch_size"]
+        base = (sum(each[:replica]) + k) * RUN["micro_batch_size"]
         out.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
                     "sample_id": torch.arange(base, base + RUN["micro_batch_size"])})
     return out
@@ -154,14 +171,16 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
     rates = [[math.inf] * world for _ in range(world)] if kernel else links.rate
     here = World(rank, world, rank, torch.device("cpu"), link_matrix=LinkMatrix(rank, links.latency, rates),
                  compute_slowdown=BASE_SLOWDOWN * slowdowns[rank])
-    cfg = build("causal_lm", {**RUN, "model": f"{model_dir}/config.json", "compression": CompressionConfig(),
+    run = settings(scenario)
+    cfg = build("causal_lm", {**run, "model": f"{model_dir}/config.json", "compression": CompressionConfig(),
                               "output_dir": f"{model_dir}/out{rank}"})
     tokenizer = load_tokenizer(model_dir)
     spec = resolve_model(f"{model_dir}/config.json", "llama", "causal_lm", tokenizer, RUN["seq_len"], None)
     work = workload.build(cfg, spec.model_class, spec.config, 1.0)
     measured, took = profile.measure(cfg, here, spec.model_class, spec.config, work.forward_bytes)
-    S, R = RUN["pipeline_stages"], RUN["replicas"]
+    S, R = run["pipeline_stages"], run["replicas"]
     candidates = chosen = None
+    equal = replace(work, weighs=False)  # the replicas' shares of micro-batches held equal, as before they were planned
     if rank == 0:
         chosen = plan(measured, work, S, R)
     chosen = broadcast(chosen, here)
@@ -180,7 +199,9 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
             split = model.balance(p)
             randoms_priced.append((model.predict(p, split).step, p, split))
         randoms_priced.sort(key=lambda x: x[0])
+        unshared = plan(measured, equal, S, R)
         candidates = {"plan": [(taken.placement, tuple(taken.partition))],
+                      "plan, equal shares": [(unshared.placement, tuple(unshared.partition))],
                       "model's best": [(chosen.placement, tuple(chosen.partition))] if taken.placement !=
                       chosen.placement or taken.partition != chosen.partition else [],
                       "rank order": [(p, by_params) for p in shuffled],
@@ -191,12 +212,15 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
                       "table": measured.to_dict()}
     candidates = broadcast(candidates, here)
     results: dict[str, list[dict[str, Any]]] = {}
-    model = CostModel(measured, work, S, R)
+    model, model_equal = CostModel(measured, work, S, R), CostModel(measured, equal, S, R)
     vocab = len(tokenizer)
-    for kind in ("plan", "model's best", "plan, parameter split", "best random", "rank order"):
+    for kind in ("plan", "plan, equal shares", "model's best", "plan, parameter split", "best random", "rank order"):
         for placement, split in candidates[kind]:
+            # rank order as a run takes it (equal shares), and the plan made without unequal shares
+            priced = model_equal if kind in ("plan, equal shares", "rank order") else model
+            predicted = priced.predict(list(placement), tuple(split))
             here.grid = Grid.for_world(world, S, placement)
-            run_cfg = build("causal_lm", {**RUN, "model": f"{model_dir}/config.json",
+            run_cfg = build("causal_lm", {**run, "model": f"{model_dir}/config.json",
                                           "compression": CompressionConfig(), "partition": list(split),
                                           "output_dir": f"{model_dir}/out{rank}"})
             engine = build_engine(run_cfg, spec, here, 64, steps + 1)
@@ -204,11 +228,11 @@ def worker(rank: int, world: int, scenario: str, model_dir: str, steps: int, shu
             for step in range(steps + 1):
                 dist.barrier()
                 started = time.perf_counter()
-                engine.train_batch(batches(step, engine.groups.replica, vocab))
+                engine.train_batch(batches(step, engine.groups.replica, vocab, predicted.shares))
                 dist.barrier()
                 times.append(time.perf_counter() - started)
-            predicted = model.predict(list(placement), tuple(split))
             results.setdefault(kind, []).append({"placement": list(placement), "partition": list(split),
+                                                 "shares": list(predicted.shares),
                                                  "measured_s": statistics.median(times[1:]),
                                                  "predicted_s": predicted.step, "parts": predicted.parts()})
             del engine
@@ -250,8 +274,10 @@ def summarize(name: str, out: dict[str, Any]) -> dict[str, Any]:
            "model_error_max": max(errors), "profile_s": out["profile_s"], "search_s": out["plan_s"],
            "parameter_split_s": r["plan, parameter split"][0]["measured_s"],
            "model_best_s": r["model's best"][0]["measured_s"] if r.get("model's best") else planned,
-           "trials": len(out["trials"]), "trials_s": out["trials_s"]}
+           "trials": len(out["trials"]), "trials_s": out["trials_s"], "shares": r["plan"][0].get("shares"),
+           "equal_shares_s": r["plan, equal shares"][0]["measured_s"] if r.get("plan, equal shares") else None}
     row["uneven_split_speedup"] = row["parameter_split_s"] / planned
+    row["shares_speedup"] = row["equal_shares_s"] / planned if row["equal_shares_s"] else None
     if "tc_measured_mbit" in out:  # the kernel's path (heterogeneous_netns.py): what tc gave, measured after
         row["tc_measured_mbit"] = out["tc_measured_mbit"]
     return row
@@ -287,6 +313,8 @@ def run_scenarios(names: list[str], run: Any, json_path: str | None) -> list[dic
                   f"{row['random_predicted_median_s']:.2f} s, plan predicted {row['plan_predicted_s']:.2f} s, "
                   f"model error median {row['model_error_median']:.1%} (max {row['model_error_max']:.1%}), "
                   f"parameter split {row['parameter_split_s']:.2f} s ({row['uneven_split_speedup']:.2f}x){kernel}; "
+                  f"shares {row['shares']}, the plan with equal shares {row['equal_shares_s']:.2f} s "
+                  f"({row['shares_speedup']:.2f}x); "
                   f"model's best {row['model_best_s']:.2f} s, {row['trials']} played in {row['trials_s']:.1f} s; "
                   f"profile {row['profile_s']:.1f} s, search {row['search_s']:.1f} s; "
                   f"{time.perf_counter() - started:.0f} s", flush=True)

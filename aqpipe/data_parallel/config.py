@@ -58,7 +58,7 @@ class DataParallelConfig:
                                                                       and v >= 1 for v in self.shares)):
             raise ValueError(f"micro_batch_shares={self.shares!r}: expected auto, equal, or micro-batch counts >= 1 "
                              "like 5,3")
-        if isinstance(self.shares, list) and not REGISTRY[self.algorithm].WEIGHTS:
+        if self.unequal_shares() and not REGISTRY[self.algorithm].WEIGHTS:
             raise ValueError(f"micro_batch_shares={','.join(map(str, self.shares))} with dp_algorithm="
                              f"{self.algorithm}: it averages the replicas' models (or their changes) with equal "
                              "weights, so unequal shares would bias the run; expected equal (or auto) shares, or "
@@ -82,7 +82,7 @@ class DataParallelConfig:
             raise ValueError(f"replicas={self.replicas}: decentralized with shift_one pairs replicas, "
                              "expected an even count")
 
-    def each(self, num_micro_batches: int) -> list[int] | None:
+    def unequal_shares(self) -> list[int] | None:
         """Every replica's micro-batches a step where the shares are unequal; None where they are equal (or not yet
         resolved: auto)."""
         if not isinstance(self.shares, list) or len(set(self.shares)) == 1:

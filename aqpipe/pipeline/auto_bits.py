@@ -207,10 +207,17 @@ class AutoBitsController:
         return mine
 
     def observe(self, table: Any, micro_batches: int) -> None:
-        """Every accepted step: each stage's compute per micro-batch (its slowest replica's), from the table."""
+        """Every accepted step: each stage's compute per micro-batch (its slowest replica's, each over its own share of
+        the step's micro-batches: `micro_batches` where the table has no count), from the table."""
         compute, grid = table.column("compute_seconds"), self.grid
-        self.state.observe([float(compute[[grid.rank(s, r) for r in range(grid.replicas)]].max()) / micro_batches
+        counts = [table.replica_sum("micro_batches", r) or micro_batches for r in range(grid.replicas)]
+        self.state.observe([max(float(compute[grid.rank(s, r)]) / counts[r] for r in range(grid.replicas))
                             for s in range(grid.stages)])
+
+    def most_micro_batches(self, table: Any, micro_batches: int) -> int:
+        """The largest replica's share of the step's micro-batches (the schedule a decision prices, alike on every
+        rank); `micro_batches` where the table has no count."""
+        return int(max(table.replica_sum("micro_batches", r) for r in range(self.grid.replicas)) or micro_batches)
 
     def decide(self, table: Any, step: int, rows: int, seq: int, micro_batches: int,
                codecs: dict[int, Any]) -> dict[str, Any]:

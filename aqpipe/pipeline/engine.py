@@ -319,7 +319,8 @@ class PipelineEngine:
         rows, seq = micro_batches[0]["input_ids"].shape[:2]
         here = {b: boundary for b, boundary in ((self.groups.stage - 1, self.prev), (self.groups.stage, self.next))
                 if boundary is not None}
-        return self.auto_bits.decide(table, self.global_step + 1, rows, seq, len(micro_batches), here)
+        return self.auto_bits.decide(table, self.global_step + 1, rows, seq,
+                                     self.auto_bits.most_micro_batches(table, len(micro_batches)), here)
 
     def _metrics(self, t: StepTotals, m: int, epoch: int, lr: float, grad_norm: float, phase: str, start: float,
                  bits: dict[str, int] | None, decision: dict[str, Any] | None,

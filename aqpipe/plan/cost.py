@@ -166,12 +166,13 @@ class CostModel:
             each[slow], each[fast] = each[slow] - 1, each[fast] + 1
         return each
 
-    def balance(self, placement: list[int]) -> tuple[int, ...]:
+    def balance(self, placement: list[int], fastest: bool = False) -> tuple[int, ...]:
         """Blocks per stage for `placement`, contiguous, in proportion to speed: each stage's pace is its slowest
-        replica's machine, and blocks go one at a time to the stage that stays fastest with one more (which
-        minimizes the slowest stage's compute), within its machines' memory."""
+        replica's machine (`fastest`: its fastest's, for replicas whose shares of micro-batches even out the
+        slower), and blocks go one at a time to the stage that stays fastest with one more (which minimizes the
+        slowest stage's compute), within its machines' memory."""
         S, R, w = self.stages, self.replicas, self.work
-        pace = [max(self.block_s[placement[r * S + s]] for r in range(R)) for s in range(S)]
+        pace = [(min if fastest else max)(self.block_s[placement[r * S + s]] for r in range(R)) for s in range(S)]
         room = [min((self.cluster.machines[placement[r * S + s]].memory_bytes or math.inf) for r in range(R))
                 for s in range(S)]
         counts = [1] * S

@@ -180,12 +180,14 @@ class _Search:
             return self.fixed
         m = self.model
         groups = [[placement[r * m.stages + s] for r in range(m.replicas)] for s in range(m.stages)]
-        # what the split reads of each stage: its slowest replica's pace and its smallest memory
-        key = tuple((max(m.block_s[x] for x in g), min(m.cluster.machines[x].memory_bytes or math.inf for x in g))
-                    for g in groups)
-        if key not in self._splits:
-            self._splits[key] = m.balance(placement)
-        return self._splits[key]
+        # what the split reads of each stage: its slowest and fastest replica's pace and its smallest memory
+        key = tuple((max(m.block_s[x] for x in g), min(m.block_s[x] for x in g),
+                     min(m.cluster.machines[x].memory_bytes or math.inf for x in g)) for g in groups)
+        if key not in self._splits:  # paced by each stage's slowest replica, or by its fastest (where the others'
+            # shares of micro-batches, or links, make up the rest): which is faster depends on the placement
+            self._splits[key] = sorted({m.balance(placement), m.balance(placement, fastest=True)})
+        splits = self._splits[key]
+        return splits[0] if len(splits) == 1 else min(splits, key=lambda split: m.predict(placement, split).step)
 
     def price(self, placement: list[int]) -> tuple[Prediction, tuple[int, ...]]:
         self.evaluated += 1

@@ -79,8 +79,8 @@ def describe(chosen: Plan, source: str, took: float | None) -> str:
     shares = chosen.shares
     each = f", micro-batches by replica {','.join(map(str, shares))}" if len(set(shares)) > 1 else ""
     return (f"placement auto ({where}): ranks by (stage, replica) {chosen.placement}, blocks per stage "
-            f"{chosen.partition}{each}; predicted step {chosen.predicted.step:.3g} s ({chosen.predicted.parts()}), rank "
-            f"order's {chosen.rank_order.step:.3g} s ({speedup:.2f}x); {chosen.method} search over "
+            f"{chosen.partition}{each}; predicted step {chosen.predicted.step:.3g} s ({chosen.predicted.parts()}), "
+            f"rank order's {chosen.rank_order.step:.3g} s ({speedup:.2f}x); {chosen.method} search over "
             f"{chosen.evaluated} placements in {chosen.seconds:.1f} s")
 
 

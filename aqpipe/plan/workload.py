@@ -49,7 +49,7 @@ class Workload:
     activation_memory: float  # one micro-batch's activations a block keeps for its backward, bytes
     first_memory: float  # stage 0's and the last stage's besides their blocks
     last_memory: float
-    table_bytes: int = 1024  # at most, a message of the step's job-wide rounds (step_table.py: a row, 224 B)
+    table_bytes: int = 1024  # at most, a message of the step's job-wide rounds (step_table.py: a row, 232 B)
     shares: tuple[int, ...] | None = None  # each replica's micro-batches a step, as the settings fix them (None: the
     # plan's choice where `weighs`, else micro_batches each)
     weighs: bool = False  # the replicas' algorithm averages gradients, so replicas may take unequal shares

@@ -37,8 +37,8 @@ def runs(tmp_path_factory):
 
 def test_each_replica_deals_from_a_shard_sized_to_its_share(runs):
     root, said = runs
-    assert "replicas take 3,1 micro-batches a step (micro_batch_shares), each from a shard sized to its share (30, 10 " \
-           "samples)" in said["straight"]
+    assert "replicas take 3,1 micro-batches a step (micro_batch_shares), each from a shard sized to its share " \
+           "(30, 10 samples)" in said["straight"]
     assert "rows for 30 of replica 0's 30 samples visited again, 10 of replica 1's 10" in said["straight"]
     assert sorted(steps(root / "straight")) == list(range(1, 11))  # 40 samples of 8 a step, twice: 10 steps
 

@@ -35,21 +35,20 @@ def pipeline_steps(rank, world):
     out = {}
     for chat, average, shares in [(c, a, (3, 3)) for c in (True, False) for a in ("tokens", "micro_batches")] + \
             [(True, "tokens", (4, 2)), (True, "micro_batches", (4, 2))]:
-        if True:
-            stage = toy_stages(2)[groups.stage]
-            owned = owned_parameters(stage, toy_ties(2))
-            algo = data_parallel.create("allreduce", owned, data_parallel.Comm(
-                groups.data_parallel, grid.data_parallel_ranks(groups.stage)))
-            engine = PipelineEngine(stage, groups, torch.optim.SGD(owned, lr=LR),
-                                    EngineSettings(num_samples=SAMPLES, seq_len=SEQ, gradient_clipping=CLIP,
-                                                   loss_average=average),
-                                    compression=CompressionConfig(), ties=toy_ties(2), data_parallel=algo)
-            batches = step_batches(chat)
-            first = sum(shares[:groups.replica])
-            metrics = engine.train_batch(batches[first:first + shares[groups.replica]])
-            out["chat" if chat else "lm", average, *(() if shares == (3, 3) else (shares,))] = {
-                "loss": metrics.loss, "grad_norm": metrics.grad_norm, "tokens": metrics.target_tokens,
-                "params": [p.detach().clone() for p in owned]}
+        stage = toy_stages(2)[groups.stage]
+        owned = owned_parameters(stage, toy_ties(2))
+        algo = data_parallel.create("allreduce", owned, data_parallel.Comm(
+            groups.data_parallel, grid.data_parallel_ranks(groups.stage)))
+        engine = PipelineEngine(stage, groups, torch.optim.SGD(owned, lr=LR),
+                                EngineSettings(num_samples=SAMPLES, seq_len=SEQ, gradient_clipping=CLIP,
+                                               loss_average=average),
+                                compression=CompressionConfig(), ties=toy_ties(2), data_parallel=algo)
+        batches = step_batches(chat)
+        first = sum(shares[:groups.replica])
+        metrics = engine.train_batch(batches[first:first + shares[groups.replica]])
+        out[("chat" if chat else "lm", average) + (() if shares == (3, 3) else (shares,))] = {
+            "loss": metrics.loss, "grad_norm": metrics.grad_norm, "tokens": metrics.target_tokens,
+            "params": [p.detach().clone() for p in owned]}
     return out
 
 

@@ -51,3 +51,23 @@ def test_a_resume_at_the_same_count_carries_the_rows_and_an_epoch_begun_elsewher
     assert [len(step) for step in resumed.batches(0, 4)] == [4, 4]  # its steps 5 and 6, dealt as it began
     regrouped = dealing(cfg, ds, (0, 1), later, True, False)
     assert regrouped.rows == 49  # another count: fresh codecs, this run's own rows
+
+
+def test_an_epoch_begun_over_unequal_shares_is_regrouped_wherever_this_run_deals_otherwise():
+    """48 samples over 2 replicas taking 3 and 1 micro-batches of 2 (shards of 36 and 12, 6 steps an epoch): a
+    resume with the same shares goes on from the shards; one with equal shares (after a detour over one replica,
+    the checkpoint's shares are not kept) deals the rest of the epoch as the shares began it, every sample once."""
+    ds = toy(48)
+    shared = SimpleNamespace(micro_batch_size=2, num_micro_batches=2, seed=1,
+                             data_parallel=DataParallelConfig(replicas=2, shares=[3, 1]))
+    began = manifest(3, 0, 3, [2, 2, [3, 1]])
+    same = [dealing(shared, ds, (r, 2), began, False, False) for r in range(2)]
+    assert same[0].dealt is None and (same[0].rows, same[1].rows) == (36, 12)
+    assert same[0].note(0)["dealt"] == [2, 2, [3, 1]] and same[0].note(0)["rows"] == [36, 12]
+    equal = [dealing(CFG, ds, (r, 2), began, True, False) for r in range(2)]
+    assert equal[0].dealt is not None and equal[0].dealt.shares == (3, 1)
+    rest = [int(i) // 2 for d in equal for step in d.batches(0, 3) for mb in step for i in mb["input_ids"][:, 0]]
+    taken = [int(i) // 2 for r in range(2) for step in list(data.micro_batches(ds, 2, 2, 0, 1, (r, 2), last="keep",
+                                                                               shares=(3, 1)))[:3]
+             for mb in step for i in mb["input_ids"][:, 0]]
+    assert sorted(rest + taken) == list(range(48))  # the epoch's every sample, once

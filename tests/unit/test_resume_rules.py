@@ -57,7 +57,8 @@ RULES = {
     "compression.auto_bits_slack": (SAME, 0.05), "compression.link_mbit": (SAME, [100.0]),
     "data_parallel.replicas": (RESHAPES, 2), "data_parallel.algorithm": (SAME, "qadam"),
     "data_parallel.bits": (SAME, 4),
-    "data_parallel.warmup_steps": (KEPT, 5), "data_parallel.shares": (KEPT, [5, 3]), "data_parallel.local_steps": (SAME, 2),
+    "data_parallel.warmup_steps": (KEPT, 5), "data_parallel.shares": (KEPT, [5, 3]),
+    "data_parallel.local_steps": (SAME, 2),
     "data_parallel.topk_ratio": (SAME, 0.05), "data_parallel.random_ratio": (SAME, 0.2),
     "data_parallel.topology": (SAME, "ring"), "data_parallel.peer_selection": (SAME, "all"),
     "data_parallel.interval": (SAME, 2),
@@ -69,7 +70,7 @@ NEEDS = {dest: {"lora.rank": 8} for dest in ("lora.alpha", "lora.dropout", "lora
                                           "lora.use_bnb_nested_quant")}  # valid only beside another value
 NEEDS["lora.use_bnb_nested_quant"]["lora.load_in_4bit"] = True
 NEEDS["distributed.cluster"] = {"distributed.placement": "auto"}
-NEEDS["data_parallel.shares"] = {"data_parallel.replicas": 2}
+NEEDS["data_parallel.shares"] = {"data_parallel.replicas": 2, "num_micro_batches": 4}
 
 
 def flag(dest: str) -> str:
@@ -125,7 +126,7 @@ def test_a_free_setting_takes_the_resumed_runs_value(tmp_path, dest):
 
 @pytest.mark.parametrize("dest", [d for d, (rule, _) in RULES.items() if rule == KEPT])
 def test_auto_takes_what_the_checkpoints_run_resolved_a_kept_setting_to(tmp_path, dest):
-    resolved = with_values(RunConfig(task="causal_lm"), {dest: RULES[dest][1]})
+    resolved = with_values(with_values(RunConfig(task="causal_lm"), NEEDS.get(dest, {})), {dest: RULES[dest][1]})
     auto = with_values(resolved, {dest: "auto"})
     assert value_at(checkpoint.check_compatible(saved(tmp_path, resolved), auto), dest) == RULES[dest][1]
 
@@ -225,3 +226,10 @@ def test_unequal_shares_stay_on_as_many_replicas_and_are_the_new_runs_own_on_ano
     for replicas, each in ((1, 8), (4, 2)):
         cfg = checkpoint.check_compatible(ckpt, with_values(auto, {"data_parallel.replicas": replicas}))
         assert (cfg.replicas, cfg.num_micro_batches, cfg.data_parallel.shares) == (replicas, each, "auto")
+    # given by hand on another count, they must hold the checkpoint's global batch of 8 micro-batches
+    assert checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.replicas": 4, "data_parallel.shares":
+                                                               [3, 3, 1, 1]})).num_micro_batches == 2
+    with pytest.raises(ValueError, match=r"micro_batch_shares=6,6,2,2 sum to 16 micro-batches, the checkpoint's global "
+                                         r"batch 8 \(4 x 2 replicas\)"):
+        checkpoint.check_compatible(ckpt, with_values(two, {"data_parallel.replicas": 4,
+                                                            "data_parallel.shares": [6, 6, 2, 2]}))
