@@ -241,9 +241,10 @@ def plan_buffers(cfg: RunConfig, world: World, train_set: Any, total_steps: int,
     def visits(r: int) -> np.ndarray:  # regrouped: as if the run had these shards throughout
         return datalib.visit_counts(train_set, cfg.micro_batch_size, cfg.num_micro_batches, cfg.seed, grid.replicas,
                                     total_steps, last="keep", shares=shares, index=r)
-    counts = visits(replica)
+    every = [visits(r) for r in range(grid.replicas)] if shares else None  # equal shares: each replica's alike
+    counts = every[replica] if every else visits(replica)
     counts = np.concatenate([counts, np.ones(rows - len(counts), dtype=counts.dtype)])
-    everyone = np.concatenate([visits(r) for r in range(grid.replicas)]) if shares else None
+    everyone = np.concatenate(every) if every else None
     row = row_nbytes((cfg.data.seq_len, spec.config.hidden_size), c.buffer_dtype, c.buffer_bits)
     form = f"{c.buffer_bits}-bit" if c.buffer_bits else str(c.buffer_dtype).removeprefix("torch.")
     resumed = Path(cfg.checkpointing.resume) if cfg.checkpointing.resume else None

@@ -156,8 +156,7 @@ def visit_counts(dataset: Dataset, micro_batch_size: int, num_micro_batches: int
     if shares is not None:
         num_micro_batches = check_shares(shares, shard_count)[index]
     per_epoch = steps_per_epoch(dataset, micro_batch_size, num_micro_batches, shard_count, last=last, shares=shares)
-    size = shard_sizes(len(dataset), micro_batch_size, shares)[0][index] if shares is not None else \
-        shard_size(len(dataset), shard_count)
+    size = shard_sizes(len(dataset), micro_batch_size, shares or (1,) * shard_count)[0][index]
     per_step = micro_batch_size * num_micro_batches
     counts = np.zeros(size, dtype=np.int64)
     for epoch in range(math.ceil(total_steps / per_epoch)):
@@ -172,8 +171,7 @@ def _shard_members(num_samples: int, seed: int, index: int, count: int, shares: 
     """Dataset indices of replica `index`'s shard, sorted; never the epoch's, so shards stay put.
     With one replica: every index. The draw's entropy is not [seed] alone, which numpy pads to
     [seed, 0], the stream of epoch 0's order. `shares`: the replicas' micro-batches a step (None: equal)."""
-    sizes = shard_sizes(num_samples, micro_batch_size, shares)[0] if shares is not None else \
-        [shard_size(num_samples, count)] * count
+    sizes = shard_sizes(num_samples, micro_batch_size, shares or (1,) * count)[0]
     start = sum(sizes[:index])
     drawn = np.random.default_rng([seed, 0, 1]).permutation(num_samples)
     return np.sort(drawn[start: start + sizes[index]])

@@ -175,24 +175,26 @@ class _Search:
         others = sorted((c for k, c in self.kept.items() if k != kind), key=lambda c: c.predicted.step)
         return (best, *(c for c in others if c.predicted.step <= best.predicted.step * (1 + MARGIN)))
 
-    def split(self, placement: list[int]) -> tuple[int, ...]:
+    def splits(self, placement: list[int]) -> list[tuple[int, ...]]:
+        """The blocks per stage a placement may take: the run's, or each stage paced by its slowest replica and by its
+        fastest (where the others' shares of micro-batches, or links, make up the rest), which is faster depending
+        on the placement."""
         if self.fixed is not None:
-            return self.fixed
+            return [self.fixed]
         m = self.model
         groups = [[placement[r * m.stages + s] for r in range(m.replicas)] for s in range(m.stages)]
         # what the split reads of each stage: its slowest and fastest replica's pace and its smallest memory
         key = tuple((max(m.block_s[x] for x in g), min(m.block_s[x] for x in g),
                      min(m.cluster.machines[x].memory_bytes or math.inf for x in g)) for g in groups)
-        if key not in self._splits:  # paced by each stage's slowest replica, or by its fastest (where the others'
-            # shares of micro-batches, or links, make up the rest): which is faster depends on the placement
+        if key not in self._splits:
             self._splits[key] = sorted({m.balance(placement), m.balance(placement, fastest=True)})
-        splits = self._splits[key]
-        return splits[0] if len(splits) == 1 else min(splits, key=lambda split: m.predict(placement, split).step)
+        return self._splits[key]
 
     def price(self, placement: list[int]) -> tuple[Prediction, tuple[int, ...]]:
+        """The placement's prediction with the faster of its splits (the first among equals), and that split."""
         self.evaluated += 1
-        partition = self.split(placement)
-        predicted = self.model.predict(placement, partition)
+        predicted, partition = min(((self.model.predict(placement, split), split) for split in self.splits(placement)),
+                                   key=lambda option: option[0].step)
         self._keep(placement, partition, predicted)
         return predicted, partition
 
@@ -220,7 +222,7 @@ def plan(cluster: Cluster, work: Workload, stages: int, replicas: int, *, partit
         best, method = _heuristic(search, cluster, work, stages, replicas, budget, seed), "search"
     (predicted, split), placement = best
     if not predicted.fits:
-        short = _shortfall(model, search.split(order))
+        short = _shortfall(model, search.splits(order)[0])
         raise ValueError(f"no placement of {stages} stages x {replicas} replicas fits the machines' memory: {short}")
     return Plan(stages, replicas, placement, list(split), predicted, rank_order, method, search.evaluated,
                 time.perf_counter() - started, search.candidates(Candidate(placement, list(split), predicted)))
