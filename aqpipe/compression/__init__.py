@@ -18,13 +18,13 @@ from .codecs import (BACKWARD_MODES, DENSE_MODES, FIRST_VISIT_MODES, FORWARD_MOD
 from .aqsgd import AQSGDCodec, aqsgd_codec, forward_codec
 from .seeds import derive_seed
 from .protocol import Codec
-from .subspace import Subspace, SubspaceCodec, SubspaceGradCodec, subspace_codecs
+from .subspace import BACKWARD_BASES, Subspace, SubspaceCodec, SubspaceGradCodec, subspace_codecs
 from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
     "Codec", "plain_codecs",
-    "AQSGDCodec", "BACKWARD_MODES", "BUFFER_BITS", "DENSE_MODES", "FIRST_VISIT_MODES", "FORWARD_MODES",
+    "AQSGDCodec", "BACKWARD_BASES", "BACKWARD_MODES", "BUFFER_BITS", "DENSE_MODES", "FIRST_VISIT_MODES", "FORWARD_MODES",
     "BackwardCodec", "BufferRangeError", "DenseCodec", "ForwardCodec", "Message", "SCALE_DTYPES",
     "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "Subspace", "SubspaceCodec", "SubspaceGradCodec",
     "aqsgd_codec", "check_bits", "check_finite",

@@ -31,7 +31,7 @@ FIRST_VISIT_MODES = DENSE_MODES  # cache-free codecs for AQ-SGD's whole rows
 # keys saved before adaptive codecs and first-visit codecs take the values those versions had (transient_visit: as
 # first_visit, check_config)
 _EARLIER_DEFAULTS = {"adaptive": False, "first_visit": "none", "first_visit_bits": None, "first_visit_base": "none",
-                     "scale_dtype": "float32"}
+                     "scale_dtype": "float32", "feedback": False}
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,22 @@ bytes are the message's, so they count in the wire's). Each token then travels a
 its direction's scale (whitened: the massive directions of a pretrained stream would otherwise set every other
 coefficient's step) and quantized per token; the receiver decodes x ~ (c * scale) U^T.
 
-The backward travels in the same subspace. The forward delivers x U U^T (U orthonormal), whose gradient with
-respect to x is g U U^T: the stage after sends g U (k values a token) and the stage before expands it. That is the
-exact gradient of the model the pipeline runs, the projection inside it, not of the model without it: what the
-projection drops is invisible to the loss, so the stage before gets no gradient for it. Both directions of one side
-of a boundary share one `Subspace`.
+The backward travels in one of two bases (`backward_basis`):
+- `activations`: the forward's. The forward delivers x U U^T (U orthonormal), whose gradient with respect to x is
+  g U U^T: the stage after sends g U (k values a token) and the stage before expands it. That is the exact gradient
+  of the model the pipeline runs, the projection inside it: what the projection drops is invisible to the loss, so
+  the stage before gets no gradient for it. Both directions of one side of a boundary then share one `Subspace`.
+- `own`: a basis of the gradients' own, which their sender (the stage after) estimates from them and sends on the
+  same step clock, exactly as the forward's sender does (a `SubspaceCodec` with a `Subspace` of its own). The
+  projection is passed straight through: the stage before gets the gradient of the model without it, in the
+  directions the gradients take. At width 1024 the activations' rank-16 basis holds 16% of the boundary gradient's
+  energy and the gradient's own 44% (benchmarks/RESULTS.md).
+
+Error feedback (`feedback`, as PowerSGD's and Qsparse's): the sender keeps what each message left out (its input,
+plus what was kept before, less what the receiver decodes) by position in the message, and adds it to the next
+message's same position. Nothing is dropped for good, only delayed; the sum the receiver applies over a run equals
+the sum sent, less the one residual still kept. Position, not sample: in a one-epoch fine-tune no sample comes back,
+so a per-sample memory would hold every sample's residual and deliver none of it.
 
 A refresh takes effect at the first message of a step, when every backward of the step before has been sent and
 received, so one step's forward and backward use one basis on both sides. The receiver learns which of its posted
@@ -30,6 +41,7 @@ from .fields import check_int
 from .quantizer import QuantizedTensor, check_float, dequantize
 
 BASIS_DTYPE = torch.bfloat16  # what the basis travels as; both sides use the values as decoded
+BACKWARD_BASES = ("activations", "own")  # the bases a subspace backward may travel in
 
 
 def refresh_step(step: int) -> bool:
@@ -121,10 +133,42 @@ class _SubspaceCodec(_Codec):
     buffer = None  # no per-sample rows
 
     def __init__(self, subspace: Subspace, bits: int, *, stochastic: bool = True, seed: int = 0,
-                 group_size: int | None = None, scale_dtype: torch.dtype = torch.float32) -> None:
+                 group_size: int | None = None, scale_dtype: torch.dtype = torch.float32,
+                 feedback: bool = False) -> None:
         super().__init__("subspace", bits, stochastic, seed, group_size, scale_dtype=scale_dtype)
         self.subspace = subspace
+        self.feedback = feedback
+        self.residual: torch.Tensor | None = None  # the sender's, with feedback: what its messages left out (float32)
         self._posted: list[bool] = []  # the receiver's: whether each posted message carries a basis, in order
+
+    def _fed(self, x: torch.Tensor) -> torch.Tensor:
+        """x as float32, plus (with feedback) what earlier messages left out at its positions."""
+        x = x.detach().float()
+        if not self.feedback or self.residual is None:
+            return x
+        self._cover(x)
+        return x + self.residual[_region(x.shape)]
+
+    def _keep_rest(self, fed: torch.Tensor, decoded: torch.Tensor) -> None:
+        """With feedback: what the receiver will not apply of `fed` (it applies `decoded`), kept for the next
+        message at the same positions."""
+        if self.feedback:
+            self._cover(fed)
+            self.residual[_region(fed.shape)] = fed - decoded.float()
+
+    def _cover(self, x: torch.Tensor) -> None:
+        """The residual grown (with zeros) to hold a message of x's shape; what lies beyond it waits for a larger
+        message."""
+        r = self.residual
+        if r is not None and (r.dim() != x.dim() or r.shape[-1] != x.shape[-1]):
+            raise ValueError(f"a message of shape {tuple(x.shape)} after ones of shape {tuple(r.shape)}: error "
+                             "feedback needs messages of one width and as many dimensions")
+        shape = x.shape if r is None else torch.Size(max(a, b) for a, b in zip(r.shape, x.shape))
+        if r is None or r.shape != shape:
+            grown = torch.zeros(shape, dtype=torch.float32, device=x.device)
+            if r is not None:
+                grown[_region(r.shape)] = r.to(x.device)
+            self.residual = grown
 
     def _coefficients_nbytes(self, shape: torch.Size) -> int:
         return QuantizedTensor.wire_nbytes(torch.Size((*shape[:-1], self.subspace.rank)), self.bits,
@@ -140,7 +184,7 @@ class _SubspaceCodec(_Codec):
                                                      self.scale_dtype))
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "rank": self.subspace.rank}
+        return {**super().config(), "rank": self.subspace.rank, "feedback": self.feedback}
 
     def end_step(self) -> None:
         """A step ended: the next forward message is the first of a step (a refresh's, if the step clock says)."""
@@ -150,8 +194,27 @@ class _SubspaceCodec(_Codec):
         return 0.0, 0.0
 
     def undo_point(self, sample_ids: Any) -> Callable[[], None]:
-        """Nothing to put back: a refresh both sides took stays taken."""
-        return lambda: None
+        """What puts back the sender's residual (with feedback) as it is now. A refresh both sides took stays
+        taken."""
+        if not self.feedback:
+            return lambda: None
+        kept = None if self.residual is None else self.residual.clone()
+
+        def restore() -> None:
+            self.residual = kept
+        return restore
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **({"residual": self.residual} if self.feedback else {})}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        if self.feedback:
+            self.residual = state["residual"]
+
+
+def _region(shape: torch.Size) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
 
 
 class SubspaceCodec(_SubspaceCodec):
@@ -162,11 +225,13 @@ class SubspaceCodec(_SubspaceCodec):
         self.check_input(x, "SubspaceCodec input")
         s, width = self.subspace, x.shape[-1]
         s.check_width(width)
-        rows = x.detach().reshape(-1, width).float()
+        fed = self._fed(x)
+        rows = fed.reshape(-1, width)
         s.observe(rows)
         head = s.refresh() if s.first_message() else None
         codes, values = self._quantized((rows @ s.basis / s.scales).view(*x.shape[:-1], s.rank))
         decoded = ((values * s.scales) @ s.basis.T).to(x.dtype)
+        self._keep_rest(fed, decoded)
         payload = codes if head is None else torch.cat([head.to(codes.device), codes])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
@@ -209,8 +274,11 @@ class SubspaceGradCodec(_SubspaceCodec):
         self.check_input(g, "SubspaceGradCodec input")
         basis = self.subspace.basis_for("a gradient")
         self.subspace.check_width(g.shape[-1])
-        codes, values = self._quantized(g.detach().float() @ basis)
-        return Message(codes, g.shape, g.dtype, decoded=(values @ basis.T).to(g.dtype))
+        fed = self._fed(g)
+        codes, values = self._quantized(fed @ basis)
+        decoded = (values @ basis.T).to(g.dtype)
+        self._keep_rest(fed, decoded)
+        return Message(codes, g.shape, g.dtype, decoded=decoded)
 
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
                        *, refresh: bool = False) -> int:
@@ -225,14 +293,20 @@ class SubspaceGradCodec(_SubspaceCodec):
 
 def subspace_codecs(rank: int, forward_bits: int, backward_bits: int | None = None, *, stochastic: bool = True,
                     seed: int = 0, backward_seed: int = 1, group_size: int | None = None,
-                    backward_group_size: int | None = None, scale_dtype: torch.dtype = torch.float32
-                    ) -> tuple[SubspaceCodec, SubspaceGradCodec | None]:
-    """One side of a boundary's subspace codecs around one basis of rank `rank`: the activations' at
-    `forward_bits` and, where `backward_bits` is given, their gradients' (else None: the backward goes dense)."""
+                    backward_group_size: int | None = None, scale_dtype: torch.dtype = torch.float32,
+                    backward_basis: str = "activations", feedback: bool = False
+                    ) -> tuple[SubspaceCodec, SubspaceCodec | SubspaceGradCodec | None]:
+    """One side of a boundary's subspace codecs at rank `rank`: the activations' at `forward_bits` and, where
+    `backward_bits` is given, their gradients' (else None: the backward goes dense), in the activations' basis or
+    their own (`backward_basis`: BACKWARD_BASES), with error feedback where `feedback`."""
+    if backward_basis not in BACKWARD_BASES:
+        raise ValueError(f"backward_basis={backward_basis!r}: expected one of {', '.join(BACKWARD_BASES)}")
     subspace = Subspace(rank)
     forward = SubspaceCodec(subspace, forward_bits, stochastic=stochastic, seed=seed, group_size=group_size,
                             scale_dtype=scale_dtype)
     if backward_bits is None:
         return forward, None
-    return forward, SubspaceGradCodec(subspace, backward_bits, stochastic=stochastic, seed=backward_seed,
-                                      group_size=backward_group_size, scale_dtype=scale_dtype)
+    kind = SubspaceGradCodec if backward_basis == "activations" else SubspaceCodec
+    return forward, kind(subspace if backward_basis == "activations" else Subspace(rank), backward_bits,
+                         stochastic=stochastic, seed=backward_seed, group_size=backward_group_size,
+                         scale_dtype=scale_dtype, feedback=feedback)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compression import BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, SCALE_DTYPES, check_bits
+from aqpipe.compression import BACKWARD_BASES, BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, SCALE_DTYPES, check_bits
 from aqpipe.compression.running_base import BASES
 
 from .ties import TIE_MODES
@@ -57,6 +57,14 @@ class CompressionConfig:
     subspace_rank: int = setting(32, "directions of a subspace boundary's basis (forward_compress subspace): each "
                                      "token travels as this many coefficients, and its gradient too with "
                                      "backward_compress subspace", older=THIS_RUN)  # before subspace codecs: no basis
+    backward_basis: str = setting("activations", "the basis a subspace backward's gradients travel in: activations "
+                                                 "(the forward's: the exact gradient of the projected forward) or own "
+                                                 "(one their sender estimates from the gradients and sends on the "
+                                                 "forward's clock: the projection passed straight through)",
+                                  choices=BACKWARD_BASES, older="activations")
+    backward_feedback: bool = setting(False, "error feedback for a subspace backward: what a message leaves out is "
+                                             "added to the next message's same position, delayed, not dropped",
+                                      older=False)
     first_visit: str = setting("none", "how AQ-SGD sends a sample's first visit (and a warm-up's refresh): none "
                                      "(whole, at full precision: the paper's), cache-free as direct or hadamard at "
                                      "first_visit_bits (both sides keep what was decoded), or auto: none for a "
@@ -120,6 +128,11 @@ class CompressionConfig:
         if self.backward == "subspace" and self.forward != "subspace":
             raise ValueError(f"backward_compress=subspace: expected forward_compress subspace too (the gradient "
                              f"travels in the forward's basis), got {self.forward!r}")
+        for name, changed in (("backward_basis", self.backward_basis != "activations"),
+                              ("backward_feedback", self.backward_feedback is not False)):
+            if changed and self.backward != "subspace":
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected backward_compress subspace (it shapes a "
+                                 f"subspace backward), got {self.backward!r}")
         if self.forward == "subspace":
             check_int("subspace_rank", self.subspace_rank, 1)
             for direction in ("forward", "backward"):
@@ -161,7 +174,7 @@ class CompressionConfig:
         if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in buffer_dtype")
-        for name in ("stochastic", "entropy_coding"):
+        for name in ("stochastic", "entropy_coding", "backward_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
 

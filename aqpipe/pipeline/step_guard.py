@@ -48,7 +48,8 @@ class StepGuard:
         return x
 
     def remember(self, codec: Any, sample_ids: Any) -> None:
-        """Before an AQ-SGD update of `codec`'s buffer, keep the rows it will change."""
+        """Before a message that changes `codec`'s state (AQ-SGD's buffer rows, error feedback's residual), keep
+        what it will change."""
         self.restores.append(codec.undo_point(sample_ids))
 
     def undo(self) -> None:

@@ -276,6 +276,8 @@ class StepRun:
         x = self.inputs.pop(mb)
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         grad = self.guard.zeros_unless(grad.to(self.runtime.wire_dtype), GRADIENT, mb)
+        if self.phase == "train":  # a backward codec with state (error feedback's residual) puts it back too
+            self.guard.remember(self.runtime.prev.backward, None)
         self.runtime.prev.send_grad(grad, self.phase)
         for step in self.runtime.prev.take_checks():
             self.guard.findings.check_value(GRADIENT, mb, step)

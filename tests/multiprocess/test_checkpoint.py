@@ -2,6 +2,7 @@
 AQ-SGD, and a damaged, unfinished or foreign checkpoint never loads. (The recipe killed mid-run
 and resumed: test_faults.py.)"""
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ FIRST_VISITS = CompressionConfig(forward="aqsgd", forward_bits=2, backward="dire
                                  first_visit="hadamard", first_visit_bits=3, entropy_coding=False)
 SUBSPACE = CompressionConfig(forward="subspace", forward_bits=3, backward="subspace", backward_bits=3, subspace_rank=4,
                              tie_bits=2, tie_rank=4, entropy_coding=False)  # the tie's gradients in a basis too
+OWN_BASIS = replace(SUBSPACE, backward_basis="own", backward_feedback=True)  # the gradients' basis, error feedback
 OPTIONS = {
     "allreduce": {},
     "decentralized": {"peer_selection": "shift_one"},
@@ -93,7 +95,9 @@ def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=A
             codecs = engine.state_dict()["codecs"]
             forward = codecs.get("next.forward", codecs.get("prev.forward"))
             buffer = forward.get("buffer") or {"rows": forward["subspace"]["basis"], "ids": torch.zeros(0)}
+            backward = codecs.get("next.backward", codecs.get("prev.backward"))
             runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
+                         "backward": {k: backward[k] for k in ("residual", "subspace") if k in backward},
                          "buffer": buffer["rows"].clone(), "buffer_ids": buffer["ids"].clone(),
                          "batches": [[mb["sample_id"] for mb in mbs] for _, mbs in plan]})
         out[name] = runs
@@ -159,6 +163,33 @@ def test_a_resume_of_subspace_boundaries_with_replicas_equals_uninterrupted(tmp_
     assert [s["fwd_bytes"] for s in log] == [2 * (MICRO * coefficients + basis * (s in (0, 1, 2, 4)))
                                             for s in range(STEPS)]
     assert [s["bwd_bytes"] for s in log] == [2 * MICRO * QuantizedTensor.wire_nbytes((MBS, SEQ, 4), 3)] * STEPS
+
+
+def test_a_resume_of_a_backward_in_its_own_basis_with_error_feedback_equals_uninterrupted(tmp_path):
+    """The gradients in a basis their sender estimates, with error feedback, 2 replicas: losses, weights, every
+    wire's bytes, both bases and the kept residual of a run resumed after step 3 are the uninterrupted run's; the
+    gradient basis's refreshes (steps 0, 1, 2, 4) are in the backward bytes, both sides hold it bit for bit, and only
+    its sender keeps a residual."""
+    from aqpipe.compression import QuantizedTensor, Subspace
+
+    ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), OWN_BASIS, RESUME_AT)
+    for rank in ranks:
+        straight, resumed_run = rank["allreduce"]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        for key in ("fwd_bytes", "bwd_bytes", "tie_bytes"):
+            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
+        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+        for key in ("basis", "scales"):
+            assert torch.equal(resumed_run["backward"]["subspace"][key], straight["backward"]["subspace"][key])
+    sender, receiver = ranks[1]["allreduce"][1]["backward"], ranks[0]["allreduce"][1]["backward"]
+    assert torch.equal(sender["subspace"]["basis"], receiver["subspace"]["basis"])
+    assert receiver["residual"] is None and float(sender["residual"].abs().sum()) > 0
+    assert torch.equal(sender["residual"], ranks[1]["allreduce"][0]["backward"]["residual"])  # resumed = straight
+    coefficients = QuantizedTensor.wire_nbytes((MBS, SEQ, 4), 3)
+    basis = Subspace(4).basis_nbytes(16)
+    log = ranks[0]["allreduce"][1]["log"]
+    assert [s["bwd_bytes"] for s in log] == [2 * (MICRO * coefficients + basis * (s in (0, 1, 2, 4)))
+                                            for s in range(STEPS)]
 
 
 def test_a_resume_with_rows_kept_for_a_quarter_of_the_samples_equals_uninterrupted(tmp_path):

@@ -44,7 +44,8 @@ RULES = {
     "distributed.dist_timeout": (FREE, 60.0), "distributed.peer_timeout": (FREE, 10.0),
     "compression.forward": (SAME, "direct"), "compression.forward_bits": (SAME, 4),
     "compression.backward": (SAME, "none"), "compression.backward_bits": (SAME, 8),
-    "compression.subspace_rank": (SAME, 16), "compression.first_visit": (KEPT, "hadamard"),
+    "compression.subspace_rank": (SAME, 16), "compression.backward_basis": (SAME, "own"),
+    "compression.backward_feedback": (SAME, True), "compression.first_visit": (KEPT, "hadamard"),
     "compression.first_visit_bits": (SAME, 4), "compression.first_visit_base": (SAME, "none"),
     "compression.warmup_epochs": (SAME, 1), "compression.buffer_dtype": (SAME, torch.float32),
     "compression.buffer_bits": (SAME, 8), "compression.buffer_dir": (FREE, "buffers_elsewhere"),
@@ -71,6 +72,9 @@ NEEDS = {dest: {"lora.rank": 8} for dest in ("lora.alpha", "lora.dropout", "lora
 NEEDS["lora.use_bnb_nested_quant"]["lora.load_in_4bit"] = True
 NEEDS["distributed.cluster"] = {"distributed.placement": "auto"}
 NEEDS["data_parallel.shares"] = {"data_parallel.replicas": 2, "num_micro_batches": 4}
+for _dest in ("compression.backward_basis", "compression.backward_feedback"):  # a subspace backward's
+    NEEDS[_dest] = {"compression.forward_bits": 4, "compression.forward": "subspace", "compression.backward_bits": 4,
+                    "compression.backward": "subspace"}
 
 
 def flag(dest: str) -> str:
