@@ -24,7 +24,8 @@ from .sparsify import SparseTensor, randk, topk
 
 __all__ = [
     "Codec", "plain_codecs",
-    "AQSGDCodec", "BACKWARD_BASES", "BACKWARD_MODES", "BUFFER_BITS", "DENSE_MODES", "FIRST_VISIT_MODES", "FORWARD_MODES",
+    "AQSGDCodec", "BACKWARD_BASES", "BACKWARD_MODES", "BUFFER_BITS", "DENSE_MODES", "FIRST_VISIT_MODES",
+    "FORWARD_MODES",
     "BackwardCodec", "BufferRangeError", "DenseCodec", "ForwardCodec", "Message", "SCALE_DTYPES",
     "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "Subspace", "SubspaceCodec", "SubspaceGradCodec",
     "aqsgd_codec", "check_bits", "check_finite",

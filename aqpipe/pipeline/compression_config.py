@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aqpipe.compression import BACKWARD_BASES, BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES, SCALE_DTYPES, check_bits
+from aqpipe.compression import (BACKWARD_BASES, BACKWARD_MODES, BUFFER_BITS, FIRST_VISIT_MODES, FORWARD_MODES,
+                                SCALE_DTYPES, check_bits)
 from aqpipe.compression.running_base import BASES
 
 from .ties import TIE_MODES
