@@ -43,12 +43,14 @@ def score(model_dir: str, dataset: str | None, seq_len: int, samples: int, batch
           base: str | None = None) -> float:
     """Mean next-token loss a token of the eval split's first `samples` blocks (None: the built-in corpus)."""
     model, tokenizer = load(model_dir, base)
-    model.eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # plain transformers either way, in float32
+    model.to(device).eval()
     blocks = lm_dataset(dataset, tokenizer, seq_len, split="eval").limited(samples)
     ids = torch.stack([torch.as_tensor(blocks[i]["input_ids"]) for i in range(len(blocks))])
     total, tokens = 0.0, 0
     with torch.no_grad():
         for chunk in ids.split(batch):
+            chunk = chunk.to(device)
             loss = model(input_ids=chunk, labels=chunk).loss  # a mean over chunk x (seq_len - 1) predictions
             n = chunk.shape[0] * (chunk.shape[1] - 1)
             total, tokens = total + float(loss) * n, tokens + n

@@ -10,12 +10,19 @@ benchmarks/export_score.py against the bf16 row's.
     python -m benchmarks.wan_frontier --output_dir runs/wan          # ~25 min on 2 cores (pretraining: wan.py's)
     python -m benchmarks.wan_frontier --rows bf16,subspace_wan --lora_rank 16 --lr 1e-3   # LoRA
     python -m benchmarks.wan_frontier --width 1024 --output_dir runs/wan1024 --timeout 5400   # a wider model
+    python -m benchmarks.wan_frontier --width 2048 --output_dir runs/wan2048 --seeds 7,8 --jobs 4 \
+        --rows bf16,subspace_wan,wan_own,wan_own_ef   # on a GPU: two seeds, four runs at once
+
+The gradient's basis (`wan_own*` rows): the preset's backward in a basis of the gradients' own, with error feedback
+(`_ef`) or without; `wan_act_ef` keeps the activations' basis and adds error feedback.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,10 @@ FRONTIER: dict[str, list[str]] = {
     "r16_b5_tie2_g16": subspace(16, 5, 2, 16),
     "r8_b5_tie2_g16": subspace(8, 5, 2, 16),
     "subspace_wan": ROWS["subspace_wan"],  # the preset: rank 16, 4 bits, the tie at 2 bits and rank 16
+    "wan_own": [*ROWS["subspace_wan"], "--backward_basis", "own"],  # the gradients in a basis of their own
+    "wan_own_ef": [*ROWS["subspace_wan"], "--backward_basis", "own", "--backward_feedback"],  # and error feedback
+    "wan_act_ef": [*ROWS["subspace_wan"], "--backward_feedback"],  # the activations' basis, error feedback
+    "wan_own_r32": [*ROWS["subspace_wan"], "--backward_basis", "own", "--subspace_rank", "32"],
 }
 
 
@@ -70,46 +81,73 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+SCORING = threading.Lock()  # transformers' loading is not thread-safe (its empty-weights context is process-wide)
+
+
+def one_row(name: str, seed: int, args: argparse.Namespace, shape: Shape, model: Path, corpus: Path,
+            out: Path) -> dict[str, Any]:
+    """One row's fine-tune (seed `seed`) and its export's score."""
+    extra = ["--lr", str(args.lr), "--seed", str(seed)]
+    extra += ["--lora_rank", str(args.lora_rank)] if args.lora_rank else []
+    run_dir = out / (args.tag if len(args.seed_list) == 1 else f"{args.tag}_seed{seed}") / name
+    flags = [*job_flags(shape, model, corpus, args.samples, 1, 64, 4), *FRONTIER[name], *extra,
+             "--output_dir", str(run_dir)]
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         *LLAMA_SCRIPT, *flags], run_dir.with_suffix(".log"), args.timeout)
+    ran = curve(run_dir)  # one epoch: its steps' mean bytes are the first epoch's
+    with SCORING:
+        export_loss = score(str(run_dir / "model"), str(corpus), shape.seq_len, 64)
+    row = {"bytes": ran["bytes_first_epoch"], "evals": ran["evals"], "flags": FRONTIER[name] + extra,
+           "export_loss": export_loss}
+    print(f"seed {seed} {name}: eval {row['evals'][-1][1]:.4f}, export {row['export_loss']:.4f}", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default=",".join(FRONTIER), help=f"of {', '.join(FRONTIER)}")
     p.add_argument("--output_dir", default="runs/wan", help="wan.py's: its pretrained start and corpus are reused")
-    p.add_argument("--tag", default="frontier", help="the runs go under <output_dir>/<tag>")
+    p.add_argument("--tag", default="frontier", help="the runs go under <output_dir>/<tag> (<tag>_seed<N> for "
+                                                     "several seeds)")
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters instead of every weight (0: full)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--seeds", help="several fine-tune seeds, comma-separated (instead of --seed): a table each")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (a GPU shared by several; 1 on CPUs)")
     p.add_argument("--width", type=int, default=256, help="a wider model pretrains its own start in --output_dir")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--pretrain_steps", type=int, default=200)
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--json", help="also write the figures here")
+    p.add_argument("--json", help="also write the figures here (several seeds: keyed by seed)")
     args = p.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     for r in rows:
         if r not in FRONTIER:
             p.error(f"row {r!r}: expected one of {', '.join(FRONTIER)}")
+    args.seed_list = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     shape = Shape(width=args.width, layers=args.layers, family="llama", vocab="gpt2", seq_len=128, micro_batch_size=4,
                   num_micro_batches=4)
     out = Path(args.output_dir)
     model, corpus = prepare(shape, out, args.pretrain_steps, args.timeout)
-    extra = ["--lr", str(args.lr), "--seed", str(args.seed)]
-    extra += ["--lora_rank", str(args.lora_rank)] if args.lora_rank else []
-    results: dict[str, dict[str, Any]] = {}
-    for name in rows:
-        run_dir = out / args.tag / name
-        flags = [*job_flags(shape, model, corpus, args.samples, 1, 64, 4), *FRONTIER[name], *extra,
-                 "--output_dir", str(run_dir)]
-        run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), *LLAMA_SCRIPT, *flags],
-            run_dir.with_suffix(".log"), args.timeout)
-        ran = curve(run_dir)  # one epoch: its steps' mean bytes are the first epoch's
-        results[name] = {"bytes": ran["bytes_first_epoch"], "evals": ran["evals"], "flags": FRONTIER[name] + extra,
-                         "export_loss": score(str(run_dir / "model"), str(corpus), shape.seq_len, 64)}
-        print(f"{name}: eval {results[name]['evals'][-1][1]:.4f}, export {results[name]['export_loss']:.4f}",
-              flush=True)
-    print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    results: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in args.seed_list}
+    lock = threading.Lock()
+
+    def task(seed: int, name: str) -> None:
+        row = one_row(name, seed, args, shape, model, corpus, out)
+        with lock:  # the figures so far, written as each row ends: a run cut short keeps what it finished
+            results[seed][name] = row
+            if args.json:
+                ordered = {s: {n: results[s][n] for n in rows if n in results[s]} for s in args.seed_list}
+                figures = ordered[args.seed_list[0]] if len(ordered) == 1 else {str(k): v for k, v in ordered.items()}
+                Path(args.json).write_text(json.dumps(figures, indent=1))
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for future in [pool.submit(task, seed, name) for seed in args.seed_list for name in rows]:
+            future.result()
+    for seed, table_rows in results.items():
+        print(f"seed {seed}:" if len(results) > 1 else "")
+        print(table({name: table_rows[name] for name in rows}))
     return 0
 
 
