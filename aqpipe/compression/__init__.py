@@ -7,7 +7,8 @@ Usable on its own by any pipeline engine: it imports torch and numpy only.
 - `ForwardCodec` / `BackwardCodec` / `Message`: dense boundary codecs (`none`, `direct`, `hadamard`);
   `AQSGDCodec` (built by `aqsgd_codec`; `forward_codec` builds either kind): AQ-SGD, with per-sample buffers in
   memory or on disk, in a float dtype or quantized, holding rows only for the samples they keep, once written;
-  `subspace_codecs`: a boundary's activations and gradients as k coefficients a token in a basis both sides hold.
+  `subspace_codecs`: a boundary's activations and gradients as k coefficients a token in a basis both sides hold;
+  `SubspaceRowsCodec`: AQ-SGD's changes as k coefficients a row (a tied embedding's rows).
 - `entropy`: a lossless Huffman stage over a message's bytes (a transport's, where it takes short messages).
 - `topk` / `randk` / `SparseTensor`: sparsifiers for data-parallel compression.
 """
@@ -19,6 +20,7 @@ from .aqsgd import AQSGDCodec, aqsgd_codec, forward_codec
 from .seeds import derive_seed
 from .protocol import Codec
 from .subspace import BACKWARD_BASES, Subspace, SubspaceCodec, SubspaceGradCodec, subspace_codecs
+from .subspace_rows import SubspaceRowsCodec
 from .quantizer import SCALE_DTYPES, QuantizedTensor, check_bits, check_finite, dequantize, quantize
 from .sparsify import SparseTensor, randk, topk
 
@@ -28,6 +30,7 @@ __all__ = [
     "FORWARD_MODES",
     "BackwardCodec", "BufferRangeError", "DenseCodec", "ForwardCodec", "Message", "SCALE_DTYPES",
     "QuantizedTensor", "SampleBuffer", "SampleIds", "SparseTensor", "Subspace", "SubspaceCodec", "SubspaceGradCodec",
+    "SubspaceRowsCodec",
     "aqsgd_codec", "check_bits", "check_finite",
     "derive_seed", "dequantize", "forward_codec", "quantize", "randk", "row_nbytes", "subspace_codecs", "topk",
 ]

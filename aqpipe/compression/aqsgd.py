@@ -82,9 +82,31 @@ class AQSGDCodec:
     def _changes_shape(self, n: int) -> torch.Size:
         return torch.Size((n, *self.buffer.sample_shape))
 
-    def _nbytes(self, whole_ids: torch.Tensor, changes: int, dtype: torch.dtype) -> int:
-        return self.whole.nbytes(whole_ids, dtype) + self.delta.payload_nbytes(self._changes_shape(changes),
-                                                                                torch.float32)
+    def _nbytes(self, whole_ids: torch.Tensor, changes: int, dtype: torch.dtype, carries: bool = False) -> int:
+        return self.whole.nbytes(whole_ids, dtype) + self._changes_nbytes(changes, carries)
+
+    # ------------------------------------------------------------------ how the changes travel (a subclass may say)
+    def _changes_nbytes(self, n: int, carries: bool) -> int:
+        """The bytes of `n` samples' changes (`carries`: the message carries what a subclass sends now and then)."""
+        return self.delta.payload_nbytes(self._changes_shape(n), torch.float32)
+
+    def _encode_changes(self, change: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The changes' bytes, and the rows both sides then hold (m plus the change as decoded)."""
+        q = self.delta.quantize(change)
+        return q.to_bytes(), dequantize(q, base=m)
+
+    def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: bool) -> torch.Tensor:
+        q = QuantizedTensor.from_bytes(payload, self._changes_shape(n), torch.float32, self.delta.bits,
+                                       self.delta.group_size, self.delta.scale_dtype)
+        return dequantize(q, base=m)
+
+    def _post(self) -> bool:
+        """The receiver posts a message: whether it carries more than rows and changes (a subclass's clock)."""
+        return False
+
+    def _take_posted(self) -> bool:
+        """The receiver decodes the next message: what `_post` said of it."""
+        return False
 
     def _apply(self, ids: torch.Tensor, whole: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor,
                moved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,34 +147,33 @@ class AQSGDCodec:
         change = moved - m
         self._squares = (self._squares[0] + torch.linalg.vector_norm(change).square(),
                          self._squares[1] + torch.linalg.vector_norm(moved).square())
-        q = self.delta.quantize(change)
+        changes, held = self._encode_changes(change, m)
         payloads, whole_rows = self.whole.send(rows, ids[whole])  # what the receiver will compute with and store
-        decoded = self._apply(ids, whole, delta, whole_rows, dequantize(q, base=m), x.dtype)
+        decoded = self._apply(ids, whole, delta, whole_rows, held, x.dtype)
         self.whole.fold(whole_rows)
-        payload = torch.cat([*payloads, q.to_bytes().to(x.device)])
+        payload = torch.cat([*payloads, changes.to(x.device)])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
 
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
                        *, refresh: bool = False) -> int:
         """The payload size `decode` expects, from this side's own state: what a receiver allocates."""
         ids, whole, delta = self._split(sample_ids, torch.Size(shape), refresh)
-        return self._nbytes(ids[whole], int(delta.sum()), dtype)
+        return self._nbytes(ids[whole], int(delta.sum()), dtype, self._post())
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
         """The tensor the receiving stage computes with: m[ξ] after this update."""
         ids, whole, delta = self._split(sample_ids, torch.Size(message.shape), refresh)
-        whole_ids, changes = ids[whole], int(delta.sum())
+        whole_ids, changes, carries = ids[whole], int(delta.sum()), self._take_posted()
         check_payload(
-            message, self._nbytes(whole_ids, changes, message.dtype),
+            message, self._nbytes(whole_ids, changes, message.dtype, carries),
             f"for {whole_ids.numel()} whole and {changes} delta samples: the two sides' buffers disagree "
             "(a different sample order, a lost message, or refresh on one side only)",
         )
         payload = message.payload
         rows, row_bytes = self.whole.receive(payload, whole_ids, message.dtype)
-        q = QuantizedTensor.from_bytes(payload[row_bytes:], self._changes_shape(changes), torch.float32,
-                                       self.delta.bits, self.delta.group_size, self.delta.scale_dtype)
         m = self.buffer.rows(ids[delta], payload.device).float()
-        out = self._apply(ids, whole, delta, rows, dequantize(q, base=m), message.dtype)
+        held = self._decode_changes(payload[row_bytes:], changes, m, carries)
+        out = self._apply(ids, whole, delta, rows, held, message.dtype)
         self.whole.fold(rows)
         return out
 

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from aqpipe.compression import (BackwardCodec, Codec, Subspace, SubspaceCodec, aqsgd_codec, derive_seed, forward_codec,
-                                plain_codecs, subspace_codecs)
+from aqpipe.compression import (BackwardCodec, Codec, Subspace, SubspaceCodec, SubspaceRowsCodec, aqsgd_codec,
+                                derive_seed, forward_codec, plain_codecs, subspace_codecs)
 
 from .compression_config import CompressionConfig
 
@@ -61,7 +61,8 @@ class CodecFactory:
     def tie(self, key: str, follower: int, matrix_shape: tuple[int, int],
             dtype: torch.dtype) -> tuple[Codec, Codec]:
         """The codecs of tied weight `key`'s link to stage `follower`: its rows (as AQ-SGD changes against the
-        follower's copy, one buffer row per row of the weight) and their gradients, at the tie's bits."""
+        follower's copy, one buffer row per row of the weight; in a basis of the changes' own with tie_rows_rank) and
+        their gradients (in a basis of their own with tie_rank), at the tie's bits."""
         c = self.c
         mode = c.tie_mode()
         if mode == "none":
@@ -70,6 +71,8 @@ class CodecFactory:
         where = ("tie", key, "follower", follower)
         values = aqsgd_codec(c.tie_bits, num_samples=rows, sample_shape=(width,), buffer_dtype=dtype,
                              stochastic=c.stochastic, seed=self.dither_seed(*where, "rows"), scale_dtype=c.scales())
+        if c.tie_rows_rank:  # the rows' changes lie in a few directions too
+            values = SubspaceRowsCodec(values, c.tie_rows_rank)
         if c.tie_rank:  # the gradients of a row lie near a few directions (benchmarks/boundary_spectrum.py)
             return values, SubspaceCodec(Subspace(c.tie_rank), c.tie_bits, stochastic=c.stochastic,
                                          seed=self.dither_seed(*where, "grads"), scale_dtype=c.scales())

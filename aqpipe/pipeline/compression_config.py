@@ -114,6 +114,9 @@ class CompressionConfig:
     tie_rank: int = setting(0, "tied-weight gradients as this many coefficients a row in a basis their sender "
                                "estimates and sends now and then (as a subspace boundary's); 0: every value of a row",
                          older=0)
+    tie_rows_rank: int = setting(0, "tied-weight rows' changes as this many coefficients a row in a basis the owner "
+                                    "estimates from them and sends now and then; what it leaves out goes with the "
+                                    "row's next change. 0: every value of a row", older=0)
     auto_bits_min: int = setting(2, "the fewest bits auto may choose")
     auto_bits_max: int = setting(8, "the most bits auto may choose")
     auto_bits_every: int = setting(20, "steps between auto's decisions, each after probing the links")
@@ -150,6 +153,7 @@ class CompressionConfig:
                 raise ValueError(f"{name}={value!r}: expected a positive integer, auto, or none for whole rows")
         check_int("warmup_epochs", self.warmup_epochs, 0)
         check_int("tie_rank", self.tie_rank, 0)
+        check_int("tie_rows_rank", self.tie_rows_rank, 0)
         if self.buffer_dtype not in BUFFER_DTYPES.values():
             name = str(self.buffer_dtype).removeprefix("torch.")
             raise ValueError(f"buffer_dtype={name!r}: expected one of {', '.join(BUFFER_DTYPES)}")

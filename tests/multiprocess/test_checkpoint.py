@@ -27,7 +27,8 @@ FIRST_VISITS = CompressionConfig(forward="aqsgd", forward_bits=2, backward="dire
                                  first_visit="hadamard", first_visit_bits=3, entropy_coding=False)
 SUBSPACE = CompressionConfig(forward="subspace", forward_bits=3, backward="subspace", backward_bits=3, subspace_rank=4,
                              tie_bits=2, tie_rank=4, entropy_coding=False)  # the tie's gradients in a basis too
-OWN_BASIS = replace(SUBSPACE, backward_basis="own", backward_feedback=True)  # the gradients' basis, error feedback
+# the gradients in a basis of their own with error feedback, and the tie's rows' changes in a basis of theirs
+OWN_BASIS = replace(SUBSPACE, backward_basis="own", backward_feedback=True, tie_rows_rank=4)
 OPTIONS = {
     "allreduce": {},
     "decentralized": {"peer_selection": "shift_one"},
@@ -98,6 +99,8 @@ def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=A
             backward = codecs.get("next.backward", codecs.get("prev.backward"))
             runs.append({"log": log, "params": torch.cat([p.detach().reshape(-1) for p in engine.stage.parameters()]),
                          "backward": {k: backward[k] for k in ("residual", "subspace") if k in backward},
+                         "tie_rows": [v["rows_subspace"]["basis"] for k, v in sorted(codecs.items())
+                                      if k.endswith(".values") and "rows_subspace" in v],
                          "buffer": buffer["rows"].clone(), "buffer_ids": buffer["ids"].clone(),
                          "batches": [[mb["sample_id"] for mb in mbs] for _, mbs in plan]})
         out[name] = runs
@@ -166,10 +169,10 @@ def test_a_resume_of_subspace_boundaries_with_replicas_equals_uninterrupted(tmp_
 
 
 def test_a_resume_of_a_backward_in_its_own_basis_with_error_feedback_equals_uninterrupted(tmp_path):
-    """The gradients in a basis their sender estimates, with error feedback, 2 replicas: losses, weights, every
-    wire's bytes, both bases and the kept residual of a run resumed after step 3 are the uninterrupted run's; the
-    gradient basis's refreshes (steps 0, 1, 2, 4) are in the backward bytes, both sides hold it bit for bit, and only
-    its sender keeps a residual."""
+    """The gradients in a basis their sender estimates, with error feedback, and the tie's rows in a basis of theirs,
+    2 replicas: losses, weights, every wire's bytes, the bases and the kept residual of a run resumed after step 3
+    are the uninterrupted run's; the gradient basis's refreshes (steps 0, 1, 2, 4) are in the backward bytes, both
+    sides hold each basis bit for bit, and only the gradients' sender keeps a residual."""
     from aqpipe.compression import QuantizedTensor, Subspace
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), OWN_BASIS, RESUME_AT)
@@ -185,6 +188,9 @@ def test_a_resume_of_a_backward_in_its_own_basis_with_error_feedback_equals_unin
     assert torch.equal(sender["subspace"]["basis"], receiver["subspace"]["basis"])
     assert receiver["residual"] is None and float(sender["residual"].abs().sum()) > 0
     assert torch.equal(sender["residual"], ranks[1]["allreduce"][0]["backward"]["residual"])  # resumed = straight
+    owner, follower = ranks[1]["allreduce"], ranks[0]["allreduce"]  # the tie's owner is the last stage
+    assert len(owner[1]["tie_rows"]) == 1 and torch.equal(owner[1]["tie_rows"][0], follower[1]["tie_rows"][0])
+    assert torch.equal(owner[1]["tie_rows"][0], owner[0]["tie_rows"][0])
     coefficients = QuantizedTensor.wire_nbytes((MBS, SEQ, 4), 3)
     basis = Subspace(4).basis_nbytes(16)
     log = ranks[0]["allreduce"][1]["log"]

@@ -1,0 +1,86 @@
+"""AQ-SGD's changes as k coefficients a row in a basis the sender estimates: a tied embedding's rows, whose
+fine-tune change lies almost all in a few directions (benchmarks/RESULTS.md: 94-96% in one, 99% at rank 16).
+
+The rows travel as AQ-SGD's do (aqsgd.py): each as its change against the copy both sides keep. Only the change's
+coding differs. The sender adds each message's changes to a second moment and, at the first message of steps 0, 1,
+2, 4, 8, ... (the boundary subspace's clock, subspace.py), sends the top-k directions with each one's root mean
+square. Each row's change then goes as k whitened coefficients, quantized as one group. Both sides add the decoded
+change to their copy. What the basis leaves out stays in the difference between the owner's row and the copy, and
+goes with the row's next change: nothing is lost, only delayed until the basis holds it. The directions it piles up
+in enter the moment, so a later refresh takes them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .aqsgd import AQSGDCodec
+from .codecs import check_config
+from .quantizer import QuantizedTensor, dequantize
+from .subspace import Subspace
+
+
+class SubspaceRowsCodec(AQSGDCodec):
+    """AQ-SGD whose changes travel as coefficients in a rank-`rank` basis of their own (see the module doc): `codec`'s
+    buffer, whole rows and changes' quantizer (its bits and dither), which then codes the coefficients."""
+
+    def __init__(self, codec: AQSGDCodec, rank: int) -> None:
+        super().__init__(codec.delta, codec.buffer, codec.whole)
+        self.subspace = Subspace(rank)
+        self._posted: list[bool] = []  # the receiver's: whether each posted message carries a basis, in order
+
+    def _width(self) -> int:
+        return self.buffer.sample_shape[-1]
+
+    def _coefficients(self, samples: int) -> torch.Size:
+        """The coefficients of `samples` samples' changes: a row of `rank` for each row of width in a sample."""
+        rows_a_sample = torch.Size(self.buffer.sample_shape[:-1]).numel()
+        return torch.Size((samples * rows_a_sample, self.subspace.rank))
+
+    def _changes_nbytes(self, n: int, carries: bool) -> int:
+        head = self.subspace.basis_nbytes(self._width()) if carries else 0
+        return head + self.delta.payload_nbytes(self._coefficients(n), torch.float32)
+
+    def _encode_changes(self, change: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, width = self.subspace, self._width()
+        s.check_width(width)
+        rows = change.reshape(-1, width)
+        s.observe(rows)
+        head = s.refresh() if s.first_message() else None
+        q = self.delta.quantize(rows @ s.basis / s.scales)
+        held = m + ((dequantize(q) * s.scales) @ s.basis.T).view(change.shape)
+        body = q.to_bytes()
+        return (body if head is None else torch.cat([head.to(body.device), body])), held
+
+    def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: bool) -> torch.Tensor:
+        s, width = self.subspace, self._width()
+        head = s.basis_nbytes(width) if carries else 0
+        if carries:
+            s.adopt(payload[:head], width)
+        q = QuantizedTensor.from_bytes(payload[head:], self._coefficients(n), torch.float32, self.delta.bits,
+                                       self.delta.group_size, self.delta.scale_dtype)
+        return m + ((dequantize(q) * s.scales) @ s.basis_for("a row's change").T).view(m.shape)
+
+    def _post(self) -> bool:
+        self._posted.append(self.subspace.first_message())
+        return self._posted[-1]
+
+    def _take_posted(self) -> bool:
+        return self._posted.pop(0) if self._posted else self.subspace.first_message()
+
+    def end_step(self) -> Any:
+        self.subspace.end_step()
+        return super().end_step()
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "rows_rank": self.subspace.rank}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rows_subspace": self.subspace.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_config(type(self).__name__, self.config(), state)
+        super().load_state_dict(state)
+        self.subspace.load_state_dict(state["rows_subspace"])
+
