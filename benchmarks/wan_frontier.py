@@ -14,7 +14,9 @@ benchmarks/export_score.py against the bf16 row's.
         --rows bf16,subspace_wan,wan_own,wan_own_ef   # on a GPU: two seeds, four runs at once
 
 The gradient's basis (`wan_own*` rows): the preset's backward in a basis of the gradients' own, with error feedback
-(`_ef`) or without; `wan_act_ef` keeps the activations' basis and adds error feedback.
+(`_ef`) or without; `wan_act_ef` keeps the activations' basis and adds error feedback. The tie's rows (`wan_tierows*`):
+their changes as 16 coefficients a row in a basis of their own, then the bytes that saves spent on the tie's bits
+(`_t3`), the boundary's rank (`_r32`) or its bits (`_b5`).
 """
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ FRONTIER: dict[str, list[str]] = {
     "wan_own_ef": [*ROWS["subspace_wan"], "--backward_basis", "own", "--backward_feedback"],  # and error feedback
     "wan_act_ef": [*ROWS["subspace_wan"], "--backward_feedback"],  # the activations' basis, error feedback
     "wan_own_r32": [*ROWS["subspace_wan"], "--backward_basis", "own", "--subspace_rank", "32"],
+    "wan_tierows": [*ROWS["subspace_wan"], "--tie_rows_rank", "16"],  # the tie's rows' changes in a basis too
+    "wan_tierows_t3": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--tie_bits", "3"],
+    "wan_tierows_r32": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--subspace_rank", "32"],
+    "wan_tierows_b5": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--forward_bits", "5", "--backward_bits", "5"],
 }
 
 
