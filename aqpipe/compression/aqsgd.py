@@ -82,12 +82,12 @@ class AQSGDCodec:
     def _changes_shape(self, n: int) -> torch.Size:
         return torch.Size((n, *self.buffer.sample_shape))
 
-    def _nbytes(self, whole_ids: torch.Tensor, changes: int, dtype: torch.dtype, carries: bool = False) -> int:
+    def _nbytes(self, whole_ids: torch.Tensor, changes: int, dtype: torch.dtype, carries: Any = False) -> int:
         return self.whole.nbytes(whole_ids, dtype) + self._changes_nbytes(changes, carries)
 
     # ------------------------------------------------------------------ how the changes travel (a subclass may say)
-    def _changes_nbytes(self, n: int, carries: bool) -> int:
-        """The bytes of `n` samples' changes (`carries`: the message carries what a subclass sends now and then)."""
+    def _changes_nbytes(self, n: int, carries: Any) -> int:
+        """The bytes of `n` samples' changes (`carries`: what `_post` said of the message; a subclass's clock)."""
         return self.delta.payload_nbytes(self._changes_shape(n), torch.float32)
 
     def _encode_changes(self, change: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,16 +95,16 @@ class AQSGDCodec:
         q = self.delta.quantize(change)
         return q.to_bytes(), dequantize(q, base=m)
 
-    def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: bool) -> torch.Tensor:
+    def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: Any) -> torch.Tensor:
         q = QuantizedTensor.from_bytes(payload, self._changes_shape(n), torch.float32, self.delta.bits,
                                        self.delta.group_size, self.delta.scale_dtype)
         return dequantize(q, base=m)
 
-    def _post(self) -> bool:
-        """The receiver posts a message: whether it carries more than rows and changes (a subclass's clock)."""
+    def _post(self) -> Any:
+        """The receiver posts a message: what it carries beside rows and changes, by a subclass's clock."""
         return False
 
-    def _take_posted(self) -> bool:
+    def _take_posted(self) -> Any:
         """The receiver decodes the next message: what `_post` said of it."""
         return False
 

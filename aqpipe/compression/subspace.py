@@ -42,6 +42,7 @@ from .quantizer import QuantizedTensor, check_float, dequantize
 
 BASIS_DTYPE = torch.bfloat16  # what the basis travels as; both sides use the values as decoded
 BACKWARD_BASES = ("activations", "own")  # the bases a subspace backward may travel in
+RANK_BYTES = 4  # the next refresh's rank, announced (auto rank) as an int32
 
 
 def refresh_step(step: int) -> bool:
@@ -51,13 +52,21 @@ def refresh_step(step: int) -> bool:
 
 
 class Subspace:
-    """The rank-`rank` basis one side of a boundary holds, and the step clock that says when it is refreshed.
+    """The basis one side of a boundary holds, and the step clock that says when it is refreshed.
 
     The sender also keeps the second moment of every activation it sent (width x width, on the activations'
-    device), from which each refresh estimates the basis."""
+    device), from which each refresh estimates the basis. Its rank is `rank`, or, with `energy` (a share, auto
+    rank), the smallest that keeps that share of the moment's energy, at most `rank` (the first refresh's): the
+    sender chooses it at the first message of the step before each refresh and sends it there (4 bytes), so both
+    sides know each message's size before it is posted; it takes effect as that step ends."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = check_int("subspace_rank", rank, 1)
+    def __init__(self, rank: int, energy: float | None = None) -> None:
+        self.most = check_int("subspace_rank", rank, 1)
+        if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float))
+                                   or not 0 < energy <= 1):
+            raise ValueError(f"subspace_energy={energy!r}: expected a share in (0, 1]")
+        self.energy = energy
+        self.rank = self.next_rank = self.most  # the directions now, and from the next refresh (auto rank)
         self.basis: torch.Tensor | None = None  # width x rank, float32, as both sides decoded it
         self.scales: torch.Tensor | None = None  # rank, float32: each direction's root mean square
         self.moment: torch.Tensor | None = None  # the sender's sum of x^T x, float32
@@ -65,22 +74,63 @@ class Subspace:
         self.steps = 0  # steps that have had a message
         self._in_step = False
 
-    def first_message(self) -> bool:
-        """Called once a forward message on each side (the sender as it encodes, the receiver as it posts the
-        receive): True for the first message of a refresh step."""
+    def tick(self) -> tuple[bool, bool]:
+        """Called once a message on each side (the sender as it encodes, the receiver as it posts the receive):
+        (whether it carries a new basis, whether it carries the next refresh's rank); both only on a step's first
+        message, the basis in steps 0, 1, 2, 4, 8, ..., the rank (auto rank) in the step before each of those."""
         if self._in_step:
-            return False
+            return False, False
         self._in_step, step = True, self.steps
         self.steps += 1
-        return refresh_step(step)
+        return refresh_step(step), self.energy is not None and refresh_step(step + 1)
 
     def end_step(self) -> None:
-        """The step is over: the next message is the first of a step."""
+        """The step is over: the next message is the first of a step, at the rank announced for it."""
         self._in_step = False
+        if self.energy is not None and refresh_step(self.steps):
+            self.rank = self.next_rank
+
+    def head_nbytes(self, flags: tuple[bool, bool], width: int) -> int:
+        """The bytes a message carries before its coefficients, by its `tick` flags."""
+        return (self.basis_nbytes(width) if flags[0] else 0) + (RANK_BYTES if flags[1] else 0)
+
+    def send_head(self, flags: tuple[bool, bool]) -> torch.Tensor | None:
+        """The sender's head for a message with these `tick` flags, after `observe`: the next rank (chosen now from
+        the moment so far), then a new basis (adopted here as the receiver will). None where there is neither."""
+        parts = []
+        if flags[1]:
+            self.next_rank = self.choose()
+            parts.append(torch.tensor([self.next_rank], dtype=torch.int32, device=self.moment.device).view(torch.uint8))
+        if flags[0]:
+            parts.append(self.refresh())
+        return torch.cat(parts) if parts else None
+
+    def take_head(self, payload: torch.Tensor, flags: tuple[bool, bool], width: int) -> int:
+        """The receiver's: take a message's head (`send_head`'s) from the start of `payload`; its bytes."""
+        at = 0
+        if flags[1]:
+            self.next_rank = int(payload[:RANK_BYTES].clone().view(torch.int32)[0])
+            if not 1 <= self.next_rank <= self.most:
+                raise ValueError(f"a subspace rank of {self.next_rank} arrived: expected 1 to {self.most} (the sides' "
+                                 "step clocks differ)")
+            at = RANK_BYTES
+        if flags[0]:
+            self.adopt(payload[at:at + self.basis_nbytes(width)], width)
+            at += self.basis_nbytes(width)
+        return at
+
+    def choose(self) -> int:
+        """The smallest rank whose directions keep `energy` of the moment's energy, at most the bound."""
+        values = torch.linalg.eigvalsh(self.moment.double()).flip(0).clamp_min(0)
+        total = float(values.sum())
+        if total <= 0:
+            return self.most
+        short = int((values.cumsum(0) < self.energy * total).sum())  # leading directions still short of the share
+        return max(1, min(self.most, short + 1))
 
     def check_width(self, width: int) -> None:
-        if self.rank > width:
-            raise ValueError(f"subspace_rank={self.rank}: expected at most the boundary's width, {width}")
+        if self.most > width:
+            raise ValueError(f"subspace_rank={self.most}: expected at most the boundary's width, {width}")
         if self.basis is not None and self.basis.shape[0] != width:
             raise ValueError(f"a subspace basis of width {self.basis.shape[0]} cannot code activations of width "
                              f"{width}")
@@ -116,14 +166,17 @@ class Subspace:
         return self.basis
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "basis": self.basis, "scales": self.scales, "moment": self.moment,
-                "tokens": self.tokens, "steps": self.steps}
+        return {"rank": self.most, "energy": self.energy, "now": self.rank, "next": self.next_rank,
+                "basis": self.basis, "scales": self.scales, "moment": self.moment, "tokens": self.tokens,
+                "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["rank"] != self.rank:
-            raise ValueError(f"subspace state has rank {state['rank']}, this codec {self.rank} (subspace_rank)")
+        if state["rank"] != self.most or state.get("energy") != self.energy:
+            raise ValueError(f"subspace state has rank {state['rank']} (energy {state.get('energy')}), this codec "
+                             f"{self.most} (energy {self.energy}): subspace_rank and subspace_energy must match")
         self.basis, self.scales, self.moment = state["basis"], state["scales"], state["moment"]
         self.tokens, self.steps, self._in_step = int(state["tokens"]), int(state["steps"]), False
+        self.rank, self.next_rank = int(state.get("now", self.most)), int(state.get("next", self.most))
 
 
 class _SubspaceCodec(_Codec):
@@ -139,7 +192,7 @@ class _SubspaceCodec(_Codec):
         self.subspace = subspace
         self.feedback = feedback
         self.residual: torch.Tensor | None = None  # the sender's, with feedback: what its messages left out (float32)
-        self._posted: list[bool] = []  # the receiver's: whether each posted message carries a basis, in order
+        self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's tick flags, in order
 
     def _fed(self, x: torch.Tensor) -> torch.Tensor:
         """x as float32, plus (with feedback) what earlier messages left out at its positions."""
@@ -184,7 +237,8 @@ class _SubspaceCodec(_Codec):
                                                      self.scale_dtype))
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "rank": self.subspace.rank, "feedback": self.feedback}
+        return {**super().config(), "rank": self.subspace.most, "feedback": self.feedback,
+                **({"energy": self.subspace.energy} if self.subspace.energy is not None else {})}
 
     def end_step(self) -> None:
         """A step ended: the next forward message is the first of a step (a refresh's, if the step clock says)."""
@@ -228,7 +282,7 @@ class SubspaceCodec(_SubspaceCodec):
         fed = self._fed(x)
         rows = fed.reshape(-1, width)
         s.observe(rows)
-        head = s.refresh() if s.first_message() else None
+        head = s.send_head(s.tick())
         codes, values = self._quantized((rows @ s.basis / s.scales).view(*x.shape[:-1], s.rank))
         decoded = ((values * s.scales) @ s.basis.T).to(x.dtype)
         self._keep_rest(fed, decoded)
@@ -237,23 +291,22 @@ class SubspaceCodec(_SubspaceCodec):
 
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, sample_ids: Any = None,
                        *, refresh: bool = False) -> int:
-        """The size the receiver posts for the next message: the coefficients, and the basis where the step clock
-        says this message carries one (so call it once a message, in the order they are sent)."""
+        """The size the receiver posts for the next message: the coefficients, and the basis (and the next rank) where
+        the step clock says this message carries one (so call it once a message, in the order they are sent)."""
         shape = torch.Size(shape)
         self.subspace.check_width(shape[-1])
-        self._posted.append(self.subspace.first_message())
-        return (self.subspace.basis_nbytes(shape[-1]) if self._posted[-1] else 0) + self._coefficients_nbytes(shape)
+        self._posted.append(self.subspace.tick())
+        return self.subspace.head_nbytes(self._posted[-1], shape[-1]) + self._coefficients_nbytes(shape)
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
         """The activation a message carries: the next posted one (`payload_nbytes`), or, where none was posted, the
         next by the step clock."""
         s, shape = self.subspace, torch.Size(message.shape)
-        carries = self._posted.pop(0) if self._posted else s.first_message()
-        body, head = self._coefficients_nbytes(shape), s.basis_nbytes(shape[-1]) if carries else 0
+        flags = self._posted.pop(0) if self._posted else s.tick()
+        body, head = self._coefficients_nbytes(shape), s.head_nbytes(flags, shape[-1])
         check_payload(message, head + body, f"for a rank-{s.rank} subspace of {tuple(shape)}" +
-                      (" with its basis (a refresh)" if carries else ""))
-        if carries:
-            s.adopt(message.payload[:head], shape[-1])
+                      (" with its basis (a refresh)" if flags[0] else ""))
+        s.take_head(message.payload, flags, shape[-1])
         values = self._dequantized(message.payload[head:], shape)
         return ((values * s.scales) @ s.basis_for("an activation").T).to(message.dtype)
 
@@ -291,22 +344,24 @@ class SubspaceGradCodec(_SubspaceCodec):
         return (self._dequantized(message.payload, shape) @ self.subspace.basis_for("a gradient").T).to(message.dtype)
 
 
-def subspace_codecs(rank: int, forward_bits: int, backward_bits: int | None = None, *, stochastic: bool = True,
+def subspace_codecs(rank: int, forward_bits: int, backward_bits: int | None = None, *, energy: float | None = None,
+                    stochastic: bool = True,
                     seed: int = 0, backward_seed: int = 1, group_size: int | None = None,
                     backward_group_size: int | None = None, scale_dtype: torch.dtype = torch.float32,
                     backward_basis: str = "activations", feedback: bool = False
                     ) -> tuple[SubspaceCodec, SubspaceCodec | SubspaceGradCodec | None]:
     """One side of a boundary's subspace codecs at rank `rank`: the activations' at `forward_bits` and, where
     `backward_bits` is given, their gradients' (else None: the backward goes dense), in the activations' basis or
-    their own (`backward_basis`: BACKWARD_BASES), with error feedback where `feedback`."""
+    their own (`backward_basis`: BACKWARD_BASES), with error feedback where `feedback`; `energy`: auto rank, the share
+    of energy each basis keeps, `rank` its bound."""
     if backward_basis not in BACKWARD_BASES:
         raise ValueError(f"backward_basis={backward_basis!r}: expected one of {', '.join(BACKWARD_BASES)}")
-    subspace = Subspace(rank)
+    subspace = Subspace(rank, energy)
     forward = SubspaceCodec(subspace, forward_bits, stochastic=stochastic, seed=seed, group_size=group_size,
                             scale_dtype=scale_dtype)
     if backward_bits is None:
         return forward, None
     kind = SubspaceGradCodec if backward_basis == "activations" else SubspaceCodec
-    return forward, kind(subspace if backward_basis == "activations" else Subspace(rank), backward_bits,
+    return forward, kind(subspace if backward_basis == "activations" else Subspace(rank, energy), backward_bits,
                          stochastic=stochastic, seed=backward_seed, group_size=backward_group_size,
                          scale_dtype=scale_dtype, feedback=feedback)

@@ -28,7 +28,7 @@ class SubspaceRowsCodec(AQSGDCodec):
     def __init__(self, codec: AQSGDCodec, rank: int) -> None:
         super().__init__(codec.delta, codec.buffer, codec.whole)
         self.subspace = Subspace(rank)
-        self._posted: list[bool] = []  # the receiver's: whether each posted message carries a basis, in order
+        self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's tick flags, in order
 
     def _width(self) -> int:
         return self.buffer.sample_shape[-1]
@@ -38,8 +38,8 @@ class SubspaceRowsCodec(AQSGDCodec):
         rows_a_sample = torch.Size(self.buffer.sample_shape[:-1]).numel()
         return torch.Size((samples * rows_a_sample, self.subspace.rank))
 
-    def _changes_nbytes(self, n: int, carries: bool) -> int:
-        head = self.subspace.basis_nbytes(self._width()) if carries else 0
+    def _changes_nbytes(self, n: int, carries: Any) -> int:
+        head = self.subspace.head_nbytes(carries, self._width()) if carries else 0
         return head + self.delta.payload_nbytes(self._coefficients(n), torch.float32)
 
     def _encode_changes(self, change: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,34 +47,32 @@ class SubspaceRowsCodec(AQSGDCodec):
         s.check_width(width)
         rows = change.reshape(-1, width)
         s.observe(rows)
-        head = s.refresh() if s.first_message() else None
+        head = s.send_head(s.tick())
         q = self.delta.quantize(rows @ s.basis / s.scales)
         held = m + ((dequantize(q) * s.scales) @ s.basis.T).view(change.shape)
         body = q.to_bytes()
         return (body if head is None else torch.cat([head.to(body.device), body])), held
 
-    def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: bool) -> torch.Tensor:
+    def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: Any) -> torch.Tensor:
         s, width = self.subspace, self._width()
-        head = s.basis_nbytes(width) if carries else 0
-        if carries:
-            s.adopt(payload[:head], width)
+        head = s.take_head(payload, carries, width)
         q = QuantizedTensor.from_bytes(payload[head:], self._coefficients(n), torch.float32, self.delta.bits,
                                        self.delta.group_size, self.delta.scale_dtype)
         return m + ((dequantize(q) * s.scales) @ s.basis_for("a row's change").T).view(m.shape)
 
-    def _post(self) -> bool:
-        self._posted.append(self.subspace.first_message())
+    def _post(self) -> tuple[bool, bool]:
+        self._posted.append(self.subspace.tick())
         return self._posted[-1]
 
-    def _take_posted(self) -> bool:
-        return self._posted.pop(0) if self._posted else self.subspace.first_message()
+    def _take_posted(self) -> tuple[bool, bool]:
+        return self._posted.pop(0) if self._posted else self.subspace.tick()
 
     def end_step(self) -> Any:
         self.subspace.end_step()
         return super().end_step()
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "rows_rank": self.subspace.rank}
+        return {**super().config(), "rows_rank": self.subspace.most}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "rows_subspace": self.subspace.state_dict()}

@@ -119,9 +119,10 @@ def _aqsgd(f: CodecFactory, side: Side) -> tuple[Codec, Codec]:
 def _subspace(f: CodecFactory, side: Side) -> tuple[Codec, Codec]:
     """Both directions around one basis, or the backward in its own; a dense backward where the backward is not
     subspace."""
-    c, rank, bits = f.c, f.c.subspace_rank, side.bits
+    c, (rank, energy), bits = f.c, f.c.subspace(), side.bits
     forward, backward = subspace_codecs(
-        rank, bits["forward"], bits["backward"] if c.backward == "subspace" else None, stochastic=c.stochastic,
+        rank, bits["forward"], bits["backward"] if c.backward == "subspace" else None, energy=energy,
+        stochastic=c.stochastic,
         seed=f.dither_seed("boundary", side.index, "forward"),
         backward_seed=f.dither_seed("boundary", side.index, "backward"),
         group_size=c.group_size("forward", rank, bits["forward"]),

@@ -55,9 +55,15 @@ class CompressionConfig:
     backward: str = setting("none", f"gradients: one of {', '.join(BACKWARD_MODES)}", "backward_compress",
                             choices=BACKWARD_MODES)
     backward_bits: int | str | None = setting(None, "bits of backward compression (1-8), or auto")
-    subspace_rank: int = setting(32, "directions of a subspace boundary's basis (forward_compress subspace): each "
-                                     "token travels as this many coefficients, and its gradient too with "
-                                     "backward_compress subspace", older=THIS_RUN)  # before subspace codecs: no basis
+    subspace_rank: int | str = setting(32, "directions of a subspace boundary's basis (forward_compress subspace): "
+                                           "each token travels as this many coefficients, and its gradient too with "
+                                           "backward_compress subspace; auto: at each refresh the fewest that keep "
+                                           "subspace_energy of the boundary's energy, at most subspace_max_rank",
+                                       older=THIS_RUN)  # before subspace codecs: no basis
+    subspace_energy: float = setting(0.99, "with subspace_rank auto: the share of the boundary's energy (the second "
+                                           "moment of what was sent) the chosen rank keeps", older=0.99)
+    subspace_max_rank: int = setting(64, "with subspace_rank auto: the most directions it may choose (and the first "
+                                         "refresh's)", older=64)
     backward_basis: str = setting("activations", "the basis a subspace backward's gradients travel in: activations "
                                                  "(the forward's: the exact gradient of the projected forward) or own "
                                                  "(one their sender estimates from the gradients and sends on the "
@@ -138,7 +144,13 @@ class CompressionConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected backward_compress subspace (it shapes a "
                                  f"subspace backward), got {self.backward!r}")
         if self.forward == "subspace":
-            check_int("subspace_rank", self.subspace_rank, 1)
+            if self.subspace_rank == "auto":
+                check_int("subspace_max_rank", self.subspace_max_rank, 1)
+                energy = self.subspace_energy
+                if isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0 < energy <= 1:
+                    raise ValueError(f"subspace_energy={energy!r}: expected a share in (0, 1]")
+            else:
+                check_int("subspace_rank", self.subspace_rank, 1, what="a positive number of directions, or auto")
             for direction in ("forward", "backward"):
                 if getattr(self, direction) == "subspace" and getattr(self, f"{direction}_bits") == "auto":
                     raise ValueError(f"{direction}_bits=auto: a subspace codec takes fixed bits (1-8)")
@@ -182,6 +194,12 @@ class CompressionConfig:
         for name in ("stochastic", "entropy_coding", "backward_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
+
+    def subspace(self) -> tuple[int, float | None]:
+        """A subspace boundary's rank, or with auto rank its bound, and the energy share auto keeps (None: fixed)."""
+        if self.subspace_rank == "auto":
+            return self.subspace_max_rank, float(self.subspace_energy)
+        return self.subspace_rank, None
 
     def whole_rows(self) -> tuple[str, str]:
         """How AQ-SGD's whole rows travel: (first visits of samples the buffers keep, rows of samples they keep out).

@@ -87,7 +87,7 @@ def boundary_bytes(compression: Any, direction: str, rows: int, seq: int, width:
     if mode == "none":
         return plain + ids
     if mode == "subspace":
-        rank = compression.subspace_rank
+        rank, _ = compression.subspace()  # auto rank: its bound, the most it sends
         return coded(bits, rank) + ids
     if mode == "aqsgd" and direction == "forward":
         whole = compression.first_visit == "none" or (compression.first_visit == "auto" and first_share < 1)
