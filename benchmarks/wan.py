@@ -66,10 +66,10 @@ PEER_MBIT, PEER_LATENCY_MS = 200.0, 50.0  # ProtocolNanoGPT's link: every link 2
 SLACK = 0.01  # a second target: within 1% of the bf16 row's final eval loss
 
 
-def run(cmd: list[str], log: Path, timeout: float) -> None:
+def run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=env)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[:6])} ...: exit {proc.returncode} (log {log}):\n{log.read_text()[-3000:]}")
 

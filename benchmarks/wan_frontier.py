@@ -12,6 +12,7 @@ benchmarks/export_score.py against the bf16 row's.
     python -m benchmarks.wan_frontier --width 1024 --output_dir runs/wan1024 --timeout 5400   # a wider model
     python -m benchmarks.wan_frontier --width 2048 --output_dir runs/wan2048 --seeds 7,8 --jobs 4 \
         --rows bf16,subspace_wan,wan_own,wan_own_ef   # on a GPU: two seeds, four runs at once
+    ... --time_mbit 100,0.25       # then each row's step on emulated links, and its time to the 1% target
 
 The gradient's basis (`wan_own*` rows): the preset's backward in a basis of the gradients' own, with error feedback
 (`_ef`) or without; `wan_act_ef` keeps the activations' basis and adds error feedback. The tie's rows (`wan_tierows*`):
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +34,7 @@ from typing import Any
 from benchmarks.export_score import score
 from benchmarks.recipe_runs import free_port
 from benchmarks.slow_link import LLAMA_SCRIPT, Shape
-from benchmarks.wan import ROWS, WIRES, curve, job_flags, prepare, run
+from benchmarks.wan import ROWS, SLACK, WIRES, curve, job_flags, prepare, records, run
 
 SUBSPACE = ["--forward_compress", "subspace", "--backward_compress", "subspace", "--scale_dtype", "bfloat16"]
 
@@ -109,6 +112,49 @@ def one_row(name: str, seed: int, args: argparse.Namespace, shape: Shape, model:
     return row
 
 
+def timed(name: str, seed: int, mbit: float, args: argparse.Namespace, shape: Shape, model: Path, corpus: Path,
+          out: Path) -> float | None:
+    """Median seconds of a step of row `name` on a link the transport emulates (`mbit`, and --latency_ms a message),
+    --timing_steps steps, the first left out; None where its bytes alone would take more than --timing_budget."""
+    curve_run = args.results.get(seed, {}).get(name)
+    if curve_run and sum(curve_run["bytes"].values()) * 8 / (mbit * 1e6) * args.timing_steps > args.timing_budget:
+        return None
+    run_dir = out / f"timing_seed{seed}_{mbit:g}mbit" / name
+    flags = [*job_flags(shape, model, corpus, args.samples, 1, 64, args.timing_steps + 1), *FRONTIER[name],
+             "--lr", str(args.lr), "--seed", str(seed), "--max_steps", str(args.timing_steps),
+             "--output_dir", str(run_dir)]
+    env = {**os.environ, "AQPIPE_LINK_MBIT": f"{mbit:g}", "AQPIPE_LINK_LATENCY_MS": f"{args.latency_ms:g}"}
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         *LLAMA_SCRIPT, *flags], run_dir.with_suffix(".log"), args.timeout, env)
+    steps = [r["seconds"] for r in records(run_dir) if "loss" in r][1:]
+    return statistics.median(steps) if steps else None
+
+
+def to_target(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's steps to within SLACK of its seed's bf16 row's final eval loss, and the time to it at each timed
+    rate (those steps at the row's step time there)."""
+    target = rows["bf16"]["evals"][-1][1] * (1 + SLACK) if "bf16" in rows else None
+    for row in rows.values():
+        steps = next((step for step, loss in row["evals"] if target is not None and loss <= target), None)
+        row["steps_to_target"] = steps
+        row["time_to_target"] = {rate: (steps * s if steps is not None and s is not None else None)
+                                 for rate, s in row.get("step_s", {}).items()}
+
+
+def time_table(rows: dict[str, dict[str, Any]], rates: list[float]) -> str:
+    head = "| row | steps to 1% above bf16's final eval | " + " | ".join(
+        f"s/step at {r:g} Mbit/s | time to it" for r in rates) + " |"
+    out = [head, "|" + "---|" * (2 + 2 * len(rates))]
+    for name, row in rows.items():
+        cells = []
+        for rate in rates:
+            s, t = row.get("step_s", {}).get(str(rate)), row.get("time_to_target", {}).get(str(rate))
+            cells += ["-" if s is None else f"{s:.3f}", "-" if t is None else f"{t:.1f} s"]
+        steps = row.get("steps_to_target")
+        out.append(f"| {name} | {'not reached' if steps is None else steps} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default=",".join(FRONTIER), help=f"of {', '.join(FRONTIER)}")
@@ -126,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain_steps", type=int, default=200)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", help="also write the figures here (several seeds: keyed by seed)")
+    p.add_argument("--time_mbit", default="", help="emulated link rates, Mbit/s, comma-separated (e.g. 100,0.25): "
+                   "each row's step timed there, one run at a time after the curves, and its time to the 1%% target")
+    p.add_argument("--latency_ms", type=float, default=50.0, help="the emulated link's one-way delay a message")
+    p.add_argument("--timing_steps", type=int, default=4)
+    p.add_argument("--timing_budget", type=float, default=120.0,
+                   help="seconds a timed run's bytes may take on the link; a row over it is not timed there")
     args = p.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     for r in rows:
@@ -143,17 +195,33 @@ def main(argv: list[str] | None = None) -> int:
         row = one_row(name, seed, args, shape, model, corpus, out)
         with lock:  # the figures so far, written as each row ends: a run cut short keeps what it finished
             results[seed][name] = row
-            if args.json:
-                ordered = {s: {n: results[s][n] for n in rows if n in results[s]} for s in args.seed_list}
-                figures = ordered[args.seed_list[0]] if len(ordered) == 1 else {str(k): v for k, v in ordered.items()}
-                Path(args.json).write_text(json.dumps(figures, indent=1))
+            write()
+
+    def write() -> None:
+        if args.json:
+            ordered = {s: {n: results[s][n] for n in rows if n in results[s]} for s in args.seed_list}
+            figures = ordered[args.seed_list[0]] if len(ordered) == 1 else {str(k): v for k, v in ordered.items()}
+            Path(args.json).write_text(json.dumps(figures, indent=1))
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for future in [pool.submit(task, seed, name) for seed in args.seed_list for name in rows]:
             future.result()
+    rates = [float(r) for r in args.time_mbit.split(",") if r]
+    args.results = results
+    for rate in rates:  # one run at a time: timings side by side are worthless
+        for seed in args.seed_list:
+            for name in rows:
+                step_s = timed(name, seed, rate, args, shape, model, corpus, out)
+                results[seed][name].setdefault("step_s", {})[str(rate)] = step_s
+                print(f"seed {seed} {name} at {rate:g} Mbit/s: {step_s} s a step", flush=True)
+                write()
     for seed, table_rows in results.items():
+        to_target(table_rows)
         print(f"seed {seed}:" if len(results) > 1 else "")
         print(table({name: table_rows[name] for name in rows}))
+        if rates:
+            print(time_table({name: table_rows[name] for name in rows}, rates))
+    write()
     return 0
 
 

