@@ -17,7 +17,8 @@ benchmarks/export_score.py against the bf16 row's.
 The gradient's basis (`wan_own*` rows): the preset's backward in a basis of the gradients' own, with error feedback
 (`_ef`) or without; `wan_act_ef` keeps the activations' basis and adds error feedback. The tie's rows (`wan_tierows*`):
 their changes as 16 coefficients a row in a basis of their own, then the bytes that saves spent on the tie's bits
-(`_t3`), the boundary's rank (`_r32`) or its bits (`_b5`).
+(`_t3`), the boundary's rank (`_r32`) or its bits (`_b5`). `*_auto`: the boundary's rank chosen at each refresh, the
+fewest directions that keep 99% of the energy sent (at most 64).
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ FRONTIER: dict[str, list[str]] = {
     "wan_tierows_t3": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--tie_bits", "3"],
     "wan_tierows_r32": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--subspace_rank", "32"],
     "wan_tierows_b5": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--forward_bits", "5", "--backward_bits", "5"],
+    "wan_auto": [*ROWS["subspace_wan"], "--subspace_rank", "auto"],  # the rank that keeps 99% of the energy, <= 64
+    "wan_tierows_auto": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--subspace_rank", "auto"],
 }
 
 
