@@ -100,11 +100,12 @@ class AQSGDCodec:
                                        self.delta.group_size, self.delta.scale_dtype)
         return dequantize(q, base=m)
 
-    def _post(self) -> Any:
-        """The receiver posts a message: what it carries beside rows and changes, by a subclass's clock."""
+    def _post(self, changes: int) -> Any:
+        """The receiver posts a message of `changes` changes: what it carries beside rows and changes, by a
+        subclass's clock."""
         return False
 
-    def _take_posted(self) -> Any:
+    def _take_posted(self, changes: int) -> Any:
         """The receiver decodes the next message: what `_post` said of it."""
         return False
 
@@ -158,12 +159,14 @@ class AQSGDCodec:
                        *, refresh: bool = False) -> int:
         """The payload size `decode` expects, from this side's own state: what a receiver allocates."""
         ids, whole, delta = self._split(sample_ids, torch.Size(shape), refresh)
-        return self._nbytes(ids[whole], int(delta.sum()), dtype, self._post())
+        changes = int(delta.sum())
+        return self._nbytes(ids[whole], changes, dtype, self._post(changes))
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
         """The tensor the receiving stage computes with: m[ξ] after this update."""
         ids, whole, delta = self._split(sample_ids, torch.Size(message.shape), refresh)
-        whole_ids, changes, carries = ids[whole], int(delta.sum()), self._take_posted()
+        whole_ids, changes = ids[whole], int(delta.sum())
+        carries = self._take_posted(changes)
         check_payload(
             message, self._nbytes(whole_ids, changes, message.dtype, carries),
             f"for {whole_ids.numel()} whole and {changes} delta samples: the two sides' buffers disagree "

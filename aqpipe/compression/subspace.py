@@ -19,11 +19,14 @@ The backward travels in one of two bases (`backward_basis`):
   directions the gradients take. At width 1024 the activations' rank-16 basis holds 16% of the boundary gradient's
   energy and the gradient's own 44% (benchmarks/RESULTS.md).
 
-Error feedback (`feedback`, as PowerSGD's and Qsparse's): the sender keeps what each message left out (its input,
-plus what was kept before, less what the receiver decodes) by position in the message, and adds it to the next
-message's same position. Nothing is dropped for good, only delayed; the sum the receiver applies over a run equals
-the sum sent, less the one residual still kept. Position, not sample: in a one-epoch fine-tune no sample comes back,
-so a per-sample memory would hold every sample's residual and deliver none of it.
+Error feedback (`feedback`, as PowerSGD's and Qsparse's; with the own basis only): the sender keeps what each
+message left out (its input, plus what was kept before, less what the receiver decodes) by position in the message,
+and adds it to the next message's same position. The sum the receiver applies over a run equals the sum sent, less
+the one residual still kept; what the basis leaves out piles up until a refresh takes its directions (the moment sees
+it) and then goes at once. With the activations' basis it would never go: that basis never sees the gradient.
+Position, not sample: in a one-epoch fine-tune no sample comes back, so a per-sample memory would hold every
+sample's residual and deliver none of it. Measured (benchmarks/RESULTS.md, widths 1024 and 2048): neither the own
+basis nor feedback beats the activations' basis, whose backward is the gradient of the model the pipeline runs.
 
 A refresh takes effect at the first message of a step, when every backward of the step before has been sent and
 received, so one step's forward and backward use one basis on both sides. The receiver learns which of its posted
@@ -135,6 +138,14 @@ class Subspace:
             raise ValueError(f"a subspace basis of width {self.basis.shape[0]} cannot code activations of width "
                              f"{width}")
 
+    def follow(self, device: torch.device) -> None:
+        """Hold the basis, scales and moment on `device`, where the messages are (a checkpoint loads them on the
+        host)."""
+        for name in ("basis", "scales", "moment"):
+            value = getattr(self, name)
+            if value is not None and value.device != device:
+                setattr(self, name, value.to(device))
+
     def observe(self, rows: torch.Tensor) -> None:
         """Add a message's rows (tokens x width, float32) to the sender's second moment."""
         moment = rows.T @ rows
@@ -192,6 +203,7 @@ class _SubspaceCodec(_Codec):
         self.subspace = subspace
         self.feedback = feedback
         self.residual: torch.Tensor | None = None  # the sender's, with feedback: what its messages left out (float32)
+        self._snapshot = False  # a rejected step's restore of the residual is taken this step
         self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's tick flags, in order
 
     def _fed(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,6 +224,8 @@ class _SubspaceCodec(_Codec):
     def _cover(self, x: torch.Tensor) -> None:
         """The residual grown (with zeros) to hold a message of x's shape; what lies beyond it waits for a larger
         message."""
+        if self.residual is not None and self.residual.device != x.device:  # a checkpoint loads it on the host
+            self.residual = self.residual.to(x.device)
         r = self.residual
         if r is not None and (r.dim() != x.dim() or r.shape[-1] != x.shape[-1]):
             raise ValueError(f"a message of shape {tuple(x.shape)} after ones of shape {tuple(r.shape)}: error "
@@ -243,6 +257,7 @@ class _SubspaceCodec(_Codec):
     def end_step(self) -> None:
         """A step ended: the next forward message is the first of a step (a refresh's, if the step clock says)."""
         self.subspace.end_step()
+        self._snapshot = False
 
     def take_change(self) -> tuple[float, float]:
         return 0.0, 0.0
@@ -250,12 +265,12 @@ class _SubspaceCodec(_Codec):
     def undo_point(self, sample_ids: Any) -> Callable[[], None]:
         """What puts back the sender's residual (with feedback) as it is now. A refresh both sides took stays
         taken."""
-        if not self.feedback:
+        if not self.feedback or self._snapshot:  # the step's first snapshot is the one a rejected step needs
             return lambda: None
-        kept = None if self.residual is None else self.residual.clone()
+        kept, self._snapshot = None if self.residual is None else self.residual.clone(), True
 
         def restore() -> None:
-            self.residual = kept
+            self.residual, self._snapshot = kept, False
         return restore
 
     def state_dict(self) -> dict[str, Any]:
@@ -279,6 +294,7 @@ class SubspaceCodec(_SubspaceCodec):
         self.check_input(x, "SubspaceCodec input")
         s, width = self.subspace, x.shape[-1]
         s.check_width(width)
+        s.follow(x.device)
         fed = self._fed(x)
         rows = fed.reshape(-1, width)
         s.observe(rows)
@@ -306,6 +322,7 @@ class SubspaceCodec(_SubspaceCodec):
         body, head = self._coefficients_nbytes(shape), s.head_nbytes(flags, shape[-1])
         check_payload(message, head + body, f"for a rank-{s.rank} subspace of {tuple(shape)}" +
                       (" with its basis (a refresh)" if flags[0] else ""))
+        s.follow(message.payload.device)
         s.take_head(message.payload, flags, shape[-1])
         values = self._dequantized(message.payload[head:], shape)
         return ((values * s.scales) @ s.basis_for("an activation").T).to(message.dtype)
@@ -325,6 +342,7 @@ class SubspaceGradCodec(_SubspaceCodec):
     def encode(self, g: torch.Tensor, sample_ids: Any = None, *, refresh: bool = False) -> Message:
         check_float(g)
         self.check_input(g, "SubspaceGradCodec input")
+        self.subspace.follow(g.device)
         basis = self.subspace.basis_for("a gradient")
         self.subspace.check_width(g.shape[-1])
         fed = self._fed(g)
@@ -338,6 +356,7 @@ class SubspaceGradCodec(_SubspaceCodec):
         return self._coefficients_nbytes(torch.Size(shape))
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
+        self.subspace.follow(message.payload.device)
         shape = torch.Size(message.shape)
         check_payload(message, self._coefficients_nbytes(shape), f"for a rank-{self.subspace.rank} subspace gradient "
                       f"of {tuple(shape)}")
@@ -359,6 +378,9 @@ def subspace_codecs(rank: int, forward_bits: int, backward_bits: int | None = No
     subspace = Subspace(rank, energy)
     forward = SubspaceCodec(subspace, forward_bits, stochastic=stochastic, seed=seed, group_size=group_size,
                             scale_dtype=scale_dtype)
+    if feedback and backward_basis == "activations":
+        raise ValueError("backward_feedback: expected backward_basis own (what the activations' basis leaves out of "
+                         "a gradient never enters it, so feedback would keep it for good)")
     if backward_bits is None:
         return forward, None
     kind = SubspaceGradCodec if backward_basis == "activations" else SubspaceCodec

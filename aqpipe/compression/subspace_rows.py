@@ -27,6 +27,9 @@ class SubspaceRowsCodec(AQSGDCodec):
 
     def __init__(self, codec: AQSGDCodec, rank: int) -> None:
         super().__init__(codec.delta, codec.buffer, codec.whole)
+        width = codec.buffer.sample_shape[-1]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= width:
+            raise ValueError(f"tie_rows_rank={rank!r}: expected 1 to the tied weight's width, {width}")
         self.subspace = Subspace(rank)
         self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's tick flags, in order
 
@@ -44,8 +47,10 @@ class SubspaceRowsCodec(AQSGDCodec):
 
     def _encode_changes(self, change: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, width = self.subspace, self._width()
-        s.check_width(width)
         rows = change.reshape(-1, width)
+        if not rows.shape[0]:  # whole rows alone (a warm-up's, first visits): off the clock, as the receiver knows
+            return change.new_empty(0, dtype=torch.uint8), m
+        s.follow(rows.device)
         s.observe(rows)
         head = s.send_head(s.tick())
         q = self.delta.quantize(rows @ s.basis / s.scales)
@@ -55,17 +60,22 @@ class SubspaceRowsCodec(AQSGDCodec):
 
     def _decode_changes(self, payload: torch.Tensor, n: int, m: torch.Tensor, carries: Any) -> torch.Tensor:
         s, width = self.subspace, self._width()
+        if not n:
+            return m
+        s.follow(payload.device)
         head = s.take_head(payload, carries, width)
         q = QuantizedTensor.from_bytes(payload[head:], self._coefficients(n), torch.float32, self.delta.bits,
                                        self.delta.group_size, self.delta.scale_dtype)
         return m + ((dequantize(q) * s.scales) @ s.basis_for("a row's change").T).view(m.shape)
 
-    def _post(self) -> tuple[bool, bool]:
-        self._posted.append(self.subspace.tick())
+    def _post(self, changes: int) -> tuple[bool, bool]:
+        self._posted.append(self.subspace.tick() if changes else (False, False))
         return self._posted[-1]
 
-    def _take_posted(self) -> tuple[bool, bool]:
-        return self._posted.pop(0) if self._posted else self.subspace.tick()
+    def _take_posted(self, changes: int) -> tuple[bool, bool]:
+        if self._posted:
+            return self._posted.pop(0)
+        return self.subspace.tick() if changes else (False, False)
 
     def end_step(self) -> Any:
         self.subspace.end_step()

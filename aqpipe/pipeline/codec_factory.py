@@ -120,6 +120,8 @@ def _subspace(f: CodecFactory, side: Side) -> tuple[Codec, Codec]:
     """Both directions around one basis, or the backward in its own; a dense backward where the backward is not
     subspace."""
     c, (rank, energy), bits = f.c, f.c.subspace(), side.bits
+    if energy is not None:  # auto rank: its bound is at most the boundary's width
+        rank = min(rank, side.width)
     forward, backward = subspace_codecs(
         rank, bits["forward"], bits["backward"] if c.backward == "subspace" else None, energy=energy,
         stochastic=c.stochastic,

@@ -138,11 +138,16 @@ class CompressionConfig:
         if self.backward == "subspace" and self.forward != "subspace":
             raise ValueError(f"backward_compress=subspace: expected forward_compress subspace too (the gradient "
                              f"travels in the forward's basis), got {self.forward!r}")
+        if not isinstance(self.backward_feedback, bool):
+            raise ValueError(f"backward_feedback={self.backward_feedback!r}: expected true or false")
         for name, changed in (("backward_basis", self.backward_basis != "activations"),
-                              ("backward_feedback", self.backward_feedback is not False)):
+                              ("backward_feedback", self.backward_feedback)):
             if changed and self.backward != "subspace":
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected backward_compress subspace (it shapes a "
                                  f"subspace backward), got {self.backward!r}")
+        if self.backward_feedback and self.backward_basis != "own":
+            raise ValueError("backward_feedback=True: expected backward_basis own (what the activations' basis leaves "
+                             "out of a gradient never enters it, so feedback would keep it for good)")
         if self.forward == "subspace":
             if self.subspace_rank == "auto":
                 check_int("subspace_max_rank", self.subspace_max_rank, 1)
@@ -191,7 +196,7 @@ class CompressionConfig:
         if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in buffer_dtype")
-        for name in ("stochastic", "entropy_coding", "backward_feedback"):
+        for name in ("stochastic", "entropy_coding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
 

@@ -77,6 +77,7 @@ NEEDS["data_parallel.shares"] = {"data_parallel.replicas": 2, "num_micro_batches
 for _dest in ("compression.backward_basis", "compression.backward_feedback"):  # a subspace backward's
     NEEDS[_dest] = {"compression.forward_bits": 4, "compression.forward": "subspace", "compression.backward_bits": 4,
                     "compression.backward": "subspace"}
+NEEDS["compression.backward_feedback"]["compression.backward_basis"] = "own"  # feedback needs the own basis
 
 
 def flag(dest: str) -> str:

@@ -58,17 +58,16 @@ def test_the_rank_follows_the_data_and_both_sides_post_every_message_at_its_size
     ranks = [log[MICRO * step][0] for step in range(10)]
     assert ranks[0] == MOST  # the first refresh's, before anything was measured
     assert all(3 <= r <= 4 for r in ranks[1:8])  # three directions hold 99% of the energy
-    assert ranks[8] >= 9 and ranks[9] == ranks[8]  # ten from step 4 on: taken at the next refresh, step 8
-    assert receiver[0].subspace.rank == sender[0].subspace.rank
+    assert ranks[8] >= 9  # ten from step 4 on: taken at the next refresh, step 8
     for step in range(10):
         rank, fwd, back = log[MICRO * step]
         coefficients = len(log[MICRO * step + 1][1])  # a later message of the step: coefficients alone
         head = (Subspace(rank).basis_nbytes(WIDTH) if refresh_step(step) else 0) + \
             (RANK_BYTES if refresh_step(step + 1) else 0)
         assert len(fwd) == coefficients + head, step
-        assert len(back) == len(log[MICRO * step + 1][2])  # the backward: the same rank, no head
-    for step in (5, 9):  # the bytes follow the rank: a token's 4-bit coefficients and its range
-        assert len(log[MICRO * step + 1][1]) == QuantizedTensor.wire_nbytes((*SHAPE[:-1], ranks[step]), 4)
+    for step in (5, 9):  # the bytes of both directions follow the rank: a token's 4-bit coefficients and its range
+        for direction in (1, 2):
+            assert len(log[MICRO * step + 1][direction]) == QuantizedTensor.wire_nbytes((*SHAPE[:-1], ranks[step]), 4)
 
 
 def test_a_fixed_rank_sends_no_rank_and_keeps_its_rank():
@@ -110,6 +109,8 @@ def test_settings_take_auto_with_a_share_and_a_bound():
     assert config.subspace() == (24, 0.95)
     forward, backward = CodecFactory(config, 1, 0).boundary(0, SHAPE[1:], {"forward": 4, "backward": 4}, 8)
     assert forward.subspace.most == 24 and forward.subspace.energy == 0.95 and backward.subspace is forward.subspace
+    narrow, _ = CodecFactory(config, 1, 0).boundary(0, (16, 20), {"forward": 4, "backward": 4}, 8)
+    assert narrow.subspace.most == 20  # the bound is at most the boundary's width
     for bad, match in (({"subspace_energy": 0}, "subspace_energy=0: expected a share in"),
                        ({"subspace_energy": 1.5}, "subspace_energy=1.5"),
                        ({"subspace_max_rank": 0}, "subspace_max_rank=0"),

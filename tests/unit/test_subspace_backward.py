@@ -127,17 +127,21 @@ def test_a_smaller_message_takes_the_residual_where_it_lies_and_leaves_the_rest_
 
 
 def test_a_rejected_step_puts_the_residual_back():
+    """The step guard asks before every message; the step's first snapshot is the one kept, and a step after an
+    accepted one snapshots anew."""
     _, bwd = side()
-    bwd.encode(gradient(0, 0))
-    before = bwd.residual.clone()
-    restore = [bwd.undo_point(None)]
-    bwd.encode(gradient(0, 1))
-    restore.append(bwd.undo_point(None))
-    bwd.encode(gradient(0, 2))
-    assert not torch.equal(bwd.residual, before)
-    for undo in reversed(restore):
-        undo()
-    assert torch.equal(bwd.residual, before)
+    for step in range(2):
+        bwd.encode(gradient(step, 0))
+        bwd.end_step()  # an accepted step
+        before = bwd.residual.clone()
+        restore = [bwd.undo_point(None)]
+        bwd.encode(gradient(step, 1))
+        restore.append(bwd.undo_point(None))
+        bwd.encode(gradient(step, 2))
+        assert not torch.equal(bwd.residual, before)
+        for undo in reversed(restore):
+            undo()
+        assert torch.equal(bwd.residual, before), step
 
 
 def test_a_resume_goes_on_as_the_uninterrupted_run_feedback_and_gradient_basis_included():
@@ -159,9 +163,13 @@ def test_a_state_saved_with_or_without_feedback_is_refused_by_the_other_and_one_
     with_feedback, without = side()[1], side(feedback=False)[1]
     with pytest.raises(ValueError, match="feedback"):
         without.load_state_dict(with_feedback.state_dict())
-    older = side(basis="activations", feedback=False)[1].state_dict()
-    del older["config"]["feedback"]  # written before error feedback existed
-    side(basis="activations", feedback=False)[1].load_state_dict(older)
+    older = side(basis="activations", feedback=False)
+    states = [c.state_dict() for c in older]
+    del states[1]["config"]["feedback"]  # written before error feedback and auto rank existed
+    for key in ("energy", "now", "next"):
+        del states[0]["subspace"][key]
+    for codec, state in zip(side(basis="activations", feedback=False), states):
+        codec.load_state_dict(state)
 
 
 def test_the_factory_builds_the_backward_in_its_own_basis_with_feedback_as_set():
@@ -180,6 +188,8 @@ def test_the_factory_builds_the_backward_in_its_own_basis_with_feedback_as_set()
      "backward_basis='own': expected backward_compress subspace"),
     ({"forward": "subspace", "forward_bits": 4, "backward": "direct", "backward_bits": 4, "backward_feedback": True},
      "backward_feedback=True: expected backward_compress subspace"),
+    ({"forward": "subspace", "forward_bits": 4, "backward": "subspace", "backward_bits": 4, "backward_feedback": True},
+     "backward_feedback=True: expected backward_basis own"),
     ({"forward": "subspace", "forward_bits": 4, "backward": "subspace", "backward_bits": 4, "backward_basis": "its"},
      "backward_basis='its': expected one of activations, own"),
     ({"forward": "subspace", "forward_bits": 4, "backward": "subspace", "backward_bits": 4,

@@ -122,3 +122,27 @@ def test_the_factory_puts_a_ties_rows_in_a_basis_when_asked():
     assert not isinstance(plain, SubspaceRowsCodec)
     with pytest.raises(ValueError, match="tie_rows_rank=-1"):
         CompressionConfig(tie_rows_rank=-1)
+
+
+def test_a_warm_ups_whole_rows_leave_the_clock_alone_and_the_first_changes_bring_the_first_basis():
+    """Warm-up steps send every row whole (refresh): no change, so no tick and no basis on either side; the first
+    step of changes is the clock's step 0 and carries the basis, and the copy follows the rows from there."""
+    owner, follower = side(), side()
+    rows = torch.arange(ROWS)
+    for step in range(3):
+        posted = follower.payload_nbytes((ROWS, WIDTH), torch.float32, rows, refresh=True)
+        message = owner.encode(weights(step), rows, refresh=True)
+        assert message.nbytes == posted == ROWS * WIDTH * 4  # whole, in full precision
+        follower.decode(wire(message), rows, refresh=True)
+        owner.end_step(), follower.end_step()
+    assert owner.subspace.steps == follower.subspace.steps == 0 and owner.subspace.basis is None
+    log = run(owner, follower, 2, first=3)
+    assert len(log[0]) == QuantizedTensor.wire_nbytes((20, RANK), BITS) + Subspace(RANK).basis_nbytes(WIDTH)
+    held = follower.buffer.rows(rows, "cpu")
+    assert float((held - weights(4)).norm()) < 0.1 * float((weights(4) - START).norm())
+
+
+def test_a_rank_wider_than_the_tied_weight_is_refused_as_both_sides_build_it():
+    for rank in (WIDTH + 1, 0):
+        with pytest.raises(ValueError, match=f"tie_rows_rank={rank}: expected 1 to the tied weight's width, {WIDTH}"):
+            side(rank=rank)
