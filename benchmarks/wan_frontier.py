@@ -15,7 +15,7 @@ benchmarks/export_score.py against the bf16 row's.
     ... --time_mbit 100,0.25       # then each row's step on emulated links, and its time to the 1% target
 
 The gradient's basis (`wan_own*` rows): the preset's backward in a basis of the gradients' own, with error feedback
-(`_ef`) or without; `wan_act_ef` keeps the activations' basis and adds error feedback. The tie's rows (`wan_tierows*`):
+(`_ef`) or without (the activations' basis with feedback, measured once, is refused since: RESULTS.md). The tie's rows (`wan_tierows*`):
 their changes as 16 coefficients a row in a basis of their own, then the bytes that saves spent on the tie's bits
 (`_t3`), the boundary's rank (`_r32`) or its bits (`_b5`). `*_auto`: the boundary's rank chosen at each refresh, the
 fewest directions that keep 99% of the energy sent (at most 64).
@@ -58,7 +58,6 @@ FRONTIER: dict[str, list[str]] = {
     "subspace_wan": ROWS["subspace_wan"],  # the preset: rank 16, 4 bits, the tie at 2 bits and rank 16
     "wan_own": [*ROWS["subspace_wan"], "--backward_basis", "own"],  # the gradients in a basis of their own
     "wan_own_ef": [*ROWS["subspace_wan"], "--backward_basis", "own", "--backward_feedback"],  # and error feedback
-    "wan_act_ef": [*ROWS["subspace_wan"], "--backward_feedback"],  # the activations' basis, error feedback
     "wan_own_r32": [*ROWS["subspace_wan"], "--backward_basis", "own", "--subspace_rank", "32"],
     "wan_tierows": [*ROWS["subspace_wan"], "--tie_rows_rank", "16"],  # the tie's rows' changes in a basis too
     "wan_tierows_t3": [*ROWS["subspace_wan"], "--tie_rows_rank", "16", "--tie_bits", "3"],

@@ -9,7 +9,7 @@
 # pretrained start (OUTDIR/spectrum_<width>.json, beside the frontiers, on the CPUs); prints the tables.
 set -u
 out=${1:?usage: bash benchmarks/wan_frontier_gpu.sh OUTDIR}
-rows=${ROWS:-bf16,subspace_wan,wan_own,wan_own_ef,wan_act_ef}
+rows=${ROWS:-bf16,subspace_wan,wan_tierows,wan_tierows_t3,wan_tierows_b5,wan_tierows_auto}
 widths=${WIDTHS:-1024 2048}
 work=${WORK:-$(mktemp -d)}
 mkdir -p "$out"
