@@ -15,10 +15,10 @@ benchmarks/export_score.py against the bf16 row's.
     ... --time_mbit 100,0.25       # then each row's step on emulated links, and its time to the 1% target
 
 The gradient's basis (`wan_own*` rows): the preset's backward in a basis of the gradients' own, with error feedback
-(`_ef`) or without (the activations' basis with feedback, measured once, is refused since: RESULTS.md). The tie's rows (`wan_tierows*`):
-their changes as 16 coefficients a row in a basis of their own, then the bytes that saves spent on the tie's bits
-(`_t3`), the boundary's rank (`_r32`) or its bits (`_b5`). `*_auto`: the boundary's rank chosen at each refresh, the
-fewest directions that keep 99% of the energy sent (at most 64).
+(`_ef`) or without (the activations' basis with feedback, measured once, is refused since: RESULTS.md). The tie's
+rows (`wan_tierows*`): their changes as 16 coefficients a row in a basis of their own, then the bytes that saves
+spent on the tie's bits (`_t3`), the boundary's rank (`_r32`) or its bits (`_b5`). `*_auto`: the boundary's rank
+chosen at each refresh, the fewest directions that keep 99% of the energy sent (at most 64).
 """
 from __future__ import annotations
 
