@@ -29,6 +29,7 @@ SUBSPACE = CompressionConfig(forward="subspace", forward_bits=3, backward="subsp
                              tie_bits=2, tie_rank=4, entropy_coding=False)  # the tie's gradients in a basis too
 # the gradients in a basis of their own with error feedback, and the tie's rows' changes in a basis of theirs
 OWN_BASIS = replace(SUBSPACE, backward_basis="own", backward_feedback=True, tie_rows_rank=4)
+AUTO_RANK = replace(SUBSPACE, subspace_rank="auto", subspace_energy=0.5, subspace_max_rank=8)  # chosen each refresh
 OPTIONS = {
     "allreduce": {},
     "decentralized": {"peer_selection": "shift_one"},
@@ -196,6 +197,25 @@ def test_a_resume_of_a_backward_in_its_own_basis_with_error_feedback_equals_unin
     log = ranks[0]["allreduce"][1]["log"]
     assert [s["bwd_bytes"] for s in log] == [2 * (MICRO * coefficients + basis * (s in (0, 1, 2, 4)))
                                             for s in range(STEPS)]
+
+
+def test_a_resume_under_auto_rank_equals_uninterrupted(tmp_path):
+    """Auto rank (at most 8 of the toy's 16, half the energy), saved after step 3, when step 3 has announced step
+    4's rank: the resumed run's losses, weights, bytes and basis are the uninterrupted run's, and the rank (seen in
+    the forward's bytes) moved from the bound to what the energy asks."""
+    from aqpipe.compression import QuantizedTensor
+
+    ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), AUTO_RANK, RESUME_AT)
+    for rank in ranks:
+        straight, resumed_run = rank["allreduce"]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        for key in ("fwd_bytes", "bwd_bytes", "tie_bytes"):
+            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
+        assert torch.equal(resumed_run["buffer"], straight["buffer"])
+        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+    backward = [s["bwd_bytes"] for s in ranks[0]["allreduce"][1]["log"]]  # coefficients alone: each replica's rank
+    bound = 2 * MICRO * QuantizedTensor.wire_nbytes((MBS, SEQ, 8), 3)  # both replicas at the bound
+    assert backward[0] == bound and all(b < bound for b in backward[1:]), (backward, bound)
 
 
 def test_a_resume_with_rows_kept_for_a_quarter_of_the_samples_equals_uninterrupted(tmp_path):
