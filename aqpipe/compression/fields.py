@@ -71,3 +71,10 @@ def check_int(label: str, value: Any, low: int, high: int | None = None, what: s
         expected = what or (f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}")
         raise ValueError(f"{label}={value!r}: expected {expected}")
     return value
+
+
+def check_share(label: str, value: Any) -> float:
+    """`value` if it is a share in (0, 1]; else ValueError naming it as `label`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{label}={value!r}: expected a share in (0, 1]")
+    return value

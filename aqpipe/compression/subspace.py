@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from .codecs import Message, _Codec, check_payload
-from .fields import check_int
+from .fields import check_int, check_share
 from .quantizer import QuantizedTensor, check_float, dequantize
 
 BASIS_DTYPE = torch.bfloat16  # what the basis travels as; both sides use the values as decoded
@@ -65,10 +65,7 @@ class Subspace:
 
     def __init__(self, rank: int, energy: float | None = None) -> None:
         self.most = check_int("subspace_rank", rank, 1)
-        if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float))
-                                   or not 0 < energy <= 1):
-            raise ValueError(f"subspace_energy={energy!r}: expected a share in (0, 1]")
-        self.energy = energy
+        self.energy = None if energy is None else check_share("subspace_energy", energy)
         self.rank = self.next_rank = self.most  # the directions now, and from the next refresh (auto rank)
         self.basis: torch.Tensor | None = None  # width x rank, float32, as both sides decoded it
         self.scales: torch.Tensor | None = None  # rank, float32: each direction's root mean square
@@ -76,6 +73,24 @@ class Subspace:
         self.tokens = 0  # rows summed into `moment`
         self.steps = 0  # steps that have had a message
         self._in_step = False
+        self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's `tick` flags, in order
+
+    def post(self) -> tuple[bool, bool]:
+        """The receiver posts the next message: its `tick` flags, kept for `take_posted`."""
+        self._posted.append(self.tick())
+        return self._posted[-1]
+
+    def take_posted(self) -> tuple[bool, bool]:
+        """The receiver decodes the next message: the flags `post` gave it, or, where none was posted, the clock's."""
+        return self._posted.pop(0) if self._posted else self.tick()
+
+    def coefficients(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (... x width) as whitened coefficients in the basis (... x rank)."""
+        return rows @ self.basis / self.scales
+
+    def expand(self, coefficients: torch.Tensor, what: str) -> torch.Tensor:
+        """Whitened coefficients (as decoded) back to rows of the width, as both sides compute them."""
+        return (coefficients * self.scales) @ self.basis_for(what).T
 
     def tick(self) -> tuple[bool, bool]:
         """Called once a message on each side (the sender as it encodes, the receiver as it posts the receive):
@@ -204,7 +219,6 @@ class _SubspaceCodec(_Codec):
         self.feedback = feedback
         self.residual: torch.Tensor | None = None  # the sender's, with feedback: what its messages left out (float32)
         self._snapshot = False  # a rejected step's restore of the residual is taken this step
-        self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's tick flags, in order
 
     def _fed(self, x: torch.Tensor) -> torch.Tensor:
         """x as float32, plus (with feedback) what earlier messages left out at its positions."""
@@ -299,8 +313,8 @@ class SubspaceCodec(_SubspaceCodec):
         rows = fed.reshape(-1, width)
         s.observe(rows)
         head = s.send_head(s.tick())
-        codes, values = self._quantized((rows @ s.basis / s.scales).view(*x.shape[:-1], s.rank))
-        decoded = ((values * s.scales) @ s.basis.T).to(x.dtype)
+        codes, values = self._quantized(s.coefficients(rows).view(*x.shape[:-1], s.rank))
+        decoded = s.expand(values, "an activation").to(x.dtype)
         self._keep_rest(fed, decoded)
         payload = codes if head is None else torch.cat([head.to(codes.device), codes])
         return Message(payload, x.shape, x.dtype, decoded=decoded)
@@ -311,21 +325,20 @@ class SubspaceCodec(_SubspaceCodec):
         the step clock says this message carries one (so call it once a message, in the order they are sent)."""
         shape = torch.Size(shape)
         self.subspace.check_width(shape[-1])
-        self._posted.append(self.subspace.tick())
-        return self.subspace.head_nbytes(self._posted[-1], shape[-1]) + self._coefficients_nbytes(shape)
+        return self.subspace.head_nbytes(self.subspace.post(), shape[-1]) + self._coefficients_nbytes(shape)
 
     def decode(self, message: Message, sample_ids: Any = None, *, refresh: bool = False) -> torch.Tensor:
         """The activation a message carries: the next posted one (`payload_nbytes`), or, where none was posted, the
         next by the step clock."""
         s, shape = self.subspace, torch.Size(message.shape)
-        flags = self._posted.pop(0) if self._posted else s.tick()
+        flags = s.take_posted()
         body, head = self._coefficients_nbytes(shape), s.head_nbytes(flags, shape[-1])
         check_payload(message, head + body, f"for a rank-{s.rank} subspace of {tuple(shape)}" +
                       (" with its basis (a refresh)" if flags[0] else ""))
         s.follow(message.payload.device)
         s.take_head(message.payload, flags, shape[-1])
         values = self._dequantized(message.payload[head:], shape)
-        return ((values * s.scales) @ s.basis_for("an activation").T).to(message.dtype)
+        return s.expand(values, "an activation").to(message.dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "subspace": self.subspace.state_dict()}

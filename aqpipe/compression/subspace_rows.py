@@ -17,6 +17,7 @@ import torch
 
 from .aqsgd import AQSGDCodec
 from .codecs import check_config
+from .fields import check_int
 from .quantizer import QuantizedTensor, dequantize
 from .subspace import Subspace
 
@@ -28,10 +29,8 @@ class SubspaceRowsCodec(AQSGDCodec):
     def __init__(self, codec: AQSGDCodec, rank: int) -> None:
         super().__init__(codec.delta, codec.buffer, codec.whole)
         width = codec.buffer.sample_shape[-1]
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= width:
-            raise ValueError(f"tie_rows_rank={rank!r}: expected 1 to the tied weight's width, {width}")
-        self.subspace = Subspace(rank)
-        self._posted: list[tuple[bool, bool]] = []  # the receiver's: each posted message's tick flags, in order
+        self.subspace = Subspace(check_int("tie_rows_rank", rank, 1, width,
+                                           what=f"1 to the tied weight's width, {width}"))
 
     def _width(self) -> int:
         return self.buffer.sample_shape[-1]
@@ -53,8 +52,8 @@ class SubspaceRowsCodec(AQSGDCodec):
         s.follow(rows.device)
         s.observe(rows)
         head = s.send_head(s.tick())
-        q = self.delta.quantize(rows @ s.basis / s.scales)
-        held = m + ((dequantize(q) * s.scales) @ s.basis.T).view(change.shape)
+        q = self.delta.quantize(s.coefficients(rows))
+        held = m + s.expand(dequantize(q), "a row's change").view(change.shape)
         body = q.to_bytes()
         return (body if head is None else torch.cat([head.to(body.device), body])), held
 
@@ -66,16 +65,13 @@ class SubspaceRowsCodec(AQSGDCodec):
         head = s.take_head(payload, carries, width)
         q = QuantizedTensor.from_bytes(payload[head:], self._coefficients(n), torch.float32, self.delta.bits,
                                        self.delta.group_size, self.delta.scale_dtype)
-        return m + ((dequantize(q) * s.scales) @ s.basis_for("a row's change").T).view(m.shape)
+        return m + s.expand(dequantize(q), "a row's change").view(m.shape)
 
     def _post(self, changes: int) -> tuple[bool, bool]:
-        self._posted.append(self.subspace.tick() if changes else (False, False))
-        return self._posted[-1]
+        return self.subspace.post() if changes else (False, False)  # whole rows alone are off the clock
 
     def _take_posted(self, changes: int) -> tuple[bool, bool]:
-        if self._posted:
-            return self._posted.pop(0)
-        return self.subspace.tick() if changes else (False, False)
+        return self.subspace.take_posted() if changes else (False, False)
 
     def end_step(self) -> Any:
         self.subspace.end_step()

@@ -10,7 +10,7 @@ from aqpipe.compression import (BACKWARD_BASES, BACKWARD_MODES, BUFFER_BITS, FIR
 from aqpipe.compression.running_base import BASES
 
 from .ties import TIE_MODES
-from aqpipe.compression.fields import FREE, KEPT, THIS_RUN, check_choices, check_int, is_int, setting
+from aqpipe.compression.fields import FREE, KEPT, THIS_RUN, check_choices, check_int, check_share, is_int, setting
 
 BUFFER_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # "auto" groups: a quantizer at 2 bits or fewer takes groups of this many elements (where rows are wider),
@@ -151,9 +151,7 @@ class CompressionConfig:
         if self.forward == "subspace":
             if self.subspace_rank == "auto":
                 check_int("subspace_max_rank", self.subspace_max_rank, 1)
-                energy = self.subspace_energy
-                if isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0 < energy <= 1:
-                    raise ValueError(f"subspace_energy={energy!r}: expected a share in (0, 1]")
+                check_share("subspace_energy", self.subspace_energy)
             else:
                 check_int("subspace_rank", self.subspace_rank, 1, what="a positive number of directions, or auto")
             for direction in ("forward", "backward"):
