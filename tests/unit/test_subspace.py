@@ -1,8 +1,6 @@
 """The boundary subspace codec: both sides hold one basis and decode bit for bit what the sender decoded, through
 refreshes and a resume; a refresh's basis is in the message's bytes; the backward is the projected forward's
 gradient."""
-import io
-
 import pytest
 import torch
 
@@ -10,6 +8,7 @@ from aqpipe.compression import Message, Subspace, subspace_codecs
 from aqpipe.compression.subspace import refresh_step
 from aqpipe.pipeline import CompressionConfig
 from aqpipe.pipeline.codec_factory import CodecFactory
+from tests.helpers.codec_states import reloaded
 
 WIDTH, RANK, SHAPE = 64, 8, (2, 16, 64)  # a micro-batch of 2 samples x 16 tokens x width 64
 
@@ -141,13 +140,9 @@ def test_a_resume_goes_on_as_the_uninterrupted_run():
     straight = run_steps(side(), side(), steps=7)
     sender, receiver = side(), side()
     first = run_steps(sender, receiver, steps=3)
-    saved = io.BytesIO()
-    torch.save({"s": [c.state_dict() for c in sender], "r": [c.state_dict() for c in receiver]}, saved)
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
-    sender, receiver = side(), side()  # new processes
-    for codec, s in zip((*sender, *receiver), (*state["s"], *state["r"])):
-        codec.load_state_dict(s)
+    fresh = side(), side()  # new processes
+    reloaded((*sender, *receiver), (*fresh[0], *fresh[1]))
+    sender, receiver = fresh
     assert first + run_steps(sender, receiver, steps=4, first=3) == straight  # step 4's refresh included
 
 

@@ -1,8 +1,6 @@
 """Auto rank: each refresh's basis has the fewest directions that keep a stated share of the energy sent, within a
 bound. The sender chooses it at the step before the refresh and sends it there, so both sides post each message at
 its size; the rank and the bytes follow the data, both sides decode bit for bit, and a checkpoint carries it."""
-import io
-
 import pytest
 import torch
 
@@ -10,6 +8,7 @@ from aqpipe.compression import Message, QuantizedTensor, Subspace, subspace_code
 from aqpipe.compression.subspace import RANK_BYTES, refresh_step
 from aqpipe.pipeline import CompressionConfig
 from aqpipe.pipeline.codec_factory import CodecFactory
+from tests.helpers.codec_states import reloaded
 
 WIDTH, MOST, SHAPE, MICRO = 64, 16, (2, 16, 64), 3
 MIX = torch.linalg.qr(torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)))[0]
@@ -81,16 +80,12 @@ def test_a_resume_between_the_announcement_and_the_refresh_goes_on_as_the_uninte
     straight = run(side(), side(), 10)
     sender, receiver = side(), side()
     first = run(sender, receiver, 8)  # step 7 announced step 8's rank
-    saved = io.BytesIO()
-    torch.save({"s": [c.state_dict() for c in sender], "r": [c.state_dict() for c in receiver]}, saved)
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
-    sender, receiver = side(), side()
-    for codec, s in zip((*sender, *receiver), (*state["s"], *state["r"])):
-        codec.load_state_dict(s)
+    fresh = side(), side()  # new processes
+    states = reloaded((*sender, *receiver), (*fresh[0], *fresh[1]))
+    sender, receiver = fresh
     assert first + run(sender, receiver, 2, first=8) == straight
     with pytest.raises(ValueError, match="energy"):
-        side(energy=0.9)[0].load_state_dict(state["s"][0])
+        side(energy=0.9)[0].load_state_dict(states[0])
 
 
 def test_a_rank_outside_the_bound_is_refused_in_one_line():

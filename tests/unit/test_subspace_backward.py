@@ -2,8 +2,6 @@
 the gradient basis's refreshes, whose bytes the backward's messages carry; the own basis keeps gradients the
 activations' basis drops; error feedback delivers over a run what was sent, less one residual, and its residual is
 put back by a rejected step and carried by a checkpoint."""
-import io
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from aqpipe.compression import Message, Subspace, SubspaceCodec, SubspaceGradCod
 from aqpipe.compression.subspace import refresh_step
 from aqpipe.pipeline import CompressionConfig
 from aqpipe.pipeline.codec_factory import CodecFactory
+from tests.helpers.codec_states import reloaded
 
 WIDTH, RANK, SHAPE, MICRO = 64, 8, (2, 16, 64), 3
 
@@ -148,14 +147,10 @@ def test_a_resume_goes_on_as_the_uninterrupted_run_feedback_and_gradient_basis_i
     straight = run_steps(side(), side(), steps=7)
     sender, receiver = side(), side()
     first = run_steps(sender, receiver, steps=3)
-    saved = io.BytesIO()
-    torch.save({"s": [c.state_dict() for c in sender], "r": [c.state_dict() for c in receiver]}, saved)
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
-    assert state["r"][1]["residual"] is not None and state["r"][1]["subspace"]["basis"] is not None
-    sender, receiver = side(), side()
-    for codec, s in zip((*sender, *receiver), (*state["s"], *state["r"])):
-        codec.load_state_dict(s)
+    fresh = side(), side()  # new processes
+    states = reloaded((*sender, *receiver), (*fresh[0], *fresh[1]))
+    sender, receiver = fresh
+    assert states[3]["residual"] is not None and states[3]["subspace"]["basis"] is not None  # the gradients' sender
     assert first + run_steps(sender, receiver, steps=4, first=3) == straight  # step 4's refreshes included
 
 

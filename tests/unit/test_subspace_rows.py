@@ -1,8 +1,6 @@
 """A tied weight's rows as AQ-SGD changes in a basis of their own: both sides hold the same copy bit for bit through
 the basis's refreshes, whose bytes ride on a step's first message; a row's change travels as k coefficients; what
 the basis leaves out stays in the difference and goes later; a checkpoint carries the basis."""
-import io
-
 import pytest
 import torch
 
@@ -10,6 +8,7 @@ from aqpipe.compression import Message, QuantizedTensor, Subspace, SubspaceRowsC
 from aqpipe.compression.subspace import refresh_step
 from aqpipe.pipeline import CompressionConfig
 from aqpipe.pipeline.codec_factory import CodecFactory
+from tests.helpers.codec_states import reloaded
 
 ROWS, WIDTH, RANK, BITS = 40, 32, 4, 4
 START = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(0))
@@ -95,12 +94,9 @@ def test_a_resume_goes_on_as_the_uninterrupted_run():
     straight = run(side(), side(), 7)
     owner, follower = side(), side()
     first = run(owner, follower, 3)
-    saved = io.BytesIO()
-    torch.save({"o": owner.state_dict(), "f": follower.state_dict()}, saved)
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
-    owner, follower = side(), side()
-    owner.load_state_dict(state["o"]), follower.load_state_dict(state["f"])
+    fresh = side(), side()  # new processes
+    reloaded((owner, follower), fresh)
+    owner, follower = fresh
     assert first + run(owner, follower, 4, first=3) == straight  # step 4's refresh included
 
 
