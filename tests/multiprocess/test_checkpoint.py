@@ -108,6 +108,18 @@ def resume_every_algorithm(rank, world, tmp, names=tuple(OPTIONS), compression=A
     return out
 
 
+def assert_resumed_as_straight(ranks, keys=("fwd_bytes", "bwd_bytes", "tie_bytes")):
+    """Every rank's allreduce run resumed at RESUME_AT against its uninterrupted one: the losses, the bytes of each wire
+    in `keys` each step, the buffer (AQ-SGD's rows, or the forward's basis) bit for bit, and the weights."""
+    for rank in ranks:
+        straight, resumed_run = rank["allreduce"]
+        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
+        for key in keys:
+            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]], key
+        assert torch.equal(resumed_run["buffer"], straight["buffer"])
+        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     return spawn(resume_every_algorithm, 4, str(tmp_path_factory.mktemp("engine_ckpt")))
@@ -136,11 +148,7 @@ def test_a_resume_inside_the_first_epoch_of_compressed_first_visits_equals_unint
     from aqpipe.compression import QuantizedTensor
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), FIRST_VISITS, 1)
-    for rank in ranks:
-        straight, resumed_run = rank["allreduce"]
-        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
-        assert [s["fwd_bytes"] for s in resumed_run["log"]] == [s["fwd_bytes"] for s in straight["log"]]
-        assert torch.equal(resumed_run["buffer"], straight["buffer"])
+    assert_resumed_as_straight(ranks, ("fwd_bytes",))
     rows = MICRO * (QuantizedTensor.wire_nbytes((MBS, SEQ, 16), 3) + MBS * 8)  # a replica's step of first visits
     log = ranks[0]["allreduce"][1]["log"]
     assert [s["fwd_bytes"] for s in log[:2]] == [2 * rows] * 2 and log[2]["fwd_bytes"] == 1664
@@ -153,13 +161,7 @@ def test_a_resume_of_subspace_boundaries_with_replicas_equals_uninterrupted(tmp_
     from aqpipe.compression import QuantizedTensor, Subspace
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), SUBSPACE, RESUME_AT)
-    for rank in ranks:
-        straight, resumed_run = rank["allreduce"]
-        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
-        for key in ("fwd_bytes", "bwd_bytes", "tie_bytes"):
-            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
-        assert torch.equal(resumed_run["buffer"], straight["buffer"])  # the basis, bit for bit
-        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+    assert_resumed_as_straight(ranks)  # the basis, bit for bit
     assert torch.equal(ranks[0]["allreduce"][1]["buffer"], ranks[1]["allreduce"][1]["buffer"])  # both sides' basis
     coefficients = QuantizedTensor.wire_nbytes((MBS, SEQ, 4), 3) + MBS * 8  # a micro-batch's, and its ids
     basis = Subspace(4).basis_nbytes(16)
@@ -177,12 +179,9 @@ def test_a_resume_of_a_backward_in_its_own_basis_with_error_feedback_equals_unin
     from aqpipe.compression import QuantizedTensor, Subspace
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), OWN_BASIS, RESUME_AT)
+    assert_resumed_as_straight(ranks)
     for rank in ranks:
         straight, resumed_run = rank["allreduce"]
-        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
-        for key in ("fwd_bytes", "bwd_bytes", "tie_bytes"):
-            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
-        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
         for key in ("basis", "scales"):
             assert torch.equal(resumed_run["backward"]["subspace"][key], straight["backward"]["subspace"][key])
     sender, receiver = ranks[1]["allreduce"][1]["backward"], ranks[0]["allreduce"][1]["backward"]
@@ -206,13 +205,7 @@ def test_a_resume_under_auto_rank_equals_uninterrupted(tmp_path):
     from aqpipe.compression import QuantizedTensor
 
     ranks = spawn(resume_every_algorithm, 4, str(tmp_path), ("allreduce",), AUTO_RANK, RESUME_AT)
-    for rank in ranks:
-        straight, resumed_run = rank["allreduce"]
-        assert [s["loss"] for s in resumed_run["log"]] == pytest.approx([s["loss"] for s in straight["log"]], rel=1e-6)
-        for key in ("fwd_bytes", "bwd_bytes", "tie_bytes"):
-            assert [s[key] for s in resumed_run["log"]] == [s[key] for s in straight["log"]]
-        assert torch.equal(resumed_run["buffer"], straight["buffer"])
-        assert torch.allclose(resumed_run["params"], straight["params"], rtol=1e-6, atol=0)
+    assert_resumed_as_straight(ranks)
     backward = [s["bwd_bytes"] for s in ranks[0]["allreduce"][1]["log"]]  # coefficients alone: each replica's rank
     bound = 2 * MICRO * QuantizedTensor.wire_nbytes((MBS, SEQ, 8), 3)  # both replicas at the bound
     assert backward[0] == bound and all(b < bound for b in backward[1:]), (backward, bound)
