@@ -138,8 +138,9 @@ class CompressionConfig:
         if self.backward == "subspace" and self.forward != "subspace":
             raise ValueError(f"backward_compress=subspace: expected forward_compress subspace too (the gradient "
                              f"travels in the forward's basis), got {self.forward!r}")
-        if not isinstance(self.backward_feedback, bool):
-            raise ValueError(f"backward_feedback={self.backward_feedback!r}: expected true or false")
+        for name in ("stochastic", "entropy_coding", "backward_feedback"):  # switches first: others read them
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
         for name, changed in (("backward_basis", self.backward_basis != "activations"),
                               ("backward_feedback", self.backward_feedback)):
             if changed and self.backward != "subspace":
@@ -194,9 +195,6 @@ class CompressionConfig:
         if self.buffer_bits is not None and self.buffer_bits not in BUFFER_BITS:
             raise ValueError(f"buffer_bits={self.buffer_bits!r}: expected one of {', '.join(map(str, BUFFER_BITS))}, "
                              "or none for rows in buffer_dtype")
-        for name in ("stochastic", "entropy_coding"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
 
     def subspace(self) -> tuple[int, float | None]:
         """A subspace boundary's rank, or with auto rank its bound, and the energy share auto keeps (None: fixed)."""
