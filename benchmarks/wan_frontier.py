@@ -92,6 +92,12 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def two_stages(flags: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> None:
+    """The fine-tune on 2 stages under torchrun, on a port of its own (runs may go at once)."""
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         *LLAMA_SCRIPT, *flags], log, timeout, env)
+
+
 SCORING = threading.Lock()  # transformers' loading is not thread-safe (its empty-weights context is process-wide)
 
 
@@ -103,8 +109,7 @@ def one_row(name: str, seed: int, args: argparse.Namespace, shape: Shape, model:
     run_dir = out / (args.tag if len(args.seed_list) == 1 else f"{args.tag}_seed{seed}") / name
     flags = [*job_flags(shape, model, corpus, args.samples, 1, 64, 4), *FRONTIER[name], *extra,
              "--output_dir", str(run_dir)]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         *LLAMA_SCRIPT, *flags], run_dir.with_suffix(".log"), args.timeout)
+    two_stages(flags, run_dir.with_suffix(".log"), args.timeout)
     ran = curve(run_dir)  # one epoch: its steps' mean bytes are the first epoch's
     with SCORING:
         export_loss = score(str(run_dir / "model"), str(corpus), shape.seq_len, 64)
@@ -126,8 +131,7 @@ def timed(name: str, seed: int, mbit: float, args: argparse.Namespace, shape: Sh
              "--lr", str(args.lr), "--seed", str(seed), "--max_steps", str(args.timing_steps),
              "--output_dir", str(run_dir)]
     env = {**os.environ, "AQPIPE_LINK_MBIT": f"{mbit:g}", "AQPIPE_LINK_LATENCY_MS": f"{args.latency_ms:g}"}
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         *LLAMA_SCRIPT, *flags], run_dir.with_suffix(".log"), args.timeout, env)
+    two_stages(flags, run_dir.with_suffix(".log"), args.timeout, env)
     steps = [r["seconds"] for r in records(run_dir) if "loss" in r][1:]
     return statistics.median(steps) if steps else None
 
